@@ -1,0 +1,157 @@
+"""The suffix tree drafts exactly what a brute-force scan of its sequences says, through extend and remove."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from history_store.suffix_tree import DraftConfig, SuffixForest, SuffixTree
+
+
+def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: DraftConfig, budget: int):
+    """Brute force: the longest context suffix (<= max_depth) seen with a continuation, then the most
+    frequent continuation (ties: smaller token) while the path probability stays >= min_token_prob."""
+
+    def continuations(pattern: list[int]) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        n = len(pattern)
+        for seq in seqs.values():
+            for end in range(n, len(seq)):
+                if seq[end - n : end] == pattern:
+                    counts[seq[end]] = counts.get(seq[end], 0) + 1
+        return counts
+
+    ctx = context[-cfg.max_depth :]
+    for match_len in range(len(ctx), 0, -1):
+        if continuations(ctx[len(ctx) - match_len :]):
+            break
+    else:
+        return [], [], 0
+    cap = min(budget, int(cfg.max_spec_factor * match_len + cfg.max_spec_offset))
+    path = ctx[len(ctx) - match_len :]
+    tokens, probs, prob = [], [], 1.0
+    while len(tokens) < cap:
+        counts = continuations(path)
+        if not counts:
+            break
+        best = min(counts, key=lambda t: (-counts[t], t))
+        p = prob * counts[best] / sum(counts.values())
+        if p < cfg.min_token_prob:
+            break
+        prob = p
+        tokens.append(best)
+        probs.append(np.float32(p))
+        path = path + [best]
+    return tokens, probs, match_len
+
+
+def assert_same_as_reference(tree: SuffixTree, seqs: dict[int, list[int]], context: list[int], budget: int):
+    draft = tree.speculate(context, budget)
+    tokens, probs, match_len = reference_speculate(seqs, context, tree.config, budget)
+    assert draft.tokens.tolist() == tokens
+    assert draft.probs.tolist() == [float(p) for p in probs]
+    if tokens:
+        assert draft.match_len == match_len
+        assert draft.score == pytest.approx(float(sum(float(p) for p in probs)), rel=1e-6)
+
+
+SMALL_VOCAB = st.integers(min_value=0, max_value=5)
+operation = st.one_of(
+    st.tuples(st.just("extend"), st.integers(0, 4), st.lists(SMALL_VOCAB, min_size=1, max_size=12)),
+    st.tuples(st.just("remove"), st.integers(0, 4), st.just([])),
+)
+config = st.builds(
+    DraftConfig,
+    max_depth=st.integers(1, 8),
+    max_spec_tokens=st.integers(1, 8),
+    max_spec_factor=st.sampled_from([0.5, 1.0, 4.0]),
+    max_spec_offset=st.sampled_from([0.0, 1.0]),
+    min_token_prob=st.sampled_from([0.0, 0.1, 0.3]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(operation, max_size=25),
+    contexts=st.lists(st.lists(SMALL_VOCAB, max_size=10), min_size=1, max_size=6),
+    cfg=config,
+)
+def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, contexts, cfg):
+    tree = SuffixTree(cfg)
+    seqs: dict[int, list[int]] = {}
+    for op, seq_id, tokens in ops:
+        if op == "extend":
+            tree.extend(seq_id, tokens)
+            seqs.setdefault(seq_id, []).extend(tokens)
+        elif seq_id in seqs:
+            tree.remove(seq_id)
+            del seqs[seq_id]
+        for context in contexts:
+            assert_same_as_reference(tree, seqs, context, cfg.max_spec_tokens)
+    assert tree.num_tokens == sum(len(s) for s in seqs.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(seqs=st.dictionaries(st.integers(0, 10), st.lists(SMALL_VOCAB, max_size=30), max_size=5))
+def test_serialization_round_trips_exactly(seqs):
+    tree = SuffixTree(DraftConfig(min_token_prob=0.0))
+    for seq_id, tokens in seqs.items():
+        tree.extend(seq_id, tokens)
+    copy = SuffixTree.from_bytes(tree.to_bytes())
+    assert copy.to_bytes() == tree.to_bytes()
+    for tokens in seqs.values():
+        for cut in range(0, len(tokens), 3):
+            a, b = tree.speculate(tokens[:cut]), copy.speculate(tokens[:cut])
+            assert (a.tokens.tolist(), a.probs.tolist(), a.match_len) == (
+                b.tokens.tolist(),
+                b.probs.tolist(),
+                b.match_len,
+            )
+
+
+def test_removing_every_sequence_returns_to_an_empty_tree():
+    tree = SuffixTree()
+    rng = np.random.default_rng(0)
+    for seq_id in range(5):
+        tree.extend(seq_id, rng.integers(0, 50, 200))
+    tree.remove_many(range(5))
+    assert tree.num_tokens == 0 and len(tree) == 0 and tree.num_states == 1
+    assert tree.speculate(rng.integers(0, 50, 20)).tokens.size == 0
+
+
+def test_trees_sharing_a_forest_stay_independent_through_growth_and_compaction():
+    forest = SuffixForest(capacity_tokens=64)
+    a, b = SuffixTree(forest=forest), SuffixTree(forest=forest)
+    a.extend(0, [1, 2, 3, 4])
+    b.extend(0, [1, 2, 9, 9])
+    for i in range(200):  # forces growth, rebuilds and garbage
+        b.extend(i + 1, list(range(100, 140)))
+        b.remove(i + 1)
+    forest.compact()
+    assert a.speculate([1, 2]).tokens.tolist() == [3, 4]
+    assert b.speculate([1, 2]).tokens.tolist() == [9, 9]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error"),
+    [([-1, 2], ValueError), ([2**31], ValueError), ([1.5, 2.0], TypeError), ([[1, 2]], ValueError)],
+)
+def test_bad_tokens_raise_a_clear_error_at_the_boundary(tokens, error):
+    tree = SuffixTree()
+    with pytest.raises(error):
+        tree.extend(0, tokens)
+    with pytest.raises(error):
+        tree.speculate(tokens)
+
+
+def test_unknown_sequence_and_bad_buffers_raise():
+    tree = SuffixTree()
+    tree.extend(1, [1, 2, 3])
+    with pytest.raises(KeyError):
+        tree.remove(7)
+    data = tree.to_bytes()
+    for broken in (b"nope", data[:-2], data + b"\0"):
+        with pytest.raises(ValueError):
+            SuffixTree.from_bytes(broken)
