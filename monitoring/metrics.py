@@ -154,6 +154,14 @@ STORE_TOKENS = Gauge(
     "das_store_tokens", "Response tokens held in the history (suffix trees).", multiprocess_mode="livemax"
 )
 EVICTIONS = Counter("das_evictions_total", "Trajectories evicted from the history (epoch window).")
+STORE_APPLY_DURATION = Histogram(
+    "das_store_apply_duration_seconds",
+    "Time to apply one batch of records (one RocksDB WriteBatch) to the history store.",
+    buckets=_STEP_BUCKETS,
+)
+STORE_WRITE_ERRORS = Counter(
+    "das_store_write_errors_total", "History store writes that failed (disk full, read-only, I/O error)."
+)
 CHECKPOINT_DURATION = Histogram(
     "das_checkpoint_duration_seconds", "Time to write one store checkpoint.", buckets=_CHECKPOINT_BUCKETS
 )
@@ -195,6 +203,8 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     STORE_SIZE,
     STORE_TOKENS,
     EVICTIONS,
+    STORE_APPLY_DURATION,
+    STORE_WRITE_ERRORS,
     CHECKPOINT_DURATION,
     LAST_CHECKPOINT,
     RESTORE_DURATION,

@@ -1,0 +1,118 @@
+"""Binary values of the history store: token arrays and window entries behind a checked header.
+
+A trajectory value is a 24-byte header (magic, format, sequence number, prompt and response lengths, CRC-32)
+followed by the prompt and response token ids as little-endian int32: 4 bytes a token before RocksDB's block
+compression, against 6 to 8 for JSON, and decodable with one `np.frombuffer`. The CRC covers the header and
+the tokens, so a flipped bit anywhere is found on read and the record is quarantined instead of drafted from.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from history_store.errors import CorruptRecordError
+
+MAX_TOKEN_ID = 2**31 - 1
+
+_TRAJ_MAGIC = b"DT"
+_TRAJ_FORMAT = 1
+# magic, format, flags (reserved, 0), sequence, prompt length, response length; the CRC-32 follows.
+_TRAJ_HEAD = struct.Struct("<2sBBQII")
+_CRC = struct.Struct("<I")
+TRAJ_HEADER_BYTES = _TRAJ_HEAD.size + _CRC.size
+
+_WIN_MAGIC = b"DW"
+_WIN_FORMAT = 1
+_WIN_HEAD = struct.Struct("<2sBBI")  # magic, format, flags, entry count; the CRC-32 follows
+# One entry per stored record of the window: the lengths let statistics and counts come without token reads.
+WINDOW_ENTRY = np.dtype([("epoch", "<u4"), ("sample", "<u4"), ("prompt_len", "<u4"), ("response_len", "<u4")])
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    """Token ids as a contiguous little-endian int32 array.
+
+    Raises ValueError if the ids are not a flat sequence of integers in 0..2**31-1.
+    """
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be a sequence of integer token ids: {exc}") from exc
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0 or high > MAX_TOKEN_ID:
+        raise ValueError(f"{what} token ids must be in 0..{MAX_TOKEN_ID}, got range {low}..{high}")
+    return np.ascontiguousarray(arr, dtype="<i4")
+
+
+def encode_trajectory(sequence: int, prompt: np.ndarray, response: np.ndarray) -> bytes:
+    """The stored value of one record; `prompt` and `response` come from `as_token_array`."""
+    head = _TRAJ_HEAD.pack(_TRAJ_MAGIC, _TRAJ_FORMAT, 0, sequence, prompt.size, response.size)
+    body = prompt.tobytes() + response.tobytes()
+    crc = zlib.crc32(body, zlib.crc32(head))
+    return head + _CRC.pack(crc) + body
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedTrajectory:
+    sequence: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+
+
+def decode_trajectory(raw: bytes) -> DecodedTrajectory:
+    """Parses and checks a stored record. Raises CorruptRecordError with the reason on any mismatch."""
+    if len(raw) < TRAJ_HEADER_BYTES:
+        raise CorruptRecordError(
+            f"value of {len(raw)} bytes is shorter than the {TRAJ_HEADER_BYTES}-byte header", "size"
+        )
+    magic, fmt, _flags, sequence, n_prompt, n_response = _TRAJ_HEAD.unpack_from(raw, 0)
+    if magic != _TRAJ_MAGIC:
+        raise CorruptRecordError(f"bad magic {magic!r}", "header")
+    if fmt != _TRAJ_FORMAT:
+        raise CorruptRecordError(f"unknown record format {fmt}", "header")
+    expected = TRAJ_HEADER_BYTES + 4 * (n_prompt + n_response)
+    if len(raw) != expected:
+        raise CorruptRecordError(f"value is {len(raw)} bytes; its header says {expected}", "size")
+    (stored_crc,) = _CRC.unpack_from(raw, _TRAJ_HEAD.size)
+    body = memoryview(raw)[TRAJ_HEADER_BYTES:]
+    crc = zlib.crc32(body, zlib.crc32(memoryview(raw)[: _TRAJ_HEAD.size]))
+    if crc != stored_crc:
+        raise CorruptRecordError(
+            f"checksum mismatch: stored {stored_crc:#010x}, computed {crc:#010x}", "checksum"
+        )
+    tokens = np.frombuffer(raw, dtype="<i4", offset=TRAJ_HEADER_BYTES)
+    return DecodedTrajectory(sequence, tokens[:n_prompt], tokens[n_prompt:])
+
+
+def encode_window(entries: np.ndarray) -> bytes:
+    """The stored value of a problem's window (a WINDOW_ENTRY array sorted by epoch, sample)."""
+    body = np.ascontiguousarray(entries, dtype=WINDOW_ENTRY).tobytes()
+    head = _WIN_HEAD.pack(_WIN_MAGIC, _WIN_FORMAT, 0, len(entries))
+    return head + _CRC.pack(zlib.crc32(body, zlib.crc32(head))) + body
+
+
+def decode_window(raw: bytes) -> np.ndarray:
+    """Parses a window value into a writable WINDOW_ENTRY array. Raises CorruptRecordError on mismatch."""
+    size = _WIN_HEAD.size + _CRC.size
+    if len(raw) < size:
+        raise CorruptRecordError(f"window value of {len(raw)} bytes is shorter than its header", "size")
+    magic, fmt, _flags, count = _WIN_HEAD.unpack_from(raw, 0)
+    if magic != _WIN_MAGIC or fmt != _WIN_FORMAT:
+        raise CorruptRecordError(f"bad window header {magic!r} format {fmt}", "header")
+    if len(raw) != size + count * WINDOW_ENTRY.itemsize:
+        raise CorruptRecordError(f"window value is {len(raw)} bytes for {count} entries", "size")
+    (stored_crc,) = _CRC.unpack_from(raw, _WIN_HEAD.size)
+    body = memoryview(raw)[size:]
+    if zlib.crc32(body, zlib.crc32(memoryview(raw)[: _WIN_HEAD.size])) != stored_crc:
+        raise CorruptRecordError("window checksum mismatch", "checksum")
+    return np.frombuffer(raw, dtype=WINDOW_ENTRY, offset=size).copy()

@@ -1,0 +1,31 @@
+"""Errors raised by the durable history store. All derive from `StoreError` so callers can catch one type."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of every history store error."""
+
+
+class StoreLockedError(StoreError):
+    """Another process (or another open store in this process) holds the folder's write lock."""
+
+
+class StoreWriteError(StoreError):
+    """A write to RocksDB failed (full or read-only disk, I/O error); nothing of the failed batch was applied."""
+
+
+class StoreOpenError(StoreError):
+    """The folder is not a history store, has an unknown layout version, or cannot be opened."""
+
+
+class CorruptRecordError(StoreError):
+    """A stored value failed its checksum or header check.
+
+    `reason` is the human-readable detail; `code` a short fixed word (metric label): checksum, header, size.
+    """
+
+    def __init__(self, reason: str, code: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
