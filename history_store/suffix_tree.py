@@ -277,6 +277,10 @@ class SuffixTree:
         seq.length += toks.shape[0]
         self.num_tokens += toks.shape[0]
 
+    def invalidate_matches(self) -> None:
+        """Makes requests re-match against this tree (new sequences may offer longer matches)."""
+        self.version = self.forest.next_version()
+
     def remove(self, seq_id: int) -> None:
         """Drops a whole sequence. Raises KeyError for an unknown seq_id."""
         self.remove_many([seq_id])

@@ -1,0 +1,105 @@
+"""The per-problem index: batched drafts equal the best single-tree draft; windows evict for good."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from history_store.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
+from history_store.suffix_tree import DraftConfig, SuffixTree
+
+CFG = DraftConfig(max_depth=6, max_spec_tokens=5, min_token_prob=0.0)
+tokens = st.lists(st.integers(0, 4), min_size=1, max_size=15)
+trajectory = st.tuples(st.sampled_from(["p", "q"]), st.integers(0, 4), st.integers(0, 2), tokens, tokens)
+
+
+def best_single_tree_draft(candidates: list[tuple[int, list[list[int]]]], context: list[int], budget: int):
+    best = (0.0, [], 0)
+    for source, seqs in candidates:
+        tree = SuffixTree(CFG)
+        for i, seq in enumerate(seqs):
+            tree.extend(i, seq)
+        draft = tree.speculate(context, budget)
+        if draft.tokens.size and draft.score > best[0]:
+            best = (draft.score, draft.tokens.tolist(), source)
+    return best[1], best[2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    history=st.lists(trajectory, max_size=10),
+    requests=st.lists(st.tuples(st.sampled_from(["p", "q", None]), tokens), min_size=1, max_size=4),
+    steps=st.lists(st.lists(st.integers(0, 4), max_size=3), max_size=5),
+    budget=st.integers(0, 5),
+)
+def test_batched_drafts_equal_the_best_single_tree_draft(history, requests, steps, budget):
+    index = ProblemIndex(window_epochs=2, config=CFG)
+    kept: dict[tuple[str, int, int], list[int]] = {}
+    newest: dict[str, int] = {}
+    for pid, epoch, sample, prompt, response in history:
+        if index.add_trajectory(pid, epoch, sample, prompt, response):
+            kept[(pid, epoch, sample)] = prompt[-CFG.max_depth :] + response
+            newest[pid] = max(newest.get(pid, -1), epoch)
+    kept = {k: v for k, v in kept.items() if k[1] >= newest[k[0]] - 1}
+    global_seen, global_kept = -1, {}
+    for pid, epoch, sample, _, _ in history:
+        global_seen = max(global_seen, epoch)
+        if (pid, epoch, sample) in kept and epoch >= global_seen - 1:
+            global_kept[(pid, epoch, sample)] = kept[(pid, epoch, sample)]
+    global_kept = {k: v for k, v in global_kept.items() if k[1] >= global_seen - 1}
+    contexts = {}
+    for i, (pid, prompt) in enumerate(requests):
+        index.start_request(f"r{i}", pid, prompt)
+        contexts[f"r{i}"] = (pid, list(prompt))
+    keys = list(contexts)
+    for step in [[]] + steps:
+        for key in keys:
+            index.append_request(key, step)
+            contexts[key][1].extend(step)
+        drafts = index.draft_batch(keys, [budget] * len(keys))
+        for row, key in enumerate(keys):
+            pid, ctx = contexts[key]
+            history_seqs = [v for k, v in kept.items() if k[0] == pid] if pid else []
+            live = [c for k2, (p2, c) in contexts.items() if (pid is not None and p2 == pid) or k2 == key]
+            candidates = [
+                (SOURCE_HISTORY, history_seqs),
+                (SOURCE_LIVE, live),
+                (SOURCE_GLOBAL, list(global_kept.values())),
+            ]
+            expected, source = best_single_tree_draft(candidates, ctx, budget)
+            assert drafts.draft(row) == expected
+            if expected:
+                assert drafts.sources[row] == source
+
+
+def test_adding_a_trajectory_twice_changes_nothing():
+    index = ProblemIndex()
+    assert index.add_trajectory("p", 0, 0, [1, 2], [3, 4, 5])
+    assert not index.add_trajectory("p", 0, 0, [1, 2], [3, 4, 5])
+    assert index.problem_stats("p")["samples"] == 1
+
+
+def test_evicted_epochs_are_never_drafted_again():
+    index = ProblemIndex(window_epochs=2, config=DraftConfig(min_token_prob=0.0))
+    rng = np.random.default_rng(1)
+    old = rng.integers(100, 200, 300)
+    index.add_trajectory("p", 0, 0, [1, 2, 3], old)
+    index.start_request("r", "q", old[:20])
+    assert index.draft_batch(["r"], [8]).draft(0) == old[20:28].tolist()
+    for epoch in range(1, 4):  # the window slides past epoch 0
+        index.add_trajectory("p", epoch, 0, [1, 2, 3], rng.integers(300, 400, 300))
+    drafted = index.draft_batch(["r"], [8]).draft(0)
+    assert not set(drafted) & set(old[20:].tolist())
+    assert index.problem_stats("p")["epochs"] == [2, 3]
+    assert not index.add_trajectory("p", 0, 1, [1], [2]), "a late rollout older than the window is refused"
+
+
+def test_requests_without_a_problem_draft_from_their_own_context():
+    index = ProblemIndex(config=DraftConfig(min_token_prob=0.0))
+    index.start_request("r", None, [5, 6, 7, 8, 9, 5, 6])
+    assert index.draft_batch(["r"], [3]).draft(0) == [7, 8]  # capped at match length 2
+    index.finish_request("r")
+    with pytest.raises(KeyError):
+        index.draft_batch(["r"], [3])
