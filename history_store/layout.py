@@ -34,6 +34,8 @@ _U64 = struct.Struct(">Q")
 
 OP_ADDED = b"+"
 OP_REMOVED = b"-"
+OP_QUARANTINED = b"!"
+OP_NAMES = {OP_ADDED: "added", OP_REMOVED: "removed", OP_QUARANTINED: "quarantined"}
 
 
 def problem_prefix(problem_id: str) -> bytes:

@@ -103,7 +103,8 @@ class ApplyResult:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One entry of the sequence log: `op` is "added" or "removed"."""
+    """One entry of the sequence log: `op` is "added", "removed" (evicted: its epoch left the window) or
+    "quarantined" (failed its checksum; its problem's other records are unaffected)."""
 
     sequence: int
     op: str
@@ -124,7 +125,8 @@ class CatchUp:
 
     @property
     def removed(self) -> list[TrajectoryKey]:
-        return [c.key for c in self.changes if c.op == "removed"]
+        """Keys gone from the store: evicted or quarantined."""
+        return [c.key for c in self.changes if c.op != "added"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,7 +612,9 @@ class HistoryStore(_StoreReader):
         if pending.remove(epoch, sample):
             batch.put(prefix, encode_window(pending.entries()), self._handles[layout.CF_WINDOWS])
         batch.put(
-            layout.encode_u64(self._next_sequence), layout.OP_REMOVED + key, self._handles[layout.CF_SEQUENCE]
+            layout.encode_u64(self._next_sequence),
+            layout.OP_QUARANTINED + key,
+            self._handles[layout.CF_SEQUENCE],
         )
         batch.put(
             layout.META_NEXT_SEQUENCE, str(self._next_sequence + 1).encode(), self._handles[layout.CF_META]
@@ -733,7 +737,7 @@ class HistoryReader(_StoreReader):
             from_key=layout.encode_u64(self._seen), read_opt=_upper_bound(layout.encode_u64(end))
         )
         for raw_seq, value in items:
-            op = "added" if value[:1] == layout.OP_ADDED else "removed"
+            op = layout.OP_NAMES[value[:1]]
             changes.append(Change(layout.decode_u64(raw_seq), op, layout.decode_trajectory_key(value[1:])))
         self._seen = end
         return CatchUp(changes, reset=False)

@@ -1,0 +1,227 @@
+"""Checkpoints of the history store: RocksDB checkpoints (hard links, consistent across column families)
+plus a small JSON manifest, kept K at a time, and restore into a fresh data folder.
+
+A checkpoint is a folder `ckpt-<unix ms>-<next sequence>` under a checkpoint root, holding `db/` (the RocksDB
+checkpoint) and `manifest.json`. It is built under a temporary name and renamed when complete, so a crash
+mid-checkpoint leaves no folder that looks finished; leftovers are removed by the next checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from history_store import layout
+from history_store.errors import StoreError, StoreOpenError
+from history_store.store import HistoryStore
+from monitoring.metrics import CHECKPOINT_DURATION, LAST_CHECKPOINT
+
+MANIFEST = "manifest.json"
+_PREFIX = "ckpt-"
+_TMP_PREFIX = ".tmp-ckpt-"
+# Files RocksDB never rewrites once written: safe to share by hard link between a checkpoint and a live store.
+# Everything else (MANIFEST, CURRENT, OPTIONS, WAL) is appended to or replaced by the live store: copied.
+_IMMUTABLE_SUFFIXES = (".sst", ".blob")
+
+
+class CheckpointError(StoreError):
+    """A checkpoint is missing, incomplete, or does not match its manifest; or restore has nowhere to go."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A finished checkpoint: its folder, manifest contents and how long it took to write."""
+
+    path: Path
+    manifest: dict[str, Any]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreInfo:
+    data_dir: Path
+    manifest: dict[str, Any]
+    seconds: float
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Finished checkpoints under `root`, oldest first (empty if `root` does not exist)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder. Raises CheckpointError if it is missing or unreadable."""
+    path = Path(checkpoint) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{checkpoint} is not a finished checkpoint ({MANIFEST} unreadable: {exc})"
+        ) from exc
+    if manifest.get("layout_version") != layout.LAYOUT_VERSION:
+        raise CheckpointError(
+            f"{checkpoint} has layout version {manifest.get('layout_version')}; this build reads "
+            f"{layout.LAYOUT_VERSION}"
+        )
+    return manifest
+
+
+def create_checkpoint(store: HistoryStore, root: str | Path, keep: int = 3) -> CheckpointInfo:
+    """Writes a checkpoint of `store` under `root` and deletes all but the newest `keep`.
+
+    Raises ValueError if keep < 1, CheckpointError (or StoreError) if RocksDB cannot write the checkpoint.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    started = time.perf_counter()
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    stats = store.stats()
+    created_at = time.time()
+    name = f"{_PREFIX}{int(created_at * 1000):013d}-{stats.next_sequence:012d}"
+    tmp = root / f"{_TMP_PREFIX}{name[len(_PREFIX) :]}"
+    try:
+        store.create_rocksdb_checkpoint(tmp / "db")
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"RocksDB checkpoint of {store.path} into {tmp} failed: {exc}") from exc
+    manifest = {
+        "layout_version": layout.LAYOUT_VERSION,
+        "created_at": created_at,
+        "source": str(store.path),
+        **{k: v for k, v in stats.to_json().items() if k != "disk_bytes"},
+        "checkpoint_bytes": sum(f.stat().st_size for f in (tmp / "db").iterdir() if f.is_file()),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    final = root / name
+    os.replace(tmp, final)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    CHECKPOINT_DURATION.observe(seconds)
+    LAST_CHECKPOINT.set(created_at)
+    return CheckpointInfo(final, manifest, seconds)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder itself, or the newest finished one when `path` is a checkpoint root.
+
+    Raises CheckpointError if there is none.
+    """
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path} is neither a checkpoint nor a folder of finished checkpoints")
+    return found[-1]
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if src.suffix in _IMMUTABLE_SUFFIXES:
+        try:
+            os.link(src, dst)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+    shutil.copy2(src, dst)
+
+
+def restore_checkpoint(checkpoint: str | Path, data_dir: str | Path) -> RestoreInfo:
+    """Makes `data_dir` a copy of a checkpoint (a checkpoint folder, or a root: its newest), then opens it
+    and checks it against the manifest.
+
+    `data_dir` must not exist or be empty: restore never overwrites a store. Raises CheckpointError if the
+    checkpoint is missing, incomplete or inconsistent with its manifest, or `data_dir` is not empty.
+    """
+    started = time.perf_counter()
+    source = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(source)
+    data_dir = Path(data_dir)
+    if data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir())):
+        raise CheckpointError(
+            f"{data_dir} exists and is not an empty folder; restore never overwrites a store"
+        )
+    tmp = data_dir.with_name(f".{data_dir.name}.restoring")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for item in (source / "db").iterdir():
+        _link_or_copy(item, tmp / item.name)
+    if data_dir.exists():
+        data_dir.rmdir()
+    os.replace(tmp, data_dir)
+    try:
+        with HistoryStore(data_dir, window_epochs=manifest["window_epochs"], create=False) as store:
+            stats = store.stats()
+    except StoreOpenError as exc:
+        raise CheckpointError(f"restored folder {data_dir} does not open: {exc}") from exc
+    expected = (manifest["trajectories"], manifest["next_sequence"], manifest["offsets"])
+    restored = (stats.trajectories, stats.next_sequence, stats.to_json()["offsets"])
+    if restored != expected:
+        raise CheckpointError(
+            f"restored {data_dir} does not match the manifest of {source}: (trajectories, next sequence, "
+            f"offsets) {restored} != {expected}"
+        )
+    return RestoreInfo(data_dir, manifest, time.perf_counter() - started)
+
+
+class Checkpointer:
+    """Automatic checkpoints for a running store: the service calls `maybe_checkpoint()` after each apply.
+
+    A checkpoint is due when `every_seconds` passed since the last one, or (with `at_epoch_boundary`) when
+    the newest epoch in the store grew: the first record of a new epoch means the previous one is complete.
+    """
+
+    def __init__(
+        self,
+        store: HistoryStore,
+        root: str | Path,
+        every_seconds: float = 600.0,
+        keep: int = 3,
+        at_epoch_boundary: bool = True,
+    ) -> None:
+        if every_seconds <= 0:
+            raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.store = store
+        self.root = Path(root)
+        self.every_seconds = every_seconds
+        self.keep = keep
+        self.at_epoch_boundary = at_epoch_boundary
+        existing = list_checkpoints(self.root)
+        self._last_time = time.monotonic()
+        self._last_epoch = read_manifest(existing[-1])["max_epoch"] if existing else -1
+
+    def maybe_checkpoint(self, max_epoch: int | None = None) -> CheckpointInfo | None:
+        """Checkpoints if one is due; returns it, or None. `max_epoch` is the newest epoch applied so far
+        (the service knows it from its records; without it, epoch boundaries are not detected).
+
+        Raises CheckpointError if a due checkpoint fails (the service decides whether to go on).
+        """
+        now = time.monotonic()
+        due = now - self._last_time >= self.every_seconds
+        if self.at_epoch_boundary and max_epoch is not None and max_epoch > self._last_epoch:
+            due = due or self._last_epoch >= 0
+            if self._last_epoch < 0:
+                self._last_epoch = max_epoch  # the first epoch seen is a start, not a boundary
+        if not due:
+            return None
+        info = create_checkpoint(self.store, self.root, self.keep)
+        self._last_time = now
+        if max_epoch is not None:
+            self._last_epoch = max(self._last_epoch, max_epoch)
+        return info

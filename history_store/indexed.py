@@ -1,0 +1,165 @@
+"""The history store and the per-problem drafting index kept in step: what the history replica runs.
+
+`IndexedHistory.open` brings the trees back at start by rebuilding them from the stored trajectories.
+Loading serialized trees was measured against it (`das bench store`, "tree_load"): the suffix tree's
+serialized form is its token sequences and `from_bytes` re-extends them, so loading costs the same tree
+work plus keeping a second copy of every token consistent with the store; rebuilding reads the tokens once.
+
+`follow` keeps a reader's index (the generator's proposer, on a secondary instance) in step with the writer
+from the store's sequence log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from history_store.problem_index import ProblemIndex
+from history_store.store import (
+    ApplyResult,
+    CatchUp,
+    HistoryReader,
+    HistoryStore,
+    TrajectoryKey,
+    TrajectoryLike,
+    _StoreReader,
+)
+from history_store.suffix_tree import DraftConfig
+from monitoring.metrics import RESTORE_DURATION, STORE_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What a start-up load brought back and how long it took."""
+
+    trajectories: int
+    tokens: int
+    seconds: float
+
+
+def _in_apply_order(store: _StoreReader) -> list[TrajectoryKey]:
+    # The global tree keeps the most recent responses (FIFO): rebuilding in apply order (sequence numbers)
+    # rather than key order gives the same tree as the live process had.
+    keyed = [(t.sequence, t.key) for t in store.iter_trajectories()]
+    keyed.sort()
+    return [key for _, key in keyed]
+
+
+def load_index(store: _StoreReader, index: ProblemIndex) -> LoadReport:
+    """Adds every stored trajectory to `index`, in apply order. Records already indexed are skipped."""
+    started = time.perf_counter()
+    count = tokens = 0
+    for key in _in_apply_order(store):
+        record = store.get(*key)
+        if record is None:
+            continue  # quarantined between the two passes
+        if index.add_trajectory(
+            record.problem_id, record.epoch, record.sample, record.prompt_ids, record.response_ids
+        ):
+            count += 1
+            tokens += record.response_ids.size
+    seconds = time.perf_counter() - started
+    RESTORE_DURATION.set(seconds)
+    return LoadReport(count, tokens, seconds)
+
+
+def _index_tokens(index: ProblemIndex) -> int:
+    return sum(index.problem_stats(p)["tokens"] for p in index.problem_ids())
+
+
+class IndexedHistory:
+    """A HistoryStore (durable) and a ProblemIndex (the trees) changed together, store first.
+
+    Records enter the trees only after their batch is durable, and leave the trees when the store evicts
+    them, so the trees always equal a rebuild from the store.
+    """
+
+    def __init__(self, store: HistoryStore, index: ProblemIndex, load: LoadReport) -> None:
+        self.store = store
+        self.index = index
+        self.load = load
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        window_epochs: int = 3,
+        config: DraftConfig | None = None,
+        global_tokens: int = 2_000_000,
+        **store_options: object,
+    ) -> IndexedHistory:
+        """Opens (or creates) the store and rebuilds the trees from it; `load` says how long that took.
+
+        Raises what HistoryStore raises (StoreLockedError, StoreOpenError).
+        """
+        store = HistoryStore(path, window_epochs, **store_options)  # type: ignore[arg-type]
+        try:
+            index = ProblemIndex(window_epochs=window_epochs, config=config, global_tokens=global_tokens)
+            report = load_index(store, index)
+        except BaseException:
+            store.close()
+            raise
+        return cls(store, index, report)
+
+    def apply(
+        self, records: Sequence[TrajectoryLike], offsets: Mapping[tuple[str, int], int] | None = None
+    ) -> ApplyResult:
+        """HistoryStore.apply, then the same records into the trees. Raises what HistoryStore.apply raises;
+        on error the trees are unchanged."""
+        result = self.store.apply(records, offsets)
+        applied = set(result.applied)
+        for record in records:
+            key = (record.problem_id, record.epoch, record.sample)
+            if key in applied:
+                applied.discard(key)  # a key repeated in the batch was applied once
+                self.index.add_trajectory(*key, record.prompt_ids, record.response_ids)
+        _evict(self.index, result.evicted)
+        STORE_TOKENS.set(_index_tokens(self.index))
+        return result
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> IndexedHistory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _evict(index: ProblemIndex, keys: Iterable[TrajectoryKey]) -> None:
+    """Evicts from the trees every epoch up to the newest evicted epoch of each problem."""
+    bounds: dict[str, int] = {}
+    for problem_id, epoch, _ in keys:
+        bounds[problem_id] = max(bounds.get(problem_id, -1), epoch + 1)
+    for problem_id, min_epoch in bounds.items():
+        index.evict_epochs_before(problem_id, min_epoch)
+
+
+def follow(reader: HistoryReader, index: ProblemIndex, catch_up: CatchUp | None = None) -> bool:
+    """Brings `index` in step with what `reader` caught up on (calls `reader.catch_up()` unless given).
+
+    Returns False when the reader fell behind the trimmed sequence log: the caller must build a new index
+    with `load_index` (trees cannot drop records they cannot name).
+    """
+    catch_up = reader.catch_up() if catch_up is None else catch_up
+    if catch_up.reset:
+        return False
+    for change in catch_up.changes:
+        problem_id, epoch, sample = change.key
+        if change.op == "added":
+            record = reader.get(problem_id, epoch, sample)
+            if record is not None:  # None: evicted or quarantined later in the same catch-up
+                index.add_trajectory(problem_id, epoch, sample, record.prompt_ids, record.response_ids)
+        elif change.op == "removed":
+            index.evict_epochs_before(problem_id, epoch + 1)
+        else:
+            # The index removes whole epochs only: drop the problem's trees and re-add its stored records.
+            index.evict_epochs_before(problem_id, 2**32)
+            for record in reader.iter_trajectories(problem_id):
+                index.add_trajectory(
+                    problem_id, record.epoch, record.sample, record.prompt_ids, record.response_ids
+                )
+    return True
