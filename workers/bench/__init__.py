@@ -1,0 +1,1 @@
+"""Benchmark drivers behind `das bench ...`: each prints one JSON object a script can compare."""
