@@ -75,6 +75,9 @@ def record_indexer_batch(rng: random.Random, stored_tokens: int) -> None:
     m.STORE_SIZE.set(50_000_000 + rng.randint(0, 1_000_000))
     m.STORE_TOKENS.set(stored_tokens)
     m.EVICTIONS.inc(rng.randint(0, 2))
+    m.STORE_APPLY_DURATION.observe(rng.uniform(0.002, 0.05))
+    if rng.random() < 0.02:
+        m.STORE_WRITE_ERRORS.inc()
     m.DEAD_LETTERED.labels(reason="schema").inc()
     m.QUARANTINED.labels(reason="dlq_unavailable").inc()
     m.CHECKPOINT_DURATION.observe(rng.uniform(0.02, 0.3))

@@ -1,0 +1,192 @@
+"""A real Prometheus (Debian's package, see scripts/install_system_deps.sh) scrapes a multi-process DAS metrics
+workload, and the shipped dashboard queries and alert rules run against what it scraped."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from monitoring_support import ALERT_RULES, DASHBOARDS, METRICS_SOURCE, PROMETHEUS_CONFIG, free_port
+
+from monitoring import metrics
+
+# Long enough for a cold start on a loaded shared machine; a healthy run needs a few seconds.
+STARTUP_DEADLINE_S = 120
+# Grafana's $__rate_interval is at least four scrapes; the test scrapes every second.
+RATE_INTERVAL = "30s"
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(
+            f"`{name}` not found on PATH: these tests run a real Prometheus. Install it with "
+            "`bash scripts/install_system_deps.sh` (Debian package `prometheus`)."
+        )
+    return path
+
+
+def wait_for(what: str, check, deadline_s: float = STARTUP_DEADLINE_S):
+    """Polls `check` until it returns something truthy; fails naming `what` if the deadline passes."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what} after {deadline_s} s")
+        time.sleep(0.5)
+
+
+class PrometheusApi:
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+
+    def get(self, path: str, **params: str) -> dict:
+        url = f"{self.base}{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.loads(response.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.get("/api/v1/query", query=expr)["result"]
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base}/-/ready", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+
+@pytest.fixture(scope="module")
+def prometheus() -> Iterator[PrometheusApi]:
+    binary = require_binary("prometheus")
+    with tempfile.TemporaryDirectory(prefix="das-prometheus-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "multiproc").mkdir()
+        source_port = free_port()
+        source = subprocess.Popen(
+            [sys.executable, str(METRICS_SOURCE), "serve", str(source_port), str(workdir / "multiproc")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        prometheus_process = None
+        try:
+            ready_line = source.stdout.readline()
+            assert ready_line.startswith("ready"), f"metrics source did not start: {ready_line!r}"
+            config = {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(ALERT_RULES)],
+                "scrape_configs": [
+                    {"job_name": "das-test", "static_configs": [{"targets": [f"127.0.0.1:{source_port}"]}]}
+                ],
+            }
+            (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+            api_port = free_port(exclude=(source_port,))
+            prometheus_process = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={workdir / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{api_port}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=(workdir / "prometheus.log").open("w"),
+            )
+            api = PrometheusApi(api_port)
+            wait_for("Prometheus to be ready", lambda: prometheus_process.poll() is None and api.ready())
+            # Rates need a few scrapes inside the window; alert rules need a few evaluations.
+            wait_for(
+                "das_ samples to accumulate",
+                lambda: api.query(f"rate(das_drafts_total[{RATE_INTERVAL}]) > 0"),
+            )
+            yield api
+        finally:
+            if prometheus_process is not None:
+                prometheus_process.terminate()
+                prometheus_process.wait(timeout=60)
+            source.stdin.close()
+            source.wait(timeout=60)
+
+
+def test_promtool_accepts_the_shipped_config_and_rules() -> None:
+    promtool = require_binary("promtool")
+    for command in (["check", "config", str(PROMETHEUS_CONFIG)], ["check", "rules", str(ALERT_RULES)]):
+        result = subprocess.run([promtool, *command], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_scrapes_every_catalog_metric_with_its_type(prometheus: PrometheusApi) -> None:
+    scraped = {sample["metric"]["__name__"] for sample in prometheus.query('{__name__=~"das_.+"}')}
+    missing = sorted(set(metrics.catalog_series()) - scraped)
+    assert not missing, f"catalog series Prometheus did not scrape: {missing}"
+    metadata = prometheus.get("/api/v1/metadata")
+    for metric in metrics.CATALOG:
+        # The family is named with or without `_total`, depending on the exposition format negotiated.
+        entries = metadata.get(metric._name) or metadata.get(f"{metric._name}_total")
+        assert entries, f"no metadata for {metric._name}"
+        assert entries[0]["type"] == metric._type, metric._name
+
+
+DASHBOARD_QUERIES = [
+    (f"{path.name}: {panel['title']} {target['refId']}", target["expr"])
+    for path in DASHBOARDS
+    for panel in json.loads(path.read_text())["panels"]
+    for target in panel.get("targets", [])
+]
+
+
+@pytest.mark.parametrize(("where", "expr"), DASHBOARD_QUERIES, ids=[where for where, _ in DASHBOARD_QUERIES])
+def test_dashboard_query_returns_data(prometheus: PrometheusApi, where: str, expr: str) -> None:
+    result = prometheus.query(expr.replace("$__rate_interval", RATE_INTERVAL))
+    assert result, f"{where}: {expr} returned no series"
+    values = [float(series["value"][1]) for series in result]
+    assert any(math.isfinite(value) for value in values), f"{where}: only NaN/Inf in {values}"
+
+
+def test_alert_rules_load_and_evaluate_without_error(prometheus: PrometheusApi) -> None:
+    shipped = {
+        rule["alert"]
+        for group in yaml.safe_load(ALERT_RULES.read_text())["groups"]
+        for rule in group["rules"]
+    }
+    wait_for(
+        "every alert rule to be evaluated",
+        lambda: all(
+            not rule["lastEvaluation"].startswith("0001")
+            for group in prometheus.get("/api/v1/rules")["groups"]
+            for rule in group["rules"]
+        ),
+    )
+    rules = {
+        rule["name"]: rule for group in prometheus.get("/api/v1/rules")["groups"] for rule in group["rules"]
+    }
+    assert set(rules) == shipped
+    for name, rule in rules.items():
+        assert rule["health"] == "ok", f"{name}: {rule.get('lastError')}"
+
+
+def test_alerts_fire_on_dead_letters_and_quarantined_records(prometheus: PrometheusApi) -> None:
+    def firing() -> set[str]:
+        alerts = prometheus.get("/api/v1/alerts")["alerts"]
+        return {alert["labels"]["alertname"] for alert in alerts if alert["state"] == "firing"}
+
+    # The workload dead-letters and quarantines records continuously, so these rules (for: 0m) must fire.
+    expected = {"DASDeadLetterSpike", "DASRecordsQuarantined"}
+    wait_for(f"alerts {sorted(expected)} to fire", lambda: expected <= firing())
+    # Healthy signals in the workload: acceptance above 20%, freshness under 1 s, checkpoints just written.
+    assert not firing() & {"DASAcceptanceCollapse", "DASFreshnessLag", "DASCheckpointStale", "DASConsumerLag"}
