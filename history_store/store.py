@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from rocksdict import AccessType, DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
+from rocksdict import AccessType, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 from history_store import layout
 from history_store.codec import (
@@ -175,10 +175,17 @@ def _options(create: bool) -> tuple[Options, dict[str, Options]]:
     return db_opts, families
 
 
-def _upper_bound(end: bytes) -> ReadOptions:
-    opts = ReadOptions()
-    opts.set_iterate_upper_bound(end)
-    return opts
+def _range(family: Rdict, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Items with start <= key < end.
+
+    Stops by comparing keys rather than with ReadOptions.set_iterate_upper_bound: rocksdict does not keep
+    the bound alive, so a ReadOptions that is garbage-collected mid-iteration leaves a dangling bound (seen
+    here: scans returning too few or too many keys).
+    """
+    for key, value in family.items(from_key=start):
+        if key >= end:
+            return
+        yield key, value
 
 
 def _keys(family: Rdict) -> Iterator[bytes]:
@@ -235,6 +242,7 @@ class _StoreReader:
         log.warning("history store %s: skipping corrupt record %r: %s", self.path, key, error.reason)
 
     def _decode(self, key: bytes, raw: bytes) -> StoredTrajectory | None:
+        """The record, or None if it fails its checks (then it goes to `_on_corrupt`)."""
         try:
             decoded = decode_trajectory(raw)
         except CorruptRecordError as error:
@@ -252,7 +260,8 @@ class _StoreReader:
         return None if raw is None else self._decode(key, raw)
 
     def iter_trajectories(self, problem_id: str | None = None) -> Iterator[StoredTrajectory]:
-        """Records in key order (problem, epoch, sample), of one problem or all; corrupt ones are skipped.
+        """Records in key order (problem, epoch, sample), of one problem or all; corrupt ones are skipped
+        (and quarantined by the writer).
 
         Exhaust or close the iterator before `close()`: a live RocksDB iterator keeps the folder locked.
         """
@@ -261,9 +270,7 @@ class _StoreReader:
             items = family.items()
         else:
             prefix = layout.problem_prefix(problem_id)
-            items = family.items(
-                from_key=layout.epoch_bound(prefix, 0), read_opt=_upper_bound(layout.problem_end(prefix))
-            )
+            items = _range(family, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
         for key, raw in items:
             record = self._decode(key, raw)
             if record is not None:
@@ -294,9 +301,7 @@ class _StoreReader:
         """Window entries recomputed from the stored records (when the stored window value is corrupt)."""
         rows = []
         family = self._family(layout.CF_TRAJECTORIES)
-        items = family.items(
-            from_key=layout.epoch_bound(prefix, 0), read_opt=_upper_bound(layout.problem_end(prefix))
-        )
+        items = _range(family, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
         for key, raw in items:
             try:
                 decoded = decode_trajectory(raw)
@@ -374,14 +379,19 @@ class _StoreReader:
         )
 
     def close(self) -> None:
-        """Releases the folder. Idempotent."""
+        """Releases the folder. Idempotent; never raises (a RocksDB error on close is logged)."""
         if self._db is None:
             return
         db, self._db = self._db, None
         # rocksdict keeps the LOCK while column-family views or handles are alive: drop them first.
         self._cf = {}
         self._handles = {}
-        db.close()
+        try:
+            db.close()
+        except Exception as exc:
+            # After a failed write RocksDB refuses to flush on close; every acknowledged batch is already in
+            # the WAL, so the next open recovers it. Raising here would hide the original write error.
+            log.warning("history store %s: close after an earlier error: %s", self.path, exc)
 
     def __enter__(self) -> _StoreReader:
         return self
@@ -733,10 +743,7 @@ class HistoryReader(_StoreReader):
             self._seen = end
             return CatchUp([], reset=True)
         changes = []
-        items = family.items(
-            from_key=layout.encode_u64(self._seen), read_opt=_upper_bound(layout.encode_u64(end))
-        )
-        for raw_seq, value in items:
+        for raw_seq, value in _range(family, layout.encode_u64(self._seen), layout.encode_u64(end)):
             op = layout.OP_NAMES[value[:1]]
             changes.append(Change(layout.decode_u64(raw_seq), op, layout.decode_trajectory_key(value[1:])))
         self._seen = end

@@ -1,0 +1,83 @@
+"""A stored record whose bytes were altered fails its checksum: it is quarantined with the reason, counted
+in a metric, and the store goes on serving everything else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _store_workload import Workload
+from prometheus_client import REGISTRY
+from rocksdict import Options, Rdict
+
+from history_store import layout
+from history_store.store import HistoryStore
+
+WORKLOAD = Workload(problems=3, epochs=2, samples=4)
+
+
+def _quarantined_total(code: str) -> float:
+    return REGISTRY.get_sample_value("das_quarantined_records_total", {"reason": code}) or 0.0
+
+
+def _alter_stored_bytes(path: Path, key: bytes, mutate) -> None:
+    """Rewrites one raw value behind the store's back, as bit rot or a buggy writer would."""
+    families = {name: Options(raw_mode=True) for name in layout.COLUMN_FAMILIES}
+    db = Rdict(str(path), Options(raw_mode=True), column_families=families)
+    family = db.get_column_family(layout.CF_TRAJECTORIES)
+    family[key] = mutate(family[key])
+    del family
+    db.close()
+
+
+def _flip_a_token_bit(raw: bytes) -> bytes:
+    body = bytearray(raw)
+    body[-5] ^= 0x10
+    return bytes(body)
+
+
+def test_altered_record_is_quarantined_with_reason_counted_and_others_still_served(tmp_path: Path) -> None:
+    path = tmp_path / "h"
+    with HistoryStore(path, window_epochs=3) as store:
+        store.apply(WORKLOAD.stream())
+        digest_before = store.content_digest()
+    bad = ("problem-1", 1, 2)
+    _alter_stored_bytes(path, layout.trajectory_key(*bad), _flip_a_token_bit)
+    before = _quarantined_total("checksum")
+    with HistoryStore(path, window_epochs=3) as store:
+        assert store.get(*bad) is None
+        assert _quarantined_total("checksum") == before + 1
+        [record] = store.quarantined()
+        assert record.key == bad and record.code == "checksum" and "checksum mismatch" in record.reason
+        # Everything else is intact and served; the bad record left its window and statistics.
+        served = [t.key for t in store.iter_trajectories()]
+        assert len(served) == len(WORKLOAD.stream()) - 1 and bad not in served
+        assert store.length_stats("problem-1").count == 2 * WORKLOAD.samples - 1
+        assert store.content_digest() != digest_before
+        assert store.stats().quarantined == 1
+        # The bus replays the record (after a rebuild or from the topic): it is stored again, intact.
+        result = store.apply([WORKLOAD.record(1, 1, 2)])
+        assert result.applied == [bad]
+        assert store.content_digest() == digest_before
+
+
+def test_truncated_record_is_quarantined_as_size_error_on_iteration(tmp_path: Path) -> None:
+    path = tmp_path / "h"
+    with HistoryStore(path) as store:
+        store.apply(WORKLOAD.stream())
+    bad = ("problem-0", 0, 0)
+    _alter_stored_bytes(path, layout.trajectory_key(*bad), lambda raw: raw[:-3])
+    with HistoryStore(path) as store:
+        keys = [t.key for t in store.iter_trajectories("problem-0")]
+        assert bad not in keys and len(keys) == 2 * WORKLOAD.samples - 1
+        assert [q.code for q in store.quarantined()] == ["size"]
+
+
+def test_secondary_reader_skips_a_corrupt_record_without_crashing(tmp_path: Path) -> None:
+    path = tmp_path / "h"
+    with HistoryStore(path) as store:
+        store.apply(WORKLOAD.stream())
+    bad = ("problem-2", 0, 3)
+    _alter_stored_bytes(path, layout.trajectory_key(*bad), _flip_a_token_bit)
+    with HistoryStore.open_secondary(path, tmp_path / "secondary") as reader:
+        assert reader.get(*bad) is None
+        assert sum(1 for _ in reader.iter_trajectories()) == len(WORKLOAD.stream()) - 1
