@@ -72,6 +72,16 @@ def named_mounts(service: dict[str, Any]) -> dict[str, str]:
     return mounts
 
 
+def volume_holding(service: dict[str, Any], path: str) -> str | None:
+    """The named volume whose mount point contains `path` in the service, or None (container file system)."""
+    for target, source in sorted(named_mounts(service).items(), key=lambda item: -len(item[0])):
+        if (path == target or path.startswith(target.rstrip("/") + "/")) and not source.startswith(
+            (".", "/")
+        ):
+            return source
+    return None
+
+
 def environment(service: dict[str, Any]) -> dict[str, str]:
     env = service.get("environment", {})
     if isinstance(env, list):
@@ -196,32 +206,26 @@ def test_history_survives_restarts_and_rollout_workers_share_their_replica() -> 
         name: svc for name, svc in das_services().items() if command_of(svc)[1:3] == ["indexer", "run"]
     }
     assert len(replicas) >= 2
+    replica_of_volume = {}
     for name, service in replicas.items():
-        data = option(command_of(service), "--data")
-        mounts = named_mounts(service)
-        assert mounts.get(data) in volumes, f"{name}: {data} is not on a named volume"
-        assert any(
-            target.startswith(data + "/") and source in volumes for target, source in mounts.items()
-        ), f"{name}: no checkpoint volume under {data}"
+        # Checkpoints go beside the store on the same volume (they hard-link its files).
+        volume = volume_holding(service, option(command_of(service), "--data"))
+        assert volume in volumes, f"{name}: its data is not on a named volume, a restart would lose it"
+        assert volume not in replica_of_volume, f"{name} and {replica_of_volume.get(volume)} share a store"
+        replica_of_volume[volume] = name
         assert "deploy" not in service, f"{name}: a history replica needs no GPU"
     workers = {name: svc for name, svc in das_services().items() if command_of(svc)[1] == "rollout"}
     for name, service in workers.items():
-        history = option(command_of(service), "--history")
-        source = named_mounts(service)[history]
-        assert source in volumes
+        volume = volume_holding(service, option(command_of(service), "--history"))
+        assert volume in volumes, f"{name}: its history is not on a named volume"
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert any("gpu" in device["capabilities"] for device in devices), f"{name}: no GPU reservation"
         if option(command_of(service), "--bus") != "embedded":
-            owners = [
-                r
-                for r, svc in replicas.items()
-                if named_mounts(svc)[option(command_of(svc), "--data")] == source
-            ]
-            assert owners and owners[0] in service["depends_on"], (
-                f"{name}: reads {source} without its replica"
+            replica = replica_of_volume.get(volume)
+            assert replica in service["depends_on"], (
+                f"{name} reads {volume} but does not run beside its replica"
             )
-    single = [name for name, svc in workers.items() if "single-node" in svc.get("profiles", [])]
-    assert single, "no single-node profile"
+    assert any("single-node" in svc.get("profiles", []) for svc in workers.values()), "no single-node profile"
 
 
 def test_published_ports_bind_to_loopback_by_default_and_images_are_pinned() -> None:
