@@ -142,6 +142,31 @@ def test_prometheus_scrapes_every_catalog_metric_with_its_type(prometheus: Prome
         assert entries[0]["type"] == metric._type, metric._name
 
 
+def test_every_alert_fires_on_its_failure_in_promtool_unit_tests() -> None:
+    promtool = require_binary("promtool")
+    tests_file = ALERT_RULES.parent / "alerts_test.yml"
+    shipped = {
+        rule["alert"]
+        for group in yaml.safe_load(ALERT_RULES.read_text())["groups"]
+        for rule in group["rules"]
+    }
+    proven = {
+        case["alertname"]
+        for test in yaml.safe_load(tests_file.read_text())["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
+    assert shipped <= proven, f"alerts with no promtool test that makes them fire: {sorted(shipped - proven)}"
+    result = subprocess.run(
+        [promtool, "test", "rules", tests_file.name],
+        cwd=tests_file.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 DASHBOARD_QUERIES = [
     (f"{path.name}: {panel['title']} {target['refId']}", target["expr"])
     for path in DASHBOARDS
