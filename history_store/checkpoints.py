@@ -93,6 +93,7 @@ def create_checkpoint(store: HistoryStore, root: str | Path, keep: int = 3) -> C
     name = f"{_PREFIX}{int(created_at * 1000):013d}-{stats.next_sequence:012d}"
     tmp = root / f"{_TMP_PREFIX}{name[len(_PREFIX) :]}"
     try:
+        tmp.mkdir()
         store.create_rocksdb_checkpoint(tmp / "db")
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -85,18 +85,21 @@ class IndexedHistory:
     def open(
         cls,
         path: str | Path,
-        window_epochs: int = 3,
+        window_epochs: int | None = None,
         config: DraftConfig | None = None,
         global_tokens: int = 2_000_000,
         **store_options: object,
     ) -> IndexedHistory:
         """Opens (or creates) the store and rebuilds the trees from it; `load` says how long that took.
+        `window_epochs` None keeps the stored window.
 
         Raises what HistoryStore raises (StoreLockedError, StoreOpenError).
         """
         store = HistoryStore(path, window_epochs, **store_options)  # type: ignore[arg-type]
         try:
-            index = ProblemIndex(window_epochs=window_epochs, config=config, global_tokens=global_tokens)
+            index = ProblemIndex(
+                window_epochs=store.window_epochs, config=config, global_tokens=global_tokens
+            )
             report = load_index(store, index)
         except BaseException:
             store.close()

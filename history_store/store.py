@@ -53,6 +53,8 @@ TrajectoryKey = tuple[str, int, int]
 # The sequence log is what lets secondary readers catch up incrementally; a reader further behind than this
 # reloads everything (CatchUp.reset). One entry is ~30 bytes, so a million is ~30 MB before compression.
 DEFAULT_SEQUENCE_RETENTION = 1_000_000
+# Three epochs: DAS's drafting gain comes from the most recent rollouts of a problem; older policies drift.
+DEFAULT_WINDOW_EPOCHS = 3
 
 
 class TrajectoryLike(Protocol):
@@ -405,19 +407,22 @@ class HistoryStore(_StoreReader):
 
     Raises StoreLockedError at once if another writer holds the folder, StoreOpenError if the folder is not a
     history store of this layout version (or does not exist and `create` is False).
-    Changing `window_epochs` of an existing store takes effect at open: problems shrink to the new window.
+    `window_epochs` None keeps the stored window (DEFAULT_WINDOW_EPOCHS for a new store); another value
+    changes it at open, and problems shrink to a smaller window at once.
     """
 
     def __init__(
         self,
         path: str | Path,
-        window_epochs: int = 3,
+        window_epochs: int | None = None,
         create: bool = True,
         *,
         sync: bool = False,
         sequence_retention: int = DEFAULT_SEQUENCE_RETENTION,
     ) -> None:
-        if isinstance(window_epochs, bool) or not isinstance(window_epochs, int) or window_epochs < 1:
+        if window_epochs is not None and (
+            isinstance(window_epochs, bool) or not isinstance(window_epochs, int) or window_epochs < 1
+        ):
             raise ValueError(f"window_epochs must be an integer >= 1, got {window_epochs!r}")
         if sequence_retention < 1:
             raise ValueError(f"sequence_retention must be >= 1, got {sequence_retention}")
@@ -457,10 +462,11 @@ class HistoryStore(_StoreReader):
         """A read-only view of a store another process writes; see HistoryReader."""
         return HistoryReader(path, secondary_dir)
 
-    def _init_meta(self, window_epochs: int) -> None:
+    def _init_meta(self, window_epochs: int | None) -> None:
         meta = self._family(layout.CF_META)
         version = self._meta_int(layout.META_LAYOUT_VERSION)
         if version is None:
+            window_epochs = window_epochs or DEFAULT_WINDOW_EPOCHS
             if next(iter(self._family(layout.CF_TRAJECTORIES).keys()), None) is not None:
                 raise StoreOpenError(f"{self.path} holds records but no layout version: not a history store")
             batch = WriteBatch(raw_mode=True)
@@ -474,7 +480,7 @@ class HistoryStore(_StoreReader):
             raise StoreOpenError(
                 f"{self.path} has layout version {version}; this build reads version {layout.LAYOUT_VERSION}"
             )
-        if self.window_epochs != window_epochs:
+        if window_epochs is not None and self.window_epochs != window_epochs:
             log.info("history store %s: window %d -> %d epochs", self.path, self.window_epochs, window_epochs)
             meta[layout.META_WINDOW_EPOCHS] = str(window_epochs).encode()
             self._shrink_all_windows(window_epochs)
