@@ -4,9 +4,9 @@ Every long-running command (`das indexer run`, `das rollout ...`) calls `add_met
 `start_from_args` once at start. The server binds to loopback unless told otherwise: a metrics port open to the
 network is a choice the operator makes (docker compose sets `DAS_METRICS_HOST=0.0.0.0` inside its network).
 
-Multi-process mode (vLLM workers, where the proposer runs in spawned processes): the launching process sets
-`PROMETHEUS_MULTIPROC_DIR` to an empty folder before anything imports `prometheus_client`, children inherit it,
-and the server here merges every process's values. Counters and histograms add up; gauges combine as each
+Multi-process mode (vLLM workers, where the proposer runs in spawned processes): the launching process calls
+`monitoring.multiproc.prepare_multiprocess_dir()` before anything imports `prometheus_client`, children inherit
+PROMETHEUS_MULTIPROC_DIR, and the server here merges every process's values. Counters and histograms add up; gauges combine as each
 declares in the catalog. When a child exits, call `mark_process_dead(pid)` so its live gauges disappear.
 """
 
@@ -19,7 +19,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, multiprocess, start_http_server
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+from monitoring.multiproc import MULTIPROC_ENV
+
 HOST_ENV = "DAS_METRICS_HOST"
 PORT_ENV = "DAS_METRICS_PORT"
 DEFAULT_HOST = "127.0.0.1"

@@ -12,15 +12,19 @@ carries samples.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import random
 import sys
 import time
 from pathlib import Path
 
-# The catalog must see the folder at import time; the test passes it on the command line.
-os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[-1]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from monitoring.multiproc import prepare_multiprocess_dir  # noqa: E402
+
+if __name__ == "__main__":
+    # The catalog must see the folder at import time. Only the launcher prepares (empties) it: spawned children
+    # re-import this file as `__mp_main__` and inherit PROMETHEUS_MULTIPROC_DIR.
+    prepare_multiprocess_dir(sys.argv[-1])
 
 from prometheus_client import generate_latest  # noqa: E402
 

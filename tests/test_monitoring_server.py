@@ -13,6 +13,7 @@ from monitoring_support import METRICS_SOURCE, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import metrics
+from monitoring.multiproc import prepare_multiprocess_dir
 from monitoring.server import add_metrics_arguments, metrics_registry, start_from_args, start_metrics_server
 
 
@@ -63,16 +64,21 @@ def test_missing_multiprocess_folder_is_a_clear_error(monkeypatch: pytest.Monkey
         metrics_registry()
 
 
+def _run_dump(multiproc_dir: str) -> tuple[dict, dict]:
+    output = subprocess.run(
+        [sys.executable, str(METRICS_SOURCE), "dump", multiproc_dir],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    merged, after_death = (_samples(part) for part in output.split("---\n"))
+    return merged, after_death
+
+
 def test_child_processes_merge_into_one_exposition() -> None:
     with tempfile.TemporaryDirectory() as multiproc_dir:
-        output = subprocess.run(
-            [sys.executable, str(METRICS_SOURCE), "dump", multiproc_dir],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        ).stdout
-    merged, after_death = (_samples(part) for part in output.split("---\n"))
+        merged, after_death = _run_dump(multiproc_dir)
     # Counters and histograms add up over the children: two generators x 10 steps x 4 drafts.
     assert merged[("das_drafts_total", ())] == 2 * 10 * 4
     assert merged[("das_freshness_seconds_count", ())] == merged[("das_records_ingested_total", ())] > 0
@@ -84,3 +90,16 @@ def test_child_processes_merge_into_one_exposition() -> None:
     assert merged[("das_store_tokens", ())] == 4000
     assert after_death[("das_store_tokens", ())] == 3000
     assert after_death[("das_drafts_total", ())] == merged[("das_drafts_total", ())]
+
+
+def test_a_new_run_in_the_same_folder_starts_from_zero() -> None:
+    with tempfile.TemporaryDirectory() as multiproc_dir:
+        first, _ = _run_dump(multiproc_dir)
+        second, _ = _run_dump(multiproc_dir)
+    assert second[("das_drafts_total", ())] == first[("das_drafts_total", ())] == 2 * 10 * 4
+
+
+def test_preparing_the_folder_after_the_client_is_imported_is_refused() -> None:
+    # This pytest process has imported prometheus_client (through monitoring.metrics) in single-process mode.
+    with pytest.raises(RuntimeError, match="before importing monitoring.metrics"):
+        prepare_multiprocess_dir(tempfile.gettempdir())
