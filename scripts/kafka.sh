@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# Local Apache Kafka 4.x (KRaft, no ZooKeeper, no Docker) for development and tests, all on loopback:
+#   - one single broker        127.0.0.1:19092 (controller 19093)
+#   - a three-broker cluster   127.0.0.1:29092,29093,29094 (controllers 29192-29194)
+# Usage:
+#   bash scripts/kafka.sh up               resolve Kafka (once), format storage (once), start all, wait until ready,
+#                                          write .kafka/env.sh (DAS_KAFKA_BOOTSTRAP, DAS_KAFKA_CLUSTER_BOOTSTRAP)
+#   bash scripts/kafka.sh down             stop everything (safe to call twice)
+#   bash scripts/kafka.sh stop-broker N    stop cluster broker N (1..3) gracefully; start-broker N brings it back
+#   bash scripts/kafka.sh status           which nodes run
+#   bash scripts/kafka.sh clean            down, then delete the brokers' data (the resolved jars stay)
+# Kafka and its runtime dependencies come from Maven Central through scripts/kafka/pom.xml into .kafka/lib.
+# Env: DAS_KAFKA_HEAP (JVM -Xmx per node, default 320m: the machine has 2 cores and other work runs beside it),
+#      PYTHON (interpreter with kafka-python for the readiness check; default .venv/bin/python).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+KDIR=$ROOT/.kafka
+LIB=$KDIR/lib
+RUN=$KDIR/run
+PY=${PYTHON:-$ROOT/${VENV:-.venv}/bin/python}
+HEAP=${DAS_KAFKA_HEAP:-320m}
+READY_TIMEOUT_S=${DAS_KAFKA_READY_TIMEOUT_S:-120}
+
+SINGLE_BOOTSTRAP=127.0.0.1:19092
+CLUSTER_BOOTSTRAP=127.0.0.1:29092,127.0.0.1:29093,127.0.0.1:29094
+CLUSTER_VOTERS=1@127.0.0.1:29192,2@127.0.0.1:29193,3@127.0.0.1:29194
+
+die() { echo "kafka.sh: $*" >&2; exit 1; }
+
+resolve() {
+  [ -f "$LIB/.complete" ] && return 0
+  command -v mvn >/dev/null || die "mvn not found: install Maven (apt-get install maven) to resolve Kafka"
+  command -v java >/dev/null || die "java not found: Kafka 4.x needs Java 17+ (apt-get install openjdk-17-jre-headless)"
+  echo "kafka.sh: resolving Kafka from Maven Central into $LIB" >&2
+  rm -rf "$LIB.tmp"
+  mvn -q -B -Dstyle.color=never -f scripts/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
+    -DoutputDirectory="$LIB.tmp" || die "resolving Kafka with Maven failed (see above)"
+  rm -rf "$LIB"
+  mv "$LIB.tmp" "$LIB"
+  touch "$LIB/.complete"
+}
+
+# node NAME -> "node_id port controller_port voters replication_factor min_isr"
+node() {
+  case "$1" in
+    single) echo "1 19092 19093 1@127.0.0.1:19093 1 1" ;;
+    c1) echo "1 29092 29192 $CLUSTER_VOTERS 3 2" ;;
+    c2) echo "2 29093 29193 $CLUSTER_VOTERS 3 2" ;;
+    c3) echo "3 29094 29194 $CLUSTER_VOTERS 3 2" ;;
+    *) die "unknown node $1" ;;
+  esac
+}
+
+write_config() {
+  local name=$1 id port cport voters rf isr
+  read -r id port cport voters rf isr <<<"$(node "$name")"
+  mkdir -p "$KDIR/config" "$KDIR/data/$name" "$KDIR/logs"
+  # Small thread pools and buffers: four nodes share two cores and a few GiB with the test suite.
+  cat >"$KDIR/config/$name.properties" <<EOF
+process.roles=broker,controller
+node.id=$id
+controller.quorum.voters=$voters
+listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
+advertised.listeners=PLAINTEXT://127.0.0.1:$port
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs=$KDIR/data/$name
+auto.create.topics.enable=false
+num.partitions=6
+default.replication.factor=$rf
+min.insync.replicas=$isr
+offsets.topic.replication.factor=$rf
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=$rf
+transaction.state.log.min.isr=$isr
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=$rf
+share.coordinator.state.topic.min.isr=$isr
+group.initial.rebalance.delay.ms=0
+message.max.bytes=16777216
+replica.fetch.max.bytes=16777216
+num.network.threads=2
+num.io.threads=2
+background.threads=2
+num.replica.fetchers=1
+num.recovery.threads.per.data.dir=1
+log.cleaner.threads=1
+log.cleaner.dedupe.buffer.size=16777216
+EOF
+}
+
+cluster_id() {
+  local group=$1 file="$KDIR/config/$1.cluster-id"
+  [ -f "$file" ] || "$PY" -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))' >"$file"
+  cat "$file"
+}
+
+format() {
+  local name=$1 group=$2
+  [ -f "$KDIR/data/$name/meta.properties" ] && return 0
+  java -Xmx128m -cp "$LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" \
+    -Dkafka.log.file="$KDIR/logs/$name.format.log" kafka.tools.StorageTool format \
+    -t "$(cluster_id "$group")" -c "$KDIR/config/$name.properties" >"$KDIR/logs/$name.format.out" 2>&1 ||
+    die "formatting $name failed: $(tail -5 "$KDIR/logs/$name.format.out")"
+}
+
+pid_of() { [ -f "$RUN/$1.pid" ] && cat "$RUN/$1.pid"; }
+running() { local pid; pid=$(pid_of "$1") && kill -0 "$pid" 2>/dev/null; }
+
+start_node() {
+  local name=$1
+  running "$name" && return 0
+  mkdir -p "$RUN"
+  # setsid: the broker outlives this script and is not hit by a Ctrl-C meant for the caller.
+  setsid nohup java -Xms64m -Xmx"$HEAP" -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.log.file="$KDIR/logs/$name.log" \
+    -cp "$LIB/*" kafka.Kafka "$KDIR/config/$name.properties" >"$KDIR/logs/$name.out" 2>&1 </dev/null &
+  echo $! >"$RUN/$name.pid"
+}
+
+stop_nodes() {
+  local name pid pids=()
+  for name in "$@"; do
+    if running "$name"; then
+      pid=$(pid_of "$name")
+      kill -TERM "$pid" 2>/dev/null || true
+      pids+=("$name:$pid")
+    fi
+  done
+  # A graceful stop moves partition leadership away first; give it 30 s, then kill what is left.
+  local deadline=$((SECONDS + 30)) entry
+  for entry in "${pids[@]}"; do
+    pid=${entry#*:}
+    while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "kafka.sh: ${entry%%:*} did not stop in 30 s, killing it" >&2
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+  for name in "$@"; do rm -f "$RUN/$name.pid"; done
+}
+
+# A real readiness check: the brokers answer a metadata request listing the expected number of live brokers
+# and an elected controller (and, with a node id, that this node is among them).
+wait_ready() {
+  local bootstrap=$1 brokers=$2 node_id=${3:-} names=$4
+  "$PY" - "$bootstrap" "$brokers" "$node_id" "$READY_TIMEOUT_S" "$KDIR/logs" "$names" <<'EOF' || exit 1
+import sys, time, logging
+from kafka import KafkaAdminClient
+from kafka.errors import KafkaError
+logging.disable(logging.CRITICAL)  # connection refusals while the brokers start are expected
+bootstrap, want, node_id, timeout, logs, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5], sys.argv[6]
+deadline, last = time.monotonic() + timeout, "no answer"
+while time.monotonic() < deadline:
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=5000)
+        try:
+            info = admin.describe_cluster()
+        finally:
+            admin.close()
+        ids = sorted(b["broker_id"] for b in info["brokers"] if not b.get("is_fenced"))
+        last = f"brokers {ids}, controller {info.get('controller_id')}"
+        if len(ids) == want and info.get("controller_id", -1) >= 0 and (not node_id or int(node_id) in ids):
+            sys.exit(0)
+    except (KafkaError, OSError) as exc:
+        last = f"{type(exc).__name__}: {exc}"
+    time.sleep(0.5)
+sys.exit(f"kafka.sh: {bootstrap} not ready after {timeout:.0f} s ({last}); logs: {logs}/{{{names}}}.log")
+EOF
+}
+
+write_env() {
+  cat >"$KDIR/env.sh" <<EOF
+# Written by scripts/kafka.sh up: the local brokers the tests and benchmarks use.
+export DAS_KAFKA_BOOTSTRAP=$SINGLE_BOOTSTRAP
+export DAS_KAFKA_CLUSTER_BOOTSTRAP=$CLUSTER_BOOTSTRAP
+EOF
+}
+
+up() {
+  [ -x "$PY" ] || die "python with kafka-python not found at $PY (build the venv first, or set PYTHON)"
+  resolve
+  local name
+  for name in single c1 c2 c3; do write_config "$name"; done
+  format single single
+  for name in c1 c2 c3; do format "$name" cluster; done
+  for name in single c1 c2 c3; do start_node "$name"; done
+  wait_ready "$SINGLE_BOOTSTRAP" 1 "" single
+  wait_ready "$CLUSTER_BOOTSTRAP" 3 "" c1,c2,c3
+  write_env
+  echo "kafka.sh: single broker $SINGLE_BOOTSTRAP and cluster $CLUSTER_BOOTSTRAP ready; source $KDIR/env.sh" >&2
+}
+
+broker_name() {
+  case "${1:-}" in
+    1 | 2 | 3) echo "c$1" ;;
+    *) die "broker number must be 1, 2 or 3 (cluster brokers), got '${1:-}'" ;;
+  esac
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) stop_nodes single c1 c2 c3 ;;
+  stop-broker)
+    name=$(broker_name "${2:-}")
+    running "$name" || die "cluster broker $2 is not running"
+    stop_nodes "$name"
+    ;;
+  start-broker)
+    name=$(broker_name "${2:-}")
+    [ -f "$KDIR/config/$name.properties" ] || die "run 'bash scripts/kafka.sh up' first"
+    start_node "$name"
+    wait_ready "${CLUSTER_BOOTSTRAP}" 3 "${2}" "$name"
+    ;;
+  status)
+    for name in single c1 c2 c3; do
+      if running "$name"; then echo "$name running (pid $(pid_of "$name"))"; else echo "$name stopped"; fi
+    done
+    ;;
+  clean)
+    stop_nodes single c1 c2 c3
+    rm -rf "$KDIR/data" "$KDIR/config" "$KDIR/run" "$KDIR/logs" "$KDIR/env.sh"
+    ;;
+  *) die "usage: $0 up | down | stop-broker N | start-broker N | status | clean" ;;
+esac
