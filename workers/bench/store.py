@@ -81,6 +81,8 @@ def bench_ingest(
             started = time.perf_counter()
             for i in range(0, len(records), BATCH):
                 store.apply(records[i : i + BATCH], {("bench", 0): i + BATCH})
+            # Include the flush to SST files (where compression happens): a memtable-only rate flatters.
+            store._db.flush()  # noqa: SLF001
             seconds = time.perf_counter() - started
             stored += tokens
             rows.append(
@@ -170,9 +172,7 @@ def bench_startup(path: Path, rng: np.random.Generator, tokens: int, record_toke
         "history_trees_rebuild_seconds": round(history_only_seconds, 3),
         "history_trees_from_serialized_seconds": round(serialized_seconds, 3),
         "serialized_tree_bytes": sum(len(b) for b in serialized),
-        "kept": "rebuild from stored trajectories"
-        if history_only_seconds <= serialized_seconds * 1.1
-        else "serialized",
+        "faster_history_tree_load": "serialized" if serialized_seconds < history_only_seconds else "rebuild",
         "loaded_trees": len(loaded),
     }
 
