@@ -11,11 +11,14 @@ from the store's sequence log.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from history_store.checkpoints import Checkpointer
+from history_store.errors import StoreError
 from history_store.problem_index import ProblemIndex
 from history_store.store import (
     ApplyResult,
@@ -28,6 +31,8 @@ from history_store.store import (
 )
 from history_store.suffix_tree import DraftConfig
 from monitoring.metrics import RESTORE_DURATION, STORE_TOKENS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +78,23 @@ class IndexedHistory:
     """A HistoryStore (durable) and a ProblemIndex (the trees) changed together, store first.
 
     Records enter the trees only after their batch is durable, and leave the trees when the store evicts
-    them, so the trees always equal a rebuild from the store.
+    them, so the trees always equal a rebuild from the store. With a `checkpointer`, every apply ends with
+    `maybe_checkpoint` (timer or epoch boundary); a failed checkpoint is logged and ingest goes on (the
+    last-checkpoint age metric and its alert report it).
     """
 
-    def __init__(self, store: HistoryStore, index: ProblemIndex, load: LoadReport) -> None:
+    def __init__(
+        self,
+        store: HistoryStore,
+        index: ProblemIndex,
+        load: LoadReport,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
         self.store = store
         self.index = index
         self.load = load
+        self.checkpointer = checkpointer
+        self.max_epoch = store.stats().max_epoch
 
     @classmethod
     def open(
@@ -88,10 +103,15 @@ class IndexedHistory:
         window_epochs: int | None = None,
         config: DraftConfig | None = None,
         global_tokens: int = 2_000_000,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every_s: float = 600.0,
+        checkpoint_keep: int = 3,
         **store_options: object,
     ) -> IndexedHistory:
         """Opens (or creates) the store and rebuilds the trees from it; `load` says how long that took.
-        `window_epochs` None keeps the stored window.
+        `window_epochs` None keeps the stored window. With `checkpoint_dir`, checkpoints are written there
+        automatically every `checkpoint_every_s` seconds and when a new epoch starts, keeping the last
+        `checkpoint_keep`.
 
         Raises what HistoryStore raises (StoreLockedError, StoreOpenError).
         """
@@ -101,10 +121,15 @@ class IndexedHistory:
                 window_epochs=store.window_epochs, config=config, global_tokens=global_tokens
             )
             report = load_index(store, index)
+            checkpointer = (
+                Checkpointer(store, checkpoint_dir, checkpoint_every_s, checkpoint_keep)
+                if checkpoint_dir is not None
+                else None
+            )
         except BaseException:
             store.close()
             raise
-        return cls(store, index, report)
+        return cls(store, index, report, checkpointer)
 
     def apply(
         self, records: Sequence[TrajectoryLike], offsets: Mapping[tuple[str, int], int] | None = None
@@ -120,6 +145,15 @@ class IndexedHistory:
                 self.index.add_trajectory(*key, record.prompt_ids, record.response_ids)
         _evict(self.index, result.evicted)
         STORE_TOKENS.set(_index_tokens(self.index))
+        if result.applied:
+            self.max_epoch = max(self.max_epoch, max(epoch for _, epoch, _ in result.applied))
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.maybe_checkpoint(self.max_epoch)
+            except (StoreError, OSError):
+                log.exception(
+                    "history store %s: automatic checkpoint failed; ingest goes on", self.store.path
+                )
         return result
 
     def close(self) -> None:

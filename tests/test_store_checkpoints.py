@@ -17,6 +17,7 @@ from history_store.checkpoints import (
     read_manifest,
     restore_checkpoint,
 )
+from history_store.indexed import IndexedHistory
 from history_store.store import HistoryStore
 from workers.cli import main as das
 
@@ -86,6 +87,23 @@ def test_checkpointer_fires_at_epoch_boundaries_and_on_its_timer(tmp_path: Path)
         timed = Checkpointer(store, tmp_path / "ckpt", every_seconds=1e-6, keep=5, at_epoch_boundary=False)
         assert timed.maybe_checkpoint() is not None
         assert len(list_checkpoints(tmp_path / "ckpt")) == 2
+
+
+def test_indexed_history_checkpoints_itself_when_a_new_epoch_starts(tmp_path: Path) -> None:
+    with IndexedHistory.open(
+        tmp_path / "h", checkpoint_dir=tmp_path / "ckpt", checkpoint_every_s=3600
+    ) as history:
+        history.apply([WORKLOAD.record(p, 0, s) for p in range(2) for s in range(2)])
+        assert list_checkpoints(tmp_path / "ckpt") == []
+        history.apply([WORKLOAD.record(0, 1, 0)])
+        [checkpoint] = list_checkpoints(tmp_path / "ckpt")
+        assert read_manifest(checkpoint)["trajectories"] == 5
+    # After a restart the epoch already checkpointed is not a new boundary.
+    with IndexedHistory.open(
+        tmp_path / "h", checkpoint_dir=tmp_path / "ckpt", checkpoint_every_s=3600
+    ) as history:
+        history.apply([WORKLOAD.record(1, 1, 0)])
+        assert len(list_checkpoints(tmp_path / "ckpt")) == 1
 
 
 def test_das_history_commands_checkpoint_restore_stats_inspect_compact(tmp_path: Path, capsys) -> None:
