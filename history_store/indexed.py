@@ -34,6 +34,9 @@ from monitoring.metrics import RESTORE_DURATION, STORE_TOKENS
 
 log = logging.getLogger(__name__)
 
+# Prometheus scrapes every 15 s by default; refreshing the tree-size gauge more often than that is wasted work.
+_GAUGE_INTERVAL_S = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
@@ -95,6 +98,7 @@ class IndexedHistory:
         self.load = load
         self.checkpointer = checkpointer
         self.max_epoch = store.stats().max_epoch
+        self._next_gauge_update = 0.0
 
     @classmethod
     def open(
@@ -144,7 +148,11 @@ class IndexedHistory:
                 applied.discard(key)  # a key repeated in the batch was applied once
                 self.index.add_trajectory(*key, record.prompt_ids, record.response_ids)
         _evict(self.index, result.evicted)
-        STORE_TOKENS.set(_index_tokens(self.index))
+        now = time.monotonic()
+        if now >= self._next_gauge_update:
+            # Summing over every problem costs O(problems): refresh the gauge on a timer, not per batch.
+            self._next_gauge_update = now + _GAUGE_INTERVAL_S
+            STORE_TOKENS.set(_index_tokens(self.index))
         if result.applied:
             self.max_epoch = max(self.max_epoch, max(epoch for _, epoch, _ in result.applied))
         if self.checkpointer is not None:

@@ -19,11 +19,11 @@ def _quarantined_total(code: str) -> float:
     return REGISTRY.get_sample_value("das_quarantined_records_total", {"reason": code}) or 0.0
 
 
-def _alter_stored_bytes(path: Path, key: bytes, mutate) -> None:
+def _alter_stored_bytes(path: Path, key: bytes, mutate, family_name: str = layout.CF_TRAJECTORIES) -> None:
     """Rewrites one raw value behind the store's back, as bit rot or a buggy writer would."""
     families = {name: Options(raw_mode=True) for name in layout.COLUMN_FAMILIES}
     db = Rdict(str(path), Options(raw_mode=True), column_families=families)
-    family = db.get_column_family(layout.CF_TRAJECTORIES)
+    family = db.get_column_family(family_name)
     family[key] = mutate(family[key])
     del family
     db.close()
@@ -81,3 +81,21 @@ def test_secondary_reader_skips_a_corrupt_record_without_crashing(tmp_path: Path
     with HistoryStore.open_secondary(path, tmp_path / "secondary") as reader:
         assert reader.get(*bad) is None
         assert sum(1 for _ in reader.iter_trajectories()) == len(WORKLOAD.stream()) - 1
+
+
+def test_corrupt_window_value_is_rebuilt_from_the_records_and_rewritten_on_the_next_apply(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "h"
+    with HistoryStore(path) as store:
+        store.apply(WORKLOAD.stream())
+        expected = store.length_stats("problem-2")
+    _alter_stored_bytes(path, layout.problem_prefix("problem-2"), _flip_a_token_bit, layout.CF_WINDOWS)
+    before = _quarantined_total("window")
+    with HistoryStore(path) as store:
+        assert store.length_stats("problem-2") == expected
+        assert _quarantined_total("window") > before
+        store.apply([WORKLOAD.record(2, 1, 99)])
+        counted = _quarantined_total("window")
+        assert store.length_stats("problem-2").count == expected.count + 1
+        assert _quarantined_total("window") == counted  # the rewritten window passes its check again
