@@ -321,8 +321,9 @@ def draft_batch_kernel(
     Row i has up to C candidate trees (roots[i, c], -1 for none). Its persisted match state per candidate
     (m_state, m_len, m_version) advances over the tokens committed since the last call (new_tok[new_off[i]:
     new_off[i+1]]); a candidate whose tree was rebuilt (version changed) re-matches from the last `max_depth`
-    context tokens (ctx_tok[ctx_off[i]:ctx_off[i+1]]). The candidate with the highest score wins; out_src
-    holds its index + 1 (0: no draft).
+    context tokens (ctx_tok[ctx_off[i]:ctx_off[i+1]]). spec_factor and min_prob are per row (length-aware
+    drafting: tail requests draft deeper). The candidate with the highest score wins; out_src holds its
+    index + 1 (0: no draft).
     """
     n_rows, n_cand = roots.shape
     k = out_tok.shape[1]
@@ -384,9 +385,9 @@ def draft_batch_kernel(
                 st,
                 ln,
                 budgets[i],
-                spec_factor,
+                spec_factor[i],
                 spec_offset,
-                min_prob,
+                min_prob[i],
                 tmp_tok,
                 tmp_prob,
             )

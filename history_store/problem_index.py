@@ -2,7 +2,8 @@
 
 Each request drafts from up to three trees, all in one arena, and the best-scoring draft wins:
   1. its problem's history tree: that problem's rollouts of the last `window_epochs` epochs;
-  2. its live tree: its own prompt and output, and those of its in-flight siblings (same problem);
+  2. its live tree: its own prompt and output, and those of its in-flight siblings (same problem;
+     `live_scope` can widen this to every in-flight request or narrow it to the request alone);
   3. the global tree: recent responses of all problems, capped at `global_tokens` (FIFO). On real
      rollouts of a small model problems share phrasing and early epochs have thin history, so a
      per-problem-only drafter lost to one global tree; composing them keeps both strengths.
@@ -82,15 +83,17 @@ class ProblemIndex:
         global_tokens: int = 2_000_000,
         use_history: bool = True,
         use_global: bool = True,
-        share_siblings: bool = True,
+        live_scope: str = "problem",
     ) -> None:
         if window_epochs < 1:
             raise ValueError(f"window_epochs must be >= 1, got {window_epochs}")
         self.window_epochs = window_epochs
         self.config = config or DraftConfig()
         self.global_tokens = global_tokens
+        if live_scope not in ("problem", "request", "all"):
+            raise ValueError(f"live_scope must be 'problem', 'request' or 'all', got {live_scope!r}")
         self.use_history = use_history
-        self.share_siblings = share_siblings
+        self.live_scope = live_scope
         self.forest = SuffixForest()
         self._problems: dict[str, _Problem] = {}
         self._global = SuffixTree(self.config, self.forest) if use_global and global_tokens > 0 else None
@@ -220,7 +223,14 @@ class ProblemIndex:
         if request_key in self._requests:
             raise ValueError(f"request {request_key!r} is already live")
         prompt = as_tokens(prompt_ids, "prompt_ids")
-        live_key = f"p:{problem_id}" if problem_id is not None and self.share_siblings else f"r:{request_key}"
+        # Who shares a live tree: siblings of one problem (DAS), every in-flight request (SuffixDecoding's
+        # global tree of active responses), or nobody (prompt lookup).
+        if self.live_scope == "all":
+            live_key = "all"
+        elif self.live_scope == "problem" and problem_id is not None:
+            live_key = f"p:{problem_id}"
+        else:
+            live_key = f"r:{request_key}"
         live = self._live.get(live_key)
         if live is None:
             live = self._live[live_key] = _Live(SuffixTree(self.config, self.forest))
@@ -351,9 +361,9 @@ class ProblemIndex:
             ctx_off,
             budgets,
             depth,
-            cfg.max_spec_factor,
+            np.full(n, cfg.max_spec_factor),
             cfg.max_spec_offset,
-            cfg.min_token_prob,
+            np.full(n, cfg.min_token_prob),
             out.tokens,
             out.lengths,
             out.probs,
