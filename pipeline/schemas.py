@@ -10,6 +10,8 @@ SCHEMA_VERSION = 1
 # Token ids are non-negative and below 2**31 (int32 arrays on the drafting path).
 MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID, strict=True)]
+# Epochs and samples are stored as u32 in the history store's keys; a larger value could never be stored.
+MAX_EPOCH = 2**32 - 1
 
 
 class TrajectoryRecord(BaseModel):
@@ -18,8 +20,8 @@ class TrajectoryRecord(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     problem_id: Annotated[str, Field(min_length=1, max_length=512)]
-    epoch: Annotated[int, Field(ge=0, strict=True)]
-    sample: Annotated[int, Field(ge=0, strict=True)]
+    epoch: Annotated[int, Field(ge=0, le=MAX_EPOCH, strict=True)]
+    sample: Annotated[int, Field(ge=0, le=MAX_EPOCH, strict=True)]
     prompt_ids: list[TokenId]
     response_ids: list[TokenId]
     finish_reason: Literal["stop", "length", "abort"] | None = None

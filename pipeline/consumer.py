@@ -1,0 +1,227 @@
+"""The Kafka side of a history replica: read every partition (a global table) and write back what it owes.
+
+`KafkaTrajectorySource` assigns all partitions of the topic to itself (no consumer-group rebalancing: every
+node needs every problem) and starts each one at the offset the replica stored with its data, so the store,
+not Kafka, decides where reading resumes. Offsets are committed to Kafka only as a copy for lag monitoring,
+after the store has them.
+
+`ReplicaPublisher` writes what a replica sends back: rejected messages to the dead-letter topic (original
+bytes, reason and origin in headers), and tombstones for records its store evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from pipeline.bus import BusError, BusMessage
+from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, security_settings
+from pipeline.wire import partition_for, record_key
+
+log = logging.getLogger(__name__)
+
+CONSUMER_DEFAULTS: dict[str, object] = {
+    "enable_auto_commit": False,
+    "auto_offset_reset": "earliest",
+    # One message may be a 16 MiB trajectory; a fetch must be able to carry it.
+    "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,
+    "fetch_max_bytes": 4 * MAX_MESSAGE_BYTES,
+    # The broker answers as soon as one record is there (fetch_min_bytes=1), so this only bounds idle polls.
+    "fetch_max_wait_ms": 100,
+}
+# Header names on dead letters; values are UTF-8 text.
+H_REASON = "das-dlq-reason"
+H_DETAIL = "das-dlq-detail"
+H_TOPIC = "das-dlq-topic"
+H_PARTITION = "das-dlq-partition"
+H_OFFSET = "das-dlq-offset"
+H_TIMESTAMP = "das-dlq-timestamp-ms"
+H_KEY = "das-dlq-key"
+H_REPLICA = "das-dlq-replica"
+_MAX_DETAIL = 1000
+
+
+class KafkaTrajectorySource:
+    """Reads every partition of `topic` from the offsets the replica stored.
+
+    `group_id` names this replica for Kafka's committed offsets (lag dashboards); it never joins a group
+    rebalance. Raises BusError if no broker answers.
+    """
+
+    def __init__(
+        self, servers: list[str], *, topic: str = TRAJECTORY_TOPIC, group_id: str, **settings: object
+    ) -> None:
+        self.servers = list(servers)
+        self.topic = topic
+        self._where = f"Kafka at {','.join(self.servers)}, topic {topic}"
+        try:
+            self._consumer = KafkaConsumer(
+                bootstrap_servers=self.servers,
+                group_id=group_id,
+                client_id=group_id,
+                **{**CONSUMER_DEFAULTS, **settings},
+            )
+        except KafkaError as exc:
+            raise BusError(f"cannot reach {self._where}: {exc}") from exc
+        self._partitions: list[TopicPartition] = []
+
+    def start(self, stored_offsets: Mapping[tuple[str, int], int], timeout_s: float = 30) -> None:
+        """Assigns every partition and seeks each to its stored next offset (the beginning if none).
+
+        Raises BusError if the topic does not appear within `timeout_s` (run `das kafka init`).
+        """
+        deadline = time.monotonic() + timeout_s
+        partitions = self._consumer.partitions_for_topic(self.topic)
+        while not partitions:
+            if time.monotonic() >= deadline:
+                raise BusError(
+                    f"topic {self.topic} not found on {self._where}: create it with `das kafka init`"
+                )
+            time.sleep(0.5)
+            partitions = self._consumer.partitions_for_topic(self.topic)
+        self._partitions = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        self._consumer.assign(self._partitions)
+        for tp in self._partitions:
+            stored = stored_offsets.get((tp.topic, tp.partition))
+            if stored is None:
+                self._consumer.seek_to_beginning(tp)
+            else:
+                self._consumer.seek(tp, stored)
+        log.info(
+            "consuming %s: %d partitions, resuming at %s",
+            self.topic,
+            len(self._partitions),
+            {tp.partition: stored_offsets.get((tp.topic, tp.partition), 0) for tp in self._partitions},
+        )
+
+    def poll(self, max_records: int, timeout_s: float) -> list[BusMessage]:
+        """Up to `max_records` messages, in offset order within each partition."""
+        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        return [
+            BusMessage(
+                r.topic,
+                r.partition,
+                r.offset,
+                r.key,
+                r.value,
+                r.timestamp,
+                tuple((k, v if v is not None else b"") for k, v in r.headers or ()),
+            )
+            for records in batches.values()
+            for r in records
+        ]
+
+    def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Copies the stored offsets to Kafka (monitoring only: the store is authoritative). A failure is
+        logged, not raised: the next commit carries the same information."""
+        try:
+            self._consumer.commit(
+                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}
+            )
+        except KafkaError as exc:
+            log.warning("committing offsets to %s failed (the store keeps them): %s", self._where, exc)
+
+    def lag(self) -> int | None:
+        """Messages between this replica's positions and the partitions' ends; None if Kafka did not answer."""
+        try:
+            ends = self._consumer.end_offsets(self._partitions, timeout_ms=5000)
+            return sum(max(0, ends[tp] - self._consumer.position(tp)) for tp in self._partitions)
+        except KafkaError:
+            return None
+
+    def partition_count(self) -> int:
+        return len(self._partitions)
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)
+
+
+class ReplicaPublisher:
+    """Dead letters and tombstones from one replica. Sends are asynchronous; `flush` makes them durable,
+    and the replica flushes before it stores the offsets past the messages concerned."""
+
+    def __init__(
+        self,
+        servers: list[str],
+        *,
+        replica: str,
+        dead_letter_topic: str = DEAD_LETTER_TOPIC,
+        **settings: object,
+    ) -> None:
+        self.replica = replica
+        self.dead_letter_topic = dead_letter_topic
+        self._where = f"Kafka at {','.join(servers)}"
+        try:
+            self._producer = KafkaProducer(
+                bootstrap_servers=list(servers),
+                acks="all",
+                enable_idempotence=True,
+                compression_type="lz4",
+                linger_ms=5,
+                max_request_size=MAX_MESSAGE_BYTES + 64 * 1024,  # the rejected message plus our headers
+                client_id=f"{replica}-publisher",
+                **security_settings(settings),
+            )
+        except KafkaError as exc:
+            raise BusError(f"cannot reach {self._where}: {exc}") from exc
+        self._failures: list[str] = []
+
+    def dead_letter(self, message: BusMessage, reason: str, detail: str) -> None:
+        """Sends the original message bytes to the dead-letter topic with reason and origin headers.
+
+        Keyed by origin (topic/partition/offset): replicas rejecting the same message compact to one copy.
+        """
+        headers = [
+            (H_REASON, reason.encode()),
+            (H_DETAIL, detail[:_MAX_DETAIL].encode("utf-8", "replace")),
+            (H_TOPIC, message.topic.encode()),
+            (H_PARTITION, str(message.partition).encode()),
+            (H_OFFSET, str(message.offset).encode()),
+            (H_TIMESTAMP, str(message.timestamp_ms).encode()),
+            (H_REPLICA, self.replica.encode()),
+        ]
+        if message.key is not None:
+            headers.append((H_KEY, message.key))
+        origin = f"{message.topic}/{message.partition}/{message.offset}".encode()
+        self._send(self.dead_letter_topic, origin, message.value, None, headers)
+
+    def tombstones(self, topic: str, partitions: int, keys: Iterable[tuple[str, int, int]]) -> None:
+        """Publishes a tombstone (null value) for each evicted record, in its problem's partition, so
+        compaction drops it from the topic."""
+        for problem_id, epoch, sample in keys:
+            partition = partition_for(problem_id, partitions)
+            self._send(topic, record_key(problem_id, epoch, sample), None, partition, [])
+
+    def flush(self, timeout_s: float = 30) -> None:
+        """Waits until everything sent is acknowledged. Raises BusError if a send failed or timed out."""
+        try:
+            self._producer.flush(timeout=timeout_s)
+        except KafkaError as exc:
+            raise BusError(f"dead letters/tombstones not acknowledged by {self._where}: {exc}") from exc
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise BusError(
+                f"{len(failures)} dead letters/tombstones failed on {self._where}; first: {failures[0]}"
+            )
+
+    def close(self) -> None:
+        self._producer.close(timeout=10)
+
+    def _send(
+        self,
+        topic: str,
+        key: bytes,
+        value: bytes | None,
+        partition: int | None,
+        headers: list[tuple[str, bytes]],
+    ) -> None:
+        try:
+            future = self._producer.send(topic, key=key, value=value, partition=partition, headers=headers)
+        except KafkaError as exc:
+            raise BusError(f"cannot send to {topic} on {self._where}: {exc}") from exc
+        future.add_errback(lambda exc: self._failures.append(f"{topic}: {type(exc).__name__}: {exc}"))

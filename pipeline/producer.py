@@ -1,0 +1,196 @@
+"""The Kafka side of the bus for rollout workers: `KafkaBus`, opened with `open_bus("kafka://...")`.
+
+`publish` only appends to a bounded queue; one background thread encodes records and hands them to
+kafka-python's producer, whose own IO thread batches, compresses and sends them. The caller's decode loop
+therefore never waits on the network: when brokers are away the queue fills and `publish` raises
+`BusBackpressureError` at once, and records that fail delivery after the producer's own retries are reported
+by the next `publish`, `flush` or `close` as one `BusError` with a count and the first cause.
+
+Durability is not configurable down: acks=all with the idempotent producer (retries cannot duplicate or
+reorder a partition's records), lz4 compression (token ids compress well and lz4 costs little CPU).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+
+from monitoring.metrics import PRODUCER_QUEUE_DEPTH, PRODUCER_SEND_ERRORS, RECORDS_PUBLISHED
+from pipeline.bus import DEFAULT_QUEUE_RECORDS, BusBackpressureError, BusError
+from pipeline.schemas import TrajectoryRecord
+from pipeline.topics import MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, topic_partitions
+from pipeline.wire import encode_record, partition_for, record_key
+
+PRODUCER_DEFAULTS: dict[str, object] = {
+    "acks": "all",
+    "enable_idempotence": True,
+    "compression_type": "lz4",
+    # A few ms of lingering fills batches under load and adds little to freshness (target p99 < 1 s).
+    "linger_ms": 5,
+    # Trajectories are ~10 KB; 512 KB batches hold dozens, which is where lz4 and the broker work best.
+    "batch_size": 512 * 1024,
+    "max_request_size": MAX_MESSAGE_BYTES,
+    # How long the sender thread may wait for metadata or buffer space before a record fails; the bounded
+    # queue in front absorbs the wait, so the caller sees backpressure rather than a stall.
+    "max_block_ms": 60_000,
+    # Two minutes of retries covers a broker restart and a leader election on a loaded machine.
+    "delivery_timeout_ms": 120_000,
+    "client_id": "das-rollout",
+}
+_DURABILITY = {"acks": "all", "enable_idempotence": True}
+_STOP = object()
+
+
+class KafkaBus:
+    """Publishes trajectory records to Kafka: key = record identity, partition = hash of the problem id.
+
+    Raises BusError at construction if no broker answers or the topic does not exist, ValueError if
+    `settings` try to weaken durability.
+    """
+
+    def __init__(
+        self,
+        servers: list[str],
+        *,
+        topic: str = TRAJECTORY_TOPIC,
+        max_queue_records: int = DEFAULT_QUEUE_RECORDS,
+        **settings: object,
+    ) -> None:
+        if max_queue_records < 1:
+            raise ValueError(f"max_queue_records must be >= 1, got {max_queue_records}")
+        for key, required in _DURABILITY.items():
+            if key in settings and settings[key] != required:
+                raise ValueError(
+                    f"{key}={settings[key]!r} would give up durability; the bus needs {required!r}"
+                )
+        self.servers = list(servers)
+        self.topic = topic
+        self._where = f"Kafka at {','.join(self.servers)}, topic {topic}"
+        self._partitions = topic_partitions(self.servers, topic, **settings)
+        try:
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.servers, **{**PRODUCER_DEFAULTS, **settings}
+            )
+        except KafkaError as exc:
+            raise BusError(f"cannot reach {self._where}: {exc}") from exc
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue_records)
+        self._lock = threading.Condition()
+        self._pending = 0  # published, not yet acknowledged or failed
+        self._failed = 0
+        self._first_error: str | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._send_loop, name="das-bus-sender", daemon=True)
+        self._thread.start()
+
+    def publish(self, record: TrajectoryRecord) -> None:
+        """Queues one record; never blocks.
+
+        Raises BusBackpressureError if the queue is full (the record is not taken), BusError if earlier
+        records failed delivery (reported once) or the bus is closed, TypeError for a non-record.
+        """
+        if not isinstance(record, TrajectoryRecord):
+            raise TypeError(f"publish takes a TrajectoryRecord, got {type(record).__name__}")
+        if self._closed:
+            raise BusError(f"bus to {self._where} is closed")
+        self._raise_failures()
+        with self._lock:
+            try:
+                self._queue.put_nowait((record, time.time()))
+            except queue.Full:
+                raise BusBackpressureError(
+                    f"{self._queue.maxsize} records wait to be sent to {self._where}: the brokers are "
+                    f"unreachable or slower than the rollouts (last error: {self._first_error or 'none'}); "
+                    "record not taken"
+                ) from None
+            self._pending += 1
+            PRODUCER_QUEUE_DEPTH.set(self._pending)
+        RECORDS_PUBLISHED.inc()
+
+    def flush(self, timeout_s: float = 30) -> None:
+        """Waits until every published record is acknowledged by the in-sync replicas.
+
+        Raises BusError if some failed delivery or `timeout_s` passes first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self._queue.empty():
+            if time.monotonic() >= deadline:
+                raise BusError(
+                    f"flush: {self._queue.qsize()} records still queued for {self._where} after {timeout_s} s"
+                )
+            time.sleep(0.005)
+        try:
+            self._producer.flush(timeout=max(0.0, deadline - time.monotonic()))
+        except KafkaError as exc:
+            raise BusError(
+                f"flush: records not acknowledged by {self._where} within {timeout_s} s: {exc}"
+            ) from exc
+        with self._lock:
+            # The queue can be empty while the sender still holds the last record; wait for its callback.
+            if not self._lock.wait_for(lambda: self._pending == 0, max(0.0, deadline - time.monotonic())):
+                raise BusError(
+                    f"flush: {self._pending} records unacknowledged by {self._where} after {timeout_s} s"
+                )
+        self._raise_failures()
+
+    def close(self, timeout_s: float = 30) -> None:
+        """Flushes, stops the sender thread and closes the producer. Raises BusError if records were lost."""
+        if self._closed:
+            return
+        try:
+            self.flush(timeout_s)
+        finally:
+            self._closed = True
+            self._queue.put(_STOP)
+            self._thread.join(timeout_s)
+            self._producer.close(timeout=timeout_s)
+            PRODUCER_QUEUE_DEPTH.set(0)
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            record, published_at = item  # type: ignore[misc]
+            try:
+                future = self._producer.send(
+                    self.topic,
+                    key=record_key(*record.key),
+                    value=encode_record(record),
+                    partition=partition_for(record.problem_id, self._partitions),
+                    timestamp_ms=int(published_at * 1000),
+                )
+            except KafkaError as exc:
+                self._on_failure(exc)
+                continue
+            future.add_callback(self._on_success)
+            future.add_errback(self._on_failure)
+
+    def _on_success(self, _metadata: object) -> None:
+        with self._lock:
+            self._pending -= 1
+            PRODUCER_QUEUE_DEPTH.set(self._pending)
+            self._lock.notify_all()
+
+    def _on_failure(self, exc: BaseException) -> None:
+        PRODUCER_SEND_ERRORS.inc()
+        with self._lock:
+            self._pending -= 1
+            self._failed += 1
+            if self._first_error is None:
+                self._first_error = f"{type(exc).__name__}: {exc}"
+            PRODUCER_QUEUE_DEPTH.set(self._pending)
+            self._lock.notify_all()
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            if not self._failed:
+                return
+            failed, cause = self._failed, self._first_error
+            self._failed, self._first_error = 0, None
+        raise BusError(
+            f"{failed} records could not be delivered to {self._where} after retries; first cause: {cause}"
+        )

@@ -1,0 +1,170 @@
+"""Topic administration: the trajectory topic and its dead-letter topic, created and configured idempotently.
+
+`das.trajectories` is compacted on record keys (problem, epoch, sample): it keeps every record of the current
+windows forever, and the tombstones replicas publish for evicted epochs remove the rest, so a new node rebuilds
+its store from the topic alone. In a cluster (three or more brokers) it is replicated three times with
+`min.insync.replicas=2`: with acks=all a write survives the loss of any one broker, and producers keep writing
+while one broker is down.
+
+`das.trajectories.dlq` keeps rejected messages with the reason in their headers. It is keyed by the rejected
+message's origin (topic/partition/offset) and compacted as well as time-limited, so two replicas rejecting
+the same message leave one copy after compaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kafka import KafkaAdminClient
+from kafka.admin import ConfigResource, ConfigResourceType
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from pipeline.bus import BusError
+
+TRAJECTORY_TOPIC = "das.trajectories"
+DEAD_LETTER_TOPIC = "das.trajectories.dlq"
+# Parallelism for consumers and brokers; problems hash over partitions, so more than the number of brokers
+# times a few buys nothing for one global-table consumer per node.
+DEFAULT_PARTITIONS = 6
+# Raised together with the brokers' message.max.bytes and the clients' request and fetch sizes: a 100k-token
+# trajectory at 4 bytes a token is 400 KB, and 16 MiB leaves room for very long agentic rollouts.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Two weeks of rejected messages: long enough to notice, diagnose and replay them.
+DLQ_RETENTION_MS = 14 * 24 * 3600 * 1000
+# Client keys shared by producers, consumers and the admin client (TLS and SASL): everything else is
+# specific to one client kind.
+SECURITY_PREFIXES = ("security_protocol", "ssl_", "sasl_")
+
+
+def security_settings(settings: Mapping[str, object]) -> dict[str, object]:
+    """The TLS/SASL subset of kafka-python settings, which every client kind accepts."""
+    return {k: v for k, v in settings.items() if k.startswith(SECURITY_PREFIXES)}
+
+
+@dataclass(frozen=True, slots=True)
+class TopicPlan:
+    """How the topics are laid out for a cluster of a given size."""
+
+    partitions: int
+    replication_factor: int
+    min_insync_replicas: int
+
+    def configs(self, topic: str, dead_letter_topic: str) -> dict[str, dict[str, str]]:
+        """Topic name -> the topic-level configuration we own."""
+        common = {
+            "min.insync.replicas": str(self.min_insync_replicas),
+            "max.message.bytes": str(MAX_MESSAGE_BYTES),
+            "unclean.leader.election.enable": "false",
+        }
+        return {
+            topic: {**common, "cleanup.policy": "compact"},
+            dead_letter_topic: {
+                **common,
+                "cleanup.policy": "compact,delete",
+                "retention.ms": str(DLQ_RETENTION_MS),
+            },
+        }
+
+
+def plan_for(
+    brokers: int, partitions: int = DEFAULT_PARTITIONS, replication_factor: int | None = None
+) -> TopicPlan:
+    """RF 3 with min.insync.replicas 2 on three or more brokers, RF 1 on a single broker; an explicit
+    `replication_factor` overrides. Raises ValueError if the cluster is too small for it."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    rf = replication_factor if replication_factor is not None else (3 if brokers >= 3 else 1)
+    if not 1 <= rf <= brokers:
+        raise ValueError(f"replication factor {rf} needs at least {rf} brokers; the cluster has {brokers}")
+    return TopicPlan(partitions, rf, 2 if rf >= 3 else 1)
+
+
+@dataclass(frozen=True, slots=True)
+class TopicState:
+    """Outcome of `ensure_topics` for one topic: "created" or "exists" (its config brought to the plan)."""
+
+    name: str
+    action: str
+    partitions: int
+    replication_factor: int
+
+
+def admin_client(servers: list[str], **settings: object) -> KafkaAdminClient:
+    """An admin client; raises BusError with the addresses when no broker answers."""
+    try:
+        return KafkaAdminClient(
+            bootstrap_servers=servers, client_id="das-admin", **security_settings(settings)
+        )
+    except KafkaError as exc:
+        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc
+
+
+def ensure_topics(
+    servers: list[str],
+    *,
+    topic: str = TRAJECTORY_TOPIC,
+    dead_letter_topic: str = DEAD_LETTER_TOPIC,
+    partitions: int = DEFAULT_PARTITIONS,
+    replication_factor: int | None = None,
+    **settings: object,
+) -> list[TopicState]:
+    """Creates the trajectory and dead-letter topics if missing and sets their configuration; idempotent.
+
+    Raises BusError if Kafka is unreachable or an existing topic has a different partition count (problems
+    would move between partitions and lose their order; that needs an explicit migration, not this command).
+    """
+    admin = admin_client(servers, **settings)
+    try:
+        plan = plan_for(len(admin.describe_cluster()["brokers"]), partitions, replication_factor)
+        configs = plan.configs(topic, dead_letter_topic)
+        existing = {t["name"]: t for t in admin.describe_topics(list(configs)) if not t["error_code"]}
+        missing = {
+            name: {
+                "num_partitions": plan.partitions,
+                "replication_factor": plan.replication_factor,
+                "configs": cfg,
+            }
+            for name, cfg in configs.items()
+            if name not in existing
+        }
+        if missing:
+            # Another `das kafka init` may win the race; its topics are then checked below like any other.
+            with contextlib.suppress(TopicAlreadyExistsError):
+                admin.create_topics(missing, timeout_ms=30_000)
+            admin.wait_for_topics(list(missing), timeout_ms=30_000)
+        states = []
+        for name in configs:
+            if name in existing:
+                have = len(existing[name]["partitions"])
+                if have != plan.partitions:
+                    raise BusError(
+                        f"topic {name} exists with {have} partitions, not {plan.partitions}; changing the count "
+                        f"moves problems between partitions. Use --partitions {have} or migrate explicitly."
+                    )
+                replicas = len(existing[name]["partitions"][0]["replica_nodes"])
+                states.append(TopicState(name, "exists", have, replicas))
+            else:
+                states.append(TopicState(name, "created", plan.partitions, plan.replication_factor))
+        resources = [ConfigResource(ConfigResourceType.TOPIC, name, cfg) for name, cfg in configs.items()]
+        admin.alter_configs(resources)
+        return states
+    except KafkaError as exc:
+        raise BusError(f"topic administration on {','.join(servers)} failed: {exc}") from exc
+    finally:
+        admin.close()
+
+
+def topic_partitions(servers: list[str], topic: str, **settings: object) -> int:
+    """Partition count of `topic`. Raises BusError if the topic does not exist or Kafka is unreachable."""
+    admin = admin_client(servers, **settings)
+    try:
+        for info in admin.describe_topics([topic]):
+            if info["name"] == topic and not info["error_code"] and info["partitions"]:
+                return len(info["partitions"])
+    except KafkaError as exc:
+        raise BusError(f"cannot describe topic {topic} on {','.join(servers)}: {exc}") from exc
+    finally:
+        admin.close()
+    raise BusError(f"topic {topic} does not exist on {','.join(servers)}: create it with `das kafka init`")

@@ -1,0 +1,189 @@
+"""Wire encoding of trajectory records on the bus, and the record keys that partition and compact the topic.
+
+A value is a 16-byte header, a small JSON object of the scalar fields, then the prompt and response token ids
+as little-endian unsigned integers, 2 bytes a token when every id of the array fits (vocabularies up to 65,536,
+e.g. SmolLM2's 49,152) and 4 bytes otherwise. JSON arrays take 6 to 8 bytes a token for today's 150k-token
+vocabularies and cost several times more to parse; here decoding is one `np.frombuffer` per array. Decoding
+always ends in `TrajectoryRecord.model_validate`, so the bus accepts exactly what the model accepts.
+
+Header (little-endian): magic b"DR", schema version (u8), flags (u8: bit 0 prompt is u16, bit 1 response is
+u16), JSON length (u32), prompt length (u32), response length (u32), in tokens.
+
+Record key: problem id, NUL, epoch, NUL, sample. Compaction works per key, so the key must be the record's
+identity (a key of just the problem id would compact a problem's history down to its last record); the
+partition is chosen from the problem id alone (see `partition_for`), so a problem stays in one partition, in
+order.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from kafka.partitioner.default import murmur2
+from pydantic import ValidationError
+
+from pipeline.schemas import SCHEMA_VERSION, TrajectoryRecord
+
+MAGIC = b"DR"
+_HEAD = struct.Struct("<2sBBIII")
+HEADER_BYTES = _HEAD.size
+_PROMPT_U16 = 1
+_RESPONSE_U16 = 2
+_TOKEN_FIELDS = ("prompt_ids", "response_ids")
+# A record above this many tokens is refused before its arrays are read: 1M tokens is far past any context
+# length in use, and it bounds the memory one malformed message can make a replica allocate.
+DEFAULT_MAX_RECORD_TOKENS = 1 << 20
+
+# Fixed reason codes of a rejected message (dead-letter headers and the metric label use exactly these).
+REASON_ENCODING = "encoding"  # not our format: bad magic, bad UTF-8 or JSON, fields in the wrong place
+REASON_TRUNCATED = "truncated"  # shorter or longer than its header says
+REASON_SCHEMA_VERSION = "schema_version"  # a version this build does not read
+REASON_INVALID = "invalid"  # decoded, but the model rejects it (types, token id range, required fields)
+REASON_OVERSIZE = "oversize"  # more tokens than the replica accepts
+REASON_KEY_MISMATCH = "key_mismatch"  # the message key is not the record's identity
+REASONS = (
+    REASON_ENCODING,
+    REASON_TRUNCATED,
+    REASON_SCHEMA_VERSION,
+    REASON_INVALID,
+    REASON_OVERSIZE,
+    REASON_KEY_MISMATCH,
+)
+
+
+class WireError(ValueError):
+    """A message that is not a valid trajectory record. `reason` is one of REASONS, `detail` says what."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def _tokens(ids: list[int]) -> tuple[bytes, bool]:
+    if not ids:
+        return b"", True
+    arr = np.asarray(ids, dtype="<u4")
+    if int(arr.max()) <= 0xFFFF:
+        return arr.astype("<u2").tobytes(), True
+    return arr.tobytes(), False
+
+
+def encode_record(record: TrajectoryRecord) -> bytes:
+    """The wire value of a (validated) record."""
+    meta = record.model_dump(exclude={"prompt_ids", "response_ids", "schema_version"}, exclude_none=True)
+    meta_raw = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+    prompt, prompt_u16 = _tokens(record.prompt_ids)
+    response, response_u16 = _tokens(record.response_ids)
+    flags = (_PROMPT_U16 if prompt_u16 else 0) | (_RESPONSE_U16 if response_u16 else 0)
+    head = _HEAD.pack(
+        MAGIC, record.schema_version, flags, len(meta_raw), len(record.prompt_ids), len(record.response_ids)
+    )
+    return b"".join((head, meta_raw, prompt, response))
+
+
+def decode_record(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> TrajectoryRecord:
+    """Decodes and validates one wire value.
+
+    Raises WireError with the reason code (encoding, truncated, schema_version, oversize, invalid).
+    """
+    if value is None:
+        raise WireError(REASON_ENCODING, "empty value where a trajectory record was expected")
+    if len(value) < HEADER_BYTES:
+        raise WireError(REASON_TRUNCATED, f"{len(value)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    magic, version, flags, meta_len, n_prompt, n_response = _HEAD.unpack_from(value)
+    if magic != MAGIC:
+        raise WireError(REASON_ENCODING, f"magic {magic!r} is not {MAGIC!r}: not a DAS trajectory record")
+    if version != SCHEMA_VERSION:
+        raise WireError(
+            REASON_SCHEMA_VERSION, f"schema version {version}; this build reads version {SCHEMA_VERSION}"
+        )
+    if flags & ~(_PROMPT_U16 | _RESPONSE_U16):
+        raise WireError(REASON_ENCODING, f"unknown flag bits {flags:#04x}")
+    if n_prompt + n_response > max_tokens:
+        raise WireError(
+            REASON_OVERSIZE, f"{n_prompt} prompt + {n_response} response tokens, more than {max_tokens}"
+        )
+    prompt_width = 2 if flags & _PROMPT_U16 else 4
+    response_width = 2 if flags & _RESPONSE_U16 else 4
+    expected = HEADER_BYTES + meta_len + n_prompt * prompt_width + n_response * response_width
+    if len(value) != expected:
+        raise WireError(REASON_TRUNCATED, f"{len(value)} bytes where the header announces {expected}")
+    try:
+        meta = json.loads(value[HEADER_BYTES : HEADER_BYTES + meta_len].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(REASON_ENCODING, f"scalar fields are not UTF-8 JSON: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise WireError(REASON_ENCODING, f"scalar fields must be a JSON object, got {type(meta).__name__}")
+    misplaced = [name for name in (*_TOKEN_FIELDS, "schema_version") if name in meta]
+    if misplaced:
+        raise WireError(REASON_ENCODING, f"{misplaced} belong in the binary part, not the JSON object")
+    start = HEADER_BYTES + meta_len
+    middle = start + n_prompt * prompt_width
+    meta["prompt_ids"] = np.frombuffer(value, f"<u{prompt_width}", n_prompt, start).tolist()
+    meta["response_ids"] = np.frombuffer(value, f"<u{response_width}", n_response, middle).tolist()
+    meta["schema_version"] = version
+    try:
+        return TrajectoryRecord.model_validate(meta)
+    except ValidationError as exc:
+        raise WireError(REASON_INVALID, _summarize(exc)) from exc
+
+
+def _summarize(exc: ValidationError, limit: int = 3) -> str:
+    """The first few validation errors, without echoing token arrays back (they can be megabytes)."""
+    parts = []
+    for err in exc.errors()[:limit]:
+        where = ".".join(str(p) for p in err["loc"])
+        value = repr(err.get("input"))
+        parts.append(f"{where}: {err['msg']} (got {value[:60]})")
+    more = exc.error_count() - limit
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def record_key(problem_id: str, epoch: int, sample: int) -> bytes:
+    """The message key of a record: its identity, so compaction keeps each record and tombstones delete one."""
+    return f"{problem_id}\x00{epoch}\x00{sample}".encode()
+
+
+def parse_record_key(key: bytes) -> tuple[str, int, int]:
+    """(problem_id, epoch, sample) from a message key. Raises WireError(key_mismatch) on a malformed key."""
+    try:
+        problem_id, epoch, sample = key.decode("utf-8").rsplit("\x00", 2)
+        return problem_id, int(epoch), int(sample)
+    except (AttributeError, UnicodeDecodeError, ValueError) as exc:
+        raise WireError(
+            REASON_KEY_MISMATCH, f"message key {key!r:.80} is not problem\\0epoch\\0sample"
+        ) from exc
+
+
+def check_key(key: bytes | None, record: TrajectoryRecord) -> None:
+    """Raises WireError(key_mismatch) unless `key` is the record's own key (a partition or compaction mix-up)."""
+    if key != record_key(*record.key):
+        raise WireError(
+            REASON_KEY_MISMATCH, f"message key {key!r:.80} does not match record {record.key!r:.120}"
+        )
+
+
+def partition_for(problem_id: str, partitions: int) -> int:
+    """The partition of a problem: Kafka's default partitioner applied to the problem id, so a Java or Kafka
+    Streams client keyed by problem id agrees, and all of a problem's records stay in order in one partition."""
+    if partitions < 1:
+        raise ValueError(f"a topic has at least one partition, got {partitions}")
+    return (murmur2(problem_id.encode()) & 0x7FFFFFFF) % partitions
+
+
+@dataclass(frozen=True, slots=True)
+class EncodingSize:
+    """Bytes of one record on the wire against the same record as a JSON object with token arrays."""
+
+    wire_bytes: int
+    json_bytes: int
+
+
+def measure_encoding(record: TrajectoryRecord) -> EncodingSize:
+    """Wire and JSON sizes of a record (the benchmark reports both)."""
+    as_json = json.dumps(record.model_dump(exclude_none=True), separators=(",", ":")).encode()
+    return EncodingSize(len(encode_record(record)), len(as_json))

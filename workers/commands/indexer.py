@@ -1,0 +1,107 @@
+"""`das indexer run`: the node's history replica, consuming the Kafka bus into a RocksDB history store.
+
+Runs until SIGTERM or SIGINT, then finishes the batch in hand and exits 0. A store write failure or a dead
+letter Kafka does not acknowledge stops it with exit code 1 and a clear message; nothing past the last
+durable batch is committed, so a restart resumes exactly there. Serves /metrics with --metrics-port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from workers.commands.kafka import add_bus_arguments, kafka_servers_from, kafka_settings
+
+DATA_ENV = "DAS_HISTORY_DIR"
+
+
+def register(cli: Any) -> None:
+    from monitoring.server import add_metrics_arguments
+
+    p = cli.command(
+        "indexer", "run", help="Run the history replica: consume the bus into a history store.", run=run
+    )
+    add_bus_arguments(p)
+    p.add_argument(
+        "--data", default=os.environ.get(DATA_ENV), help=f"history store folder (default: ${DATA_ENV})"
+    )
+    p.add_argument("--topic", default="das.trajectories", help="trajectory topic")
+    p.add_argument("--dlq-topic", default="das.trajectories.dlq", help="dead-letter topic")
+    p.add_argument(
+        "--replica",
+        default=f"das-replica-{socket.gethostname()}",
+        help="this replica's name: its Kafka consumer group (lag monitoring) and dead-letter origin header",
+    )
+    p.add_argument("--window-epochs", type=int, default=None, help="epochs of history kept per problem")
+    p.add_argument("--max-record-tokens", type=int, default=None, help="larger records are dead-lettered")
+    p.add_argument("--batch-records", type=int, default=None, help="records applied per RocksDB write")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_metrics_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from history_store.errors import StoreError
+    from history_store.store import HistoryStore
+    from monitoring.server import start_from_args
+    from pipeline.bus import BusError
+    from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
+    from workers.indexer import DEFAULT_BATCH_RECORDS, DEFAULT_MAX_RECORD_TOKENS, Indexer
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # kafka-python narrates every connection at INFO and DEBUG; its warnings and errors still show.
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    if not args.data:
+        print(f"das indexer run: no store folder: pass --data or set {DATA_ENV}", file=sys.stderr)
+        return 2
+    if args.bus == "embedded":
+        print(
+            "das indexer run: the embedded bus lives inside the rollout process; its indexer runs there "
+            "(workers.indexer.Indexer over pipeline.bus.embedded_bus().subscribe()). Pass --bus kafka://...",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        servers = kafka_servers_from(args)
+        settings = kafka_settings(args.kafka_setting)
+    except ValueError as exc:
+        print(f"das indexer run: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    start_from_args(args)
+    try:
+        with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
+            source = KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings)
+            publisher = ReplicaPublisher(
+                servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings
+            )
+            indexer = Indexer(
+                source,
+                store,
+                publisher=publisher,
+                max_record_tokens=args.max_record_tokens or DEFAULT_MAX_RECORD_TOKENS,
+                batch_records=args.batch_records or DEFAULT_BATCH_RECORDS,
+            )
+            logging.getLogger("das.indexer").info(
+                "replica %s: %s -> %s (window %d epochs)",
+                args.replica,
+                args.bus,
+                args.data,
+                store.window_epochs,
+            )
+            indexer.run(stop)
+    except (StoreError, BusError) as exc:
+        print(f"das indexer run: {exc}", file=sys.stderr)
+        return 1
+    return 0
