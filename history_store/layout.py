@@ -20,6 +20,11 @@ CF_QUARANTINE = "quarantine"  # trajectory key -> reason and the raw bytes that 
 CF_META = "meta"  # layout version, window size, next sequence number
 COLUMN_FAMILIES = (CF_TRAJECTORIES, CF_WINDOWS, CF_OFFSETS, CF_SEQUENCE, CF_QUARANTINE, CF_META)
 
+# A file beside RocksDB's own: the writer rewrites its 8 bytes (next sequence number) after every write, so a
+# reader learns "nothing new" with one pread instead of a RocksDB catch-up (milliseconds per column family).
+# Only a hint: the sequence column family and meta stay the truth.
+SEQUENCE_HINT_FILE = "DAS_SEQUENCE_HINT"
+
 META_LAYOUT_VERSION = b"layout_version"
 META_WINDOW_EPOCHS = b"window_epochs"
 META_NEXT_SEQUENCE = b"next_sequence"

@@ -428,6 +428,7 @@ class HistoryStore(_StoreReader):
             raise ValueError(f"sequence_retention must be >= 1, got {sequence_retention}")
         self.path = Path(path)
         self._db = None
+        self._hint_fd = -1
         if not create and not (self.path / "CURRENT").exists():
             raise StoreOpenError(
                 f"{self.path} is not a history store (no RocksDB CURRENT file) and create=False"
@@ -456,11 +457,27 @@ class HistoryStore(_StoreReader):
             raise
         self._next_sequence = self.next_sequence
         self._trimmed_below = self._first_sequence()
+        self._hint_fd = os.open(self.path / layout.SEQUENCE_HINT_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        self._publish_hint()
+
+    def _publish_hint(self) -> None:
+        try:
+            os.pwrite(self._hint_fd, layout.encode_u64(self._next_sequence), 0)
+        except OSError as exc:
+            # Readers fall back to their periodic full catch-up; the write itself is already durable.
+            log.warning("history store %s: sequence hint not updated: %s", self.path, exc)
+
+    def close(self) -> None:
+        """Releases the folder. Idempotent; never raises (a RocksDB error on close is logged)."""
+        if self._hint_fd >= 0:
+            os.close(self._hint_fd)
+            self._hint_fd = -1
+        super().close()
 
     @staticmethod
-    def open_secondary(path: str | Path, secondary_dir: str | Path) -> HistoryReader:
+    def open_secondary(path: str | Path, secondary_dir: str | Path, max_idle_s: float = 5.0) -> HistoryReader:
         """A read-only view of a store another process writes; see HistoryReader."""
-        return HistoryReader(path, secondary_dir)
+        return HistoryReader(path, secondary_dir, max_idle_s)
 
     def _init_meta(self, window_epochs: int | None) -> None:
         meta = self._family(layout.CF_META)
@@ -577,6 +594,7 @@ class HistoryStore(_StoreReader):
             return result
         self._write(batch, f"applying {len(result.applied)} records")
         self._next_sequence = sequence
+        self._publish_hint()
         if trim:
             self._trimmed_below = trim_below
         RECORDS_INGESTED.inc(len(result.applied))
@@ -641,6 +659,7 @@ class HistoryStore(_StoreReader):
             log.exception("history store %s: could not quarantine %r; skipping it", self.path, key)
             return
         self._next_sequence += 1
+        self._publish_hint()
 
     def create_rocksdb_checkpoint(self, target: str | Path) -> None:
         """A consistent hard-link copy of every column family at `target` (which must not exist)."""
@@ -712,10 +731,13 @@ class HistoryReader(_StoreReader):
 
     It sees the writer's state as of its last `catch_up` (and of opening). `catch_up` returns the changes
     since the previous call from the sequence log, so a proposer can extend and prune its trees incrementally.
+    A RocksDB catch-up costs milliseconds (about one per column family here), so `catch_up` first reads the
+    writer's sequence hint file and skips it when nothing was written; at least every `max_idle_s` it
+    catches up regardless (offsets-only writes do not move the hint).
     Raises StoreOpenError if `path` is not a history store.
     """
 
-    def __init__(self, path: str | Path, secondary_dir: str | Path) -> None:
+    def __init__(self, path: str | Path, secondary_dir: str | Path, max_idle_s: float = 5.0) -> None:
         self.path = Path(path)
         self._db = None
         if not (self.path / "CURRENT").exists():
@@ -735,11 +757,32 @@ class HistoryReader(_StoreReader):
             raise StoreOpenError(f"cannot open history store {self.path} as a secondary: {exc}") from exc
         self._bind_families()
         self._seen = self.next_sequence
+        self._max_idle_s = max_idle_s
+        self._last_catch_up = time.monotonic()
 
-    def catch_up(self) -> CatchUp:
-        """Pulls the writer's latest state and returns what changed since the last call (or since opening)."""
+    def _hinted_sequence(self) -> int | None:
+        try:
+            with open(self.path / layout.SEQUENCE_HINT_FILE, "rb") as f:
+                raw = f.read(8)
+        except OSError:
+            return None
+        return layout.decode_u64(raw) if len(raw) == 8 else None
+
+    def catch_up(self, force: bool = False) -> CatchUp:
+        """Pulls the writer's latest state and returns what changed since the last call (or since opening).
+
+        Cheap when the writer's hint says nothing was written (unless `force` or `max_idle_s` elapsed).
+        """
         assert self._db is not None
+        now = time.monotonic()
+        if (
+            not force
+            and now - self._last_catch_up < self._max_idle_s
+            and self._hinted_sequence() == self._seen
+        ):
+            return CatchUp([], reset=False)
         self._db.try_catch_up_with_primary()
+        self._last_catch_up = now
         end = self.next_sequence
         if end == self._seen:
             return CatchUp([], reset=False)

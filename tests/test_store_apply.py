@@ -170,3 +170,15 @@ def test_token_arrays_round_trip_exactly(tmp_path: Path) -> None:
         assert got.prompt_ids.tolist() == prompt.tolist() and got.response_ids.size == 0
         assert store.get("p", 0, 0).response_ids.size == 0
         assert sorted(store.problem_ids()) == ["p", "ü/ß"]
+
+
+def test_reader_sees_offset_only_writes_on_a_forced_catch_up(tmp_path: Path) -> None:
+    with (
+        HistoryStore(tmp_path / "h") as store,
+        HistoryStore.open_secondary(tmp_path / "h", tmp_path / "sec", max_idle_s=3600) as reader,
+    ):
+        store.apply([], {("t", 1): 5})
+        reader.catch_up()  # the sequence hint did not move: nothing pulled
+        assert reader.offsets() == {}
+        reader.catch_up(force=True)
+        assert reader.offsets() == {("t", 1): 5}

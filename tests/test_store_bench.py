@@ -17,3 +17,4 @@ def test_bench_store_prints_ingest_disk_checkpoint_and_restore_figures(capsys) -
     assert result["checkpoint"]["checkpoint_seconds"] > 0
     assert result["startup"]["restore_seconds_per_million_tokens"] > 0
     assert result["startup"]["faster_history_tree_load"] in ("rebuild", "serialized")
+    assert result["secondary"]["apply_to_readable_ms_p99"] > 0

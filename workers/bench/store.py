@@ -177,6 +177,34 @@ def bench_startup(path: Path, rng: np.random.Generator, tokens: int, record_toke
     }
 
 
+def bench_secondary(path: Path, work: Path, rng: np.random.Generator, rounds: int = 200) -> dict[str, Any]:
+    """What the generator's proposer pays to follow the replica: an idle catch-up, and the time from a batch
+    being applied to a secondary reader holding its tokens (apply + catch-up + reads; same machine)."""
+    records = make_records(rng, "follow", 4_000, rounds * BATCH * 4_000)
+    idle, fresh = [], []
+    with HistoryStore(path) as store, HistoryStore.open_secondary(path, work / "secondary") as reader:
+        for i in range(rounds):
+            started = time.perf_counter()
+            reader.catch_up()
+            idle.append(time.perf_counter() - started)
+            batch = records[i * BATCH : (i + 1) * BATCH]
+            started = time.perf_counter()
+            store.apply(batch)
+            caught = reader.catch_up()
+            got = [reader.get(*key) for key in caught.added]
+            fresh.append(time.perf_counter() - started)
+            if len(got) != len(batch) or any(t is None for t in got):
+                raise RuntimeError("secondary reader missed records it should have caught up on")
+    return {
+        "catch_up_idle_us_p50": round(1e6 * float(np.percentile(idle, 50)), 1),
+        "catch_up_idle_us_p99": round(1e6 * float(np.percentile(idle, 99)), 1),
+        "apply_to_readable_ms_p50": round(1e3 * float(np.percentile(fresh, 50)), 3),
+        "apply_to_readable_ms_p99": round(1e3 * float(np.percentile(fresh, 99)), 3),
+        "batch_records": BATCH,
+        "tokens_per_record": 4_000,
+    }
+
+
 def run(seed: int = 0, tokens_per_size: int = 4_000_000, startup_tokens: int = 1_000_000) -> dict[str, Any]:
     """Runs every measurement in a temporary folder (on the same disk as the system temp dir)."""
     rng = np.random.default_rng(seed)
@@ -186,6 +214,7 @@ def run(seed: int = 0, tokens_per_size: int = 4_000_000, startup_tokens: int = 1
         disk = bench_disk(work / "ingest", stored)
         checkpoint = bench_checkpoint(work / "ingest", work)
         startup = bench_startup(work / "startup", rng, startup_tokens, 4_000)
+        secondary = bench_secondary(work / "follow", work, rng)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {
@@ -203,5 +232,6 @@ def run(seed: int = 0, tokens_per_size: int = 4_000_000, startup_tokens: int = 1
         "disk": disk,
         "checkpoint": checkpoint,
         "startup": startup,
+        "secondary": secondary,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
                 f"ingest {row['tokens_per_record']:>6} tokens/record: {row['trajectories_per_s']:>8} traj/s "
                 f"{row['mb_per_s']:>6} MB/s"
             )
-        for section in ("disk", "checkpoint", "startup"):
+        for section in ("disk", "checkpoint", "startup", "secondary"):
             for key, value in result[section].items():
                 print(f"{section}.{key}: {value}")
     return 0
