@@ -133,6 +133,13 @@ class IndexedHistory:
         except BaseException:
             store.close()
             raise
+        log.info(
+            "history store %s: %d trajectories (%d response tokens) back in the trees in %.2f s",
+            store.path,
+            report.trajectories,
+            report.tokens,
+            report.seconds,
+        )
         return cls(store, index, report, checkpointer)
 
     def apply(
