@@ -25,6 +25,10 @@ from prometheus_client.metrics import MetricWrapperBase
 # Fixed label values. Parts must use these; `position_label` bounds the draft position.
 LENGTH_CLASSES = ("short", "medium", "long")
 COST_COEFFICIENTS = ("c_base", "c_seq", "c_tok")
+# Why a message was dead-lettered (pipeline.wire.REASONS; a test keeps the two equal) and why a stored record was
+# quarantined (history_store's CorruptRecordError codes, plus "window" for a corrupt epoch window).
+DEAD_LETTER_REASONS = ("encoding", "truncated", "schema_version", "invalid", "oversize", "key_mismatch")
+QUARANTINE_REASONS = ("checksum", "header", "size", "window")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the
 # most a dashboard panel can show legibly.
 MAX_POSITION_LABEL = 16
@@ -128,7 +132,7 @@ DEAD_LETTERED = Counter(
 )
 QUARANTINED = Counter(
     "das_quarantined_records_total",
-    "Records set aside locally (dead-letter path unavailable or record unusable), by reason (fixed code).",
+    "Stored records found corrupt and skipped (quarantined) by the history store, by reason (fixed code).",
     ["reason"],
 )
 
@@ -210,10 +214,16 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     RESTORE_DURATION,
 )
 
-# Series with fixed label sets exist from the start, so dashboards show 0 instead of "no data".
+# Series with fixed label sets exist from the start at 0: dashboards show 0 instead of "no data", and the first
+# increment is a visible increase (a series born at 1 looks to `increase()` like no change, so a first burst of
+# dead letters would never alert).
 for _cls in LENGTH_CLASSES:
     SPEC_BUDGET.labels(length_class=_cls)
     CLASS_PROMOTIONS.labels(length_class=_cls)
+for _reason in DEAD_LETTER_REASONS:
+    DEAD_LETTERED.labels(reason=_reason)
+for _reason in QUARANTINE_REASONS:
+    QUARANTINED.labels(reason=_reason)
 
 
 def exported_series(metric: MetricWrapperBase) -> dict[str, str]:

@@ -82,8 +82,8 @@ def record_indexer_batch(rng: random.Random, stored_tokens: int) -> None:
     m.STORE_APPLY_DURATION.observe(rng.uniform(0.002, 0.05))
     if rng.random() < 0.02:
         m.STORE_WRITE_ERRORS.inc()
-    m.DEAD_LETTERED.labels(reason="schema").inc()
-    m.QUARANTINED.labels(reason="dlq_unavailable").inc()
+    m.DEAD_LETTERED.labels(reason="invalid").inc()
+    m.QUARANTINED.labels(reason="checksum").inc()
     m.CHECKPOINT_DURATION.observe(rng.uniform(0.02, 0.3))
     m.LAST_CHECKPOINT.set(time.time())
     m.RESTORE_DURATION.set(1.5)

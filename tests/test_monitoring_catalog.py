@@ -138,3 +138,23 @@ def test_dashboard_panels_do_not_overlap() -> None:
                 for y in range(pos["y"], pos["y"] + pos["h"]):
                     assert (x, y) not in cells, f"{path.name}: {panel['title']} overlaps {cells[(x, y)]}"
                     cells[(x, y)] = panel["title"]
+
+
+def test_dead_letter_reasons_match_the_pipeline_codes() -> None:
+    from pipeline.wire import REASONS
+
+    assert set(metrics.DEAD_LETTER_REASONS) == set(REASONS)
+
+
+def test_labelled_counters_start_at_zero_for_every_known_reason() -> None:
+    exported = {
+        (sample.name, sample.labels.get("reason"))
+        for metric in (metrics.DEAD_LETTERED, metrics.QUARANTINED)
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    expected = {("das_dead_lettered_records_total", r) for r in metrics.DEAD_LETTER_REASONS} | {
+        ("das_quarantined_records_total", r) for r in metrics.QUARANTINE_REASONS
+    }
+    assert expected <= exported
