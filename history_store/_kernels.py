@@ -398,3 +398,62 @@ def draft_batch_kernel(
                 out_match[i] = used
                 out_score[i] = score
                 out_src[i] = c + 1
+
+
+@njit(cache=True)
+def extend_rows(
+    s_len,
+    s_link,
+    s_count,
+    s_edge,
+    s_deg,
+    e_tok,
+    e_to,
+    e_next,
+    h_key,
+    h_val,
+    meta,
+    roots,
+    lasts,
+    tok,
+    off,
+    row,
+    pos,
+    d_states,
+    d_edges,
+):
+    """Appends tok[off[r]:off[r+1]] to the sequence ending at lasts[r] of tree roots[r], for rows r >= row,
+    starting at token `pos`. Updates lasts in place and adds each row's new states and edges to d_states /
+    d_edges. Stops early when the arena needs room; returns where it stopped as (row, pos), and
+    (len(roots), 0) when done."""
+    n_rows = roots.shape[0]
+    while row < n_rows:
+        end = off[row + 1]
+        if pos < end:
+            states0, edges0 = meta[0], meta[1]
+            nxt, last = extend_tokens(
+                s_len,
+                s_link,
+                s_count,
+                s_edge,
+                s_deg,
+                e_tok,
+                e_to,
+                e_next,
+                h_key,
+                h_val,
+                meta,
+                roots[row],
+                lasts[row],
+                tok[:end],
+                pos,
+            )
+            lasts[row] = last
+            d_states[row] += meta[0] - states0
+            d_edges[row] += meta[1] - edges0
+            if nxt < end:
+                return row, nxt
+        row += 1
+        if row < n_rows:
+            pos = off[row]
+    return n_rows, 0

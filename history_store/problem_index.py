@@ -240,6 +240,7 @@ class ProblemIndex:
         slot = self._take_slot()
         buffer = np.empty(max(256, 2 * prompt.shape[0]), np.int32)
         req = self._requests[request_key] = _Request(slot, seq_id, live_key, problem_id, buffer)
+        live.tree.extend(seq_id, [])  # the sequence exists even for an empty prompt
         self._append(req, live, prompt)
 
     def append_request(self, request_key: str, tokens: Sequence[int] | np.ndarray) -> None:
@@ -247,9 +248,30 @@ class ProblemIndex:
         req = self._requests[request_key]
         self._append(req, self._live[req.live_key], as_tokens(tokens))
 
-    def _append(self, req: _Request, live: _Live, toks: np.ndarray) -> None:
-        if toks.shape[0] == 0:
-            return
+    def append_batch(self, request_keys: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
+        """Adds each request's tokens committed this step, for a whole decode batch in one native call.
+        Raises KeyError for an unknown request and ValueError/TypeError for bad tokens (nothing appended)."""
+        reqs = [self._requests[key] for key in request_keys]
+        if len(set(request_keys)) != len(reqs):
+            raise ValueError("a request key appears twice in one batch")
+        lengths = np.fromiter((len(t) for t in tokens), np.int64, len(reqs))
+        if lengths.shape[0] != len(reqs):
+            raise ValueError(f"{len(reqs)} request keys but {lengths.shape[0]} token lists")
+        off = np.zeros(len(reqs) + 1, np.int64)
+        np.cumsum(lengths, out=off[1:])
+        parts = [np.asarray(t) for t in tokens]
+        flat = as_tokens(np.concatenate(parts) if parts else [])
+        rows = np.nonzero(lengths)[0]
+        for i in rows:
+            self._buffer(reqs[i], flat[off[i] : off[i + 1]])
+        self.forest.extend_rows(
+            [self._live[reqs[i].live_key].tree for i in rows],
+            [reqs[i].seq_id for i in rows],
+            flat,
+            np.concatenate([off[rows], off[rows[-1] + 1 : rows[-1] + 2]]) if rows.size else off[:1],
+        )
+
+    def _buffer(self, req: _Request, toks: np.ndarray) -> None:
         if req.length + toks.shape[0] > req.buffer.shape[0]:
             grown = np.empty(2 * (req.length + toks.shape[0]), np.int32)
             grown[: req.length] = req.buffer[: req.length]
@@ -257,6 +279,11 @@ class ProblemIndex:
         req.buffer[req.length : req.length + toks.shape[0]] = toks
         req.length += toks.shape[0]
         req.pending.append(toks)
+
+    def _append(self, req: _Request, live: _Live, toks: np.ndarray) -> None:
+        if toks.shape[0] == 0:
+            return
+        self._buffer(req, toks)
         live.tree.extend(req.seq_id, toks)
 
     def finish_request(self, request_key: str) -> None:

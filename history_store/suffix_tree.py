@@ -152,6 +152,54 @@ class SuffixForest:
                 self._grow(states=2 * (tokens.shape[0] - i) + 2, edges=need + 3 * (tokens.shape[0] - i))
         return last
 
+    def extend_rows(
+        self, trees: Sequence[SuffixTree], seq_ids: Sequence[int], tokens: np.ndarray, off: np.ndarray
+    ) -> None:
+        """Appends tokens[off[i]:off[i+1]] to sequence seq_ids[i] of trees[i] (which must exist), for all
+        rows in one native call. Tokens must already be validated (`as_tokens`)."""
+        n = len(trees)
+        seqs = [t._seqs[s] for t, s in zip(trees, seq_ids, strict=True)]
+        roots = np.fromiter((t.root for t in trees), np.int32, n)
+        lasts = np.fromiter((q.last for q in seqs), np.int32, n)
+        d_states = np.zeros(n, np.int64)
+        d_edges = np.zeros(n, np.int64)
+        row, pos = 0, int(off[0]) if n else 0
+        while row < n:
+            row, pos = K.extend_rows(
+                self.s_len,
+                self.s_link,
+                self.s_count,
+                self.s_edge,
+                self.s_deg,
+                self.e_tok,
+                self.e_to,
+                self.e_next,
+                self.h_key,
+                self.h_val,
+                self.meta,
+                roots,
+                lasts,
+                tokens,
+                off,
+                row,
+                pos,
+                d_states,
+                d_edges,
+            )
+            if row < n:
+                left = int(off[row + 1]) - pos
+                need = int(self.s_len[lasts[row]]) + 2 + int(self.s_deg[roots[row]])
+                self._grow(states=2 * left + 2, edges=need + 3 * left)
+        for i, (tree, seq) in enumerate(zip(trees, seqs, strict=True)):
+            chunk = tokens[off[i] : off[i + 1]]
+            if chunk.shape[0]:
+                seq.last = int(lasts[i])
+                seq.tokens.append(chunk)
+                seq.length += chunk.shape[0]
+                tree.num_tokens += chunk.shape[0]
+                tree._n_states += int(d_states[i])
+                tree._n_edges += int(d_edges[i])
+
     def _grow(self, states: int, edges: int) -> None:
         n_states, n_edges, n_hash = (int(x) for x in self.meta)
         if n_states + states > self.s_len.shape[0]:

@@ -54,9 +54,13 @@ def test_batched_drafts_equal_the_best_single_tree_draft(history, requests, step
         index.start_request(f"r{i}", pid, prompt)
         contexts[f"r{i}"] = (pid, list(prompt))
     keys = list(contexts)
-    for step in [[]] + steps:
+    for n, step in enumerate([[]] + steps):
+        if n % 2:  # both ways of committing a step's tokens: one request at a time, or the whole batch
+            for key in keys:
+                index.append_request(key, step)
+        else:
+            index.append_batch(keys, [step] * len(keys))
         for key in keys:
-            index.append_request(key, step)
             contexts[key][1].extend(step)
         drafts = index.draft_batch(keys, [budget] * len(keys))
         for row, key in enumerate(keys):

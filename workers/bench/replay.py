@@ -161,6 +161,7 @@ def replay(
                 drafts = index.draft_batch(keys, np.full(len(active), k, np.int32))
                 kept = drafts.lengths
             verified = 0
+            committed = []
             for row, q in enumerate(active):
                 if strategy == "ngram":
                     draft = ngram_draft(q.context[: q.ctx_len], ngram_range[0], ngram_range[1], k)
@@ -184,8 +185,9 @@ def replay(
                 s[2] += accepted
                 if policy is not None:
                     accepted_now[row] = accepted
-                if index is not None:
-                    index.append_request(q.key, new)
+                committed.append(new)
+            if index is not None:
+                index.append_batch(keys, committed)
             step_s = cost.step(len(active), verified)
             makespan += step_s
             if policy is not None:

@@ -76,10 +76,9 @@ def bench_draft(rng: np.random.Generator, batch: int, config: DraftConfig, steps
     draft_s = append_s = 0.0
     drafted = 0
     for step in range(steps):
+        step_tokens = [held_out[i % n_problems][64 + step : 65 + step] for i in range(batch)]
         start = time.perf_counter()
-        for i, key in enumerate(keys):
-            seq = held_out[i % n_problems]
-            index.append_request(key, seq[64 + step : 65 + step])
+        index.append_batch(keys, step_tokens)
         append_s += time.perf_counter() - start
         start = time.perf_counter()
         out = index.draft_batch(keys, budgets)
