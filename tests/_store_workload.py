@@ -68,17 +68,26 @@ CRASH_TOPIC = "das.trajectories"
 CRASH_BATCH = 16
 
 
-def _ingest(path: str) -> None:
-    """Child process: resumes from the stored offset, applies the stream in batches, acknowledges each.
+CRASH_REWIND = 40  # records re-delivered after each restart, as a consumer whose bus commit lagged would
+CRASH_CHECKPOINT_EVERY_S = 0.5
 
-    Prints "ack <next offset>" after each batch is durable (the parent kills it at random points).
-    """
+
+def _ingest(path: str, checkpoints: str) -> None:
+    """Child process: resumes a little before the stored offset (at-least-once re-delivery), applies the
+    stream in batches with automatic checkpoints, and prints "ack <next offset>" after each durable batch
+    (the parent kills it at random points)."""
     from history_store.indexed import IndexedHistory
 
     stream = CRASH_WORKLOAD.stream()
-    with IndexedHistory.open(path, window_epochs=CRASH_WINDOW) as history:
-        offset = history.store.offsets().get((CRASH_TOPIC, 0), 0)
-        print(f"start {offset} loaded {history.load.trajectories} in {history.load.seconds:.3f}", flush=True)
+    with IndexedHistory.open(
+        path,
+        window_epochs=CRASH_WINDOW,
+        checkpoint_dir=checkpoints,
+        checkpoint_every_s=CRASH_CHECKPOINT_EVERY_S,
+    ) as history:
+        stored = history.store.offsets().get((CRASH_TOPIC, 0), 0)
+        print(f"start {stored}", flush=True)
+        offset = max(0, stored - CRASH_REWIND)
         while offset < len(stream):
             batch = stream[offset : offset + CRASH_BATCH]
             history.apply(batch, {(CRASH_TOPIC, 0): offset + len(batch)})
@@ -88,4 +97,4 @@ def _ingest(path: str) -> None:
 
 
 if __name__ == "__main__":
-    _ingest(sys.argv[1])
+    _ingest(sys.argv[1], sys.argv[2])

@@ -1,6 +1,7 @@
 """Kill -9 of the history writer mid-ingest, several times: nothing acknowledged is lost, nothing is applied
-twice, and the store and its trees equal a clean rebuild from the same records (real RocksDB, real child
-processes)."""
+twice (even though each restart re-delivers recent records), the store and its trees equal a clean rebuild
+from the same records, and every checkpoint left behind restores to exactly the state at its offsets (real
+RocksDB, real child processes)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,22 @@ from pathlib import Path
 
 from _store_workload import CRASH_BATCH, CRASH_TOPIC, CRASH_WINDOW, CRASH_WORKLOAD
 
+from history_store.checkpoints import list_checkpoints, read_manifest, restore_checkpoint
 from history_store.indexed import IndexedHistory
+from history_store.store import HistoryStore
 
 CHILD = Path(__file__).with_name("_store_workload.py")
 KILLS = 5
 
 
-def _run_child_until(path: Path, kill_after_acks: int | None) -> tuple[int, int | None]:
+def _run_child_until(path: Path, checkpoints: Path, kill_after_acks: int | None) -> tuple[int, int | None]:
     """Starts the ingesting child; SIGKILLs it after `kill_after_acks` acknowledged batches (None: let it
     finish). Returns (offset it started from, last acknowledged offset)."""
     proc = subprocess.Popen(
-        [sys.executable, str(CHILD), str(path)], stdout=subprocess.PIPE, text=True, cwd=CHILD.parent.parent
+        [sys.executable, str(CHILD), str(path), str(checkpoints)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=CHILD.parent.parent,
     )
     try:
         assert proc.stdout is not None
@@ -62,15 +68,17 @@ def test_sigkill_during_ingest_loses_nothing_applies_nothing_twice_and_equals_cl
     tmp_path: Path,
 ) -> None:
     random.seed(1234)
-    crashed = tmp_path / "crashed"
+    crashed, checkpoints = tmp_path / "crashed", tmp_path / "checkpoints"
     total = len(CRASH_WORKLOAD.stream())
     batches = total // CRASH_BATCH
     last_acked = 0
     for _ in range(KILLS):
-        start, acked = _run_child_until(crashed, kill_after_acks=random.randint(1, batches // (KILLS + 1)))
+        start, acked = _run_child_until(
+            crashed, checkpoints, kill_after_acks=random.randint(1, batches // (KILLS + 1))
+        )
         assert start >= last_acked, f"restart resumed at {start}, before the acknowledged offset {last_acked}"
         last_acked = acked if acked is not None else last_acked
-    start, _ = _run_child_until(crashed, kill_after_acks=None)
+    start, _ = _run_child_until(crashed, checkpoints, kill_after_acks=None)
     assert start >= last_acked
     assert 0 < last_acked < total, "the kills must have hit the middle of the stream"
 
@@ -95,3 +103,15 @@ def test_sigkill_during_ingest_loses_nothing_applies_nothing_twice_and_equals_cl
             assert a.store.length_stats(problem) == b.store.length_stats(problem)
         assert _tree_summary(a) == _tree_summary(b)
         assert sa.trajectories == CRASH_WORKLOAD.problems * CRASH_WINDOW * CRASH_WORKLOAD.samples
+
+    # Checkpoints written between kills (a kill may land mid-checkpoint) restore to the state at their offsets.
+    finished = list_checkpoints(checkpoints)
+    assert finished, "the child should have checkpointed"
+    for checkpoint in finished:
+        offset = read_manifest(checkpoint)["offsets"][0]["offset"]
+        with HistoryStore(tmp_path / f"clean-{offset}", window_epochs=CRASH_WINDOW) as expected:
+            expected.apply(CRASH_WORKLOAD.stream()[:offset], {(CRASH_TOPIC, 0): offset})
+            restored = restore_checkpoint(checkpoint, tmp_path / f"restored-{offset}")
+            with HistoryStore(restored.data_dir) as store:
+                assert store.content_digest() == expected.content_digest()
+                assert store.next_sequence == expected.next_sequence
