@@ -480,7 +480,6 @@ class HistoryStore(_StoreReader):
         return HistoryReader(path, secondary_dir, max_idle_s)
 
     def _init_meta(self, window_epochs: int | None) -> None:
-        meta = self._family(layout.CF_META)
         version = self._meta_int(layout.META_LAYOUT_VERSION)
         if version is None:
             window_epochs = window_epochs or DEFAULT_WINDOW_EPOCHS
@@ -499,8 +498,7 @@ class HistoryStore(_StoreReader):
             )
         if window_epochs is not None and self.window_epochs != window_epochs:
             log.info("history store %s: window %d -> %d epochs", self.path, self.window_epochs, window_epochs)
-            meta[layout.META_WINDOW_EPOCHS] = str(window_epochs).encode()
-            self._shrink_all_windows(window_epochs)
+            self._change_window(window_epochs)
 
     def _first_sequence(self) -> int:
         first = next(iter(self._family(layout.CF_SEQUENCE).keys()), None)
@@ -603,9 +601,10 @@ class HistoryStore(_StoreReader):
         STORE_APPLY_DURATION.observe(time.perf_counter() - started)
         return result
 
-    def _shrink_all_windows(self, window: int) -> None:
-        """Evicts, in one batch, every problem's epochs outside a (smaller) window."""
+    def _change_window(self, window: int) -> None:
+        """Stores the new window size and, in the same batch, evicts every problem's epochs outside it."""
         batch = WriteBatch(raw_mode=True)
+        batch.put(layout.META_WINDOW_EPOCHS, str(window).encode(), self._handles[layout.CF_META])
         sequence = self.next_sequence
         for prefix in list(_keys(self._family(layout.CF_WINDOWS))):
             pending = _PendingWindow(self._window_entries(prefix))
@@ -626,9 +625,8 @@ class HistoryStore(_StoreReader):
                 self._handles[layout.CF_TRAJECTORIES],
             )
             batch.put(prefix, encode_window(pending.entries()), self._handles[layout.CF_WINDOWS])
-        if not batch.is_empty():
-            batch.put(layout.META_NEXT_SEQUENCE, str(sequence).encode(), self._handles[layout.CF_META])
-            self._write(batch, "shrinking windows to the new window size")
+        batch.put(layout.META_NEXT_SEQUENCE, str(sequence).encode(), self._handles[layout.CF_META])
+        self._write(batch, f"changing the window to {window} epochs")
 
     def _on_corrupt(self, key: bytes, raw: bytes, error: CorruptRecordError) -> None:
         """Moves a corrupt record to the quarantine family (with the reason) and out of its window.
