@@ -754,6 +754,12 @@ class HistoryReader(_StoreReader):
         except Exception as exc:
             raise StoreOpenError(f"cannot open history store {self.path} as a secondary: {exc}") from exc
         self._bind_families()
+        version = self._meta_int(layout.META_LAYOUT_VERSION)
+        if version != layout.LAYOUT_VERSION:
+            self.close()
+            raise StoreOpenError(
+                f"{self.path} has layout version {version}; this build reads version {layout.LAYOUT_VERSION}"
+            )
         self._seen = self.next_sequence
         self._max_idle_s = max_idle_s
         self._last_catch_up = time.monotonic()
