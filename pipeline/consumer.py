@@ -20,7 +20,7 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.bus import BusError, BusMessage
-from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, security_settings
+from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, shared_settings
 from pipeline.wire import partition_for, record_key
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class ReplicaPublisher:
                 linger_ms=5,
                 max_request_size=MAX_MESSAGE_BYTES + 64 * 1024,  # the rejected message plus our headers
                 client_id=f"{replica}-publisher",
-                **security_settings(settings),
+                **shared_settings(settings),
             )
         except KafkaError as exc:
             raise BusError(f"cannot reach {self._where}: {exc}") from exc

@@ -33,14 +33,14 @@ DEFAULT_PARTITIONS = 6
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Two weeks of rejected messages: long enough to notice, diagnose and replay them.
 DLQ_RETENTION_MS = 14 * 24 * 3600 * 1000
-# Client keys shared by producers, consumers and the admin client (TLS and SASL): everything else is
-# specific to one client kind.
-SECURITY_PREFIXES = ("security_protocol", "ssl_", "sasl_")
+# Client settings every kafka-python client kind accepts (TLS, SASL, how long to wait for brokers): they pass
+# from the bus settings to the admin client and the replica's producers; the rest is specific to one kind.
+SHARED_PREFIXES = ("security_protocol", "ssl_", "sasl_", "bootstrap_timeout_ms", "request_timeout_ms")
 
 
-def security_settings(settings: Mapping[str, object]) -> dict[str, object]:
-    """The TLS/SASL subset of kafka-python settings, which every client kind accepts."""
-    return {k: v for k, v in settings.items() if k.startswith(SECURITY_PREFIXES)}
+def shared_settings(settings: Mapping[str, object]) -> dict[str, object]:
+    """The subset of kafka-python settings (TLS, SASL, timeouts) that every client kind accepts."""
+    return {k: v for k, v in settings.items() if k.startswith(SHARED_PREFIXES)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +94,7 @@ class TopicState:
 def admin_client(servers: list[str], **settings: object) -> KafkaAdminClient:
     """An admin client; raises BusError with the addresses when no broker answers."""
     try:
-        return KafkaAdminClient(
-            bootstrap_servers=servers, client_id="das-admin", **security_settings(settings)
-        )
+        return KafkaAdminClient(bootstrap_servers=servers, client_id="das-admin", **shared_settings(settings))
     except KafkaError as exc:
         raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc
 

@@ -92,11 +92,13 @@ def decode_record(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKE
     """
     if value is None:
         raise WireError(REASON_ENCODING, "empty value where a trajectory record was expected")
+    if value[: len(MAGIC)] != MAGIC[: len(value)] or not value:
+        raise WireError(
+            REASON_ENCODING, f"starts {value[:8]!r}, not magic {MAGIC!r}: not a DAS trajectory record"
+        )
     if len(value) < HEADER_BYTES:
         raise WireError(REASON_TRUNCATED, f"{len(value)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, flags, meta_len, n_prompt, n_response = _HEAD.unpack_from(value)
-    if magic != MAGIC:
-        raise WireError(REASON_ENCODING, f"magic {magic!r} is not {MAGIC!r}: not a DAS trajectory record")
+    _magic, version, flags, meta_len, n_prompt, n_response = _HEAD.unpack_from(value)
     if version != SCHEMA_VERSION:
         raise WireError(
             REASON_SCHEMA_VERSION, f"schema version {version}; this build reads version {SCHEMA_VERSION}"

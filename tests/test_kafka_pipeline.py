@@ -1,0 +1,247 @@
+"""The Kafka pipeline against the real local broker: topic administration, producer to replica with offsets
+and tombstones, dead letters for every kind of malformed message, and clear errors when Kafka is away."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+
+import pytest
+from conftest import drop_topics, end_offsets
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ConfigResource
+
+from history_store.store import HistoryStore
+from pipeline.bus import BusBackpressureError, BusError, open_bus
+from pipeline.consumer import (
+    H_KEY,
+    H_OFFSET,
+    H_PARTITION,
+    H_REASON,
+    H_TOPIC,
+    KafkaTrajectorySource,
+    ReplicaPublisher,
+)
+from pipeline.synthetic import SyntheticShape, synthetic_record, synthetic_records
+from pipeline.wire import encode_record, partition_for, record_key
+from workers.cli import main as das
+from workers.indexer import Indexer
+
+pytestmark = pytest.mark.kafka
+SMALL = SyntheticShape(
+    problems=20, epochs=5, prompt_tokens=16, response_tokens_median=40, response_tokens_max=200
+)
+
+
+def _indexer(servers, topic, dlq, store, **kwargs):
+    source = KafkaTrajectorySource(servers, topic=topic, group_id=f"{topic}.replica")
+    publisher = ReplicaPublisher(servers, replica=f"{topic}.replica", dead_letter_topic=dlq)
+    indexer = Indexer(source, store, publisher=publisher, poll_timeout_s=0.5, **kwargs)
+    indexer.start()
+    return indexer
+
+
+def _drain(indexer, store, servers, topic, max_steps=2000):
+    """Steps until the store's offsets reach the topic's ends; returns the summed reports."""
+    want = end_offsets(servers, topic)
+    totals = {"applied": 0, "evicted": 0, "tombstones": 0, "dead": {}, "ends": want}
+    for _ in range(max_steps):
+        if all(store.offsets().get(tp, 0) >= end for tp, end in want.items()):
+            return totals
+        report = indexer.step()
+        totals["applied"] += report.applied
+        totals["evicted"] += report.evicted
+        totals["tombstones"] += report.tombstones
+        for reason, n in report.dead_lettered.items():
+            totals["dead"][reason] = totals["dead"].get(reason, 0) + n
+    pytest.fail(f"replica did not reach {want} in {max_steps} steps: {store.offsets()}")
+
+
+def _read_all(servers, topic):
+    consumer = KafkaConsumer(
+        bootstrap_servers=servers, consumer_timeout_ms=1000, auto_offset_reset="earliest"
+    )
+    partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+    consumer.assign(partitions)
+    consumer.seek_to_beginning(*partitions)
+    messages = list(consumer)
+    consumer.close()
+    return messages
+
+
+def test_kafka_init_is_idempotent_and_configures_compaction(kafka_servers, capsys):
+    topic = f"test.init.{random.getrandbits(32):08x}"
+    bus = f"kafka://{','.join(kafka_servers)}"
+    try:
+        assert (
+            das(["kafka", "init", "--bus", bus, "--topic", topic, "--dlq-topic", f"{topic}.dlq", "--json"])
+            == 0
+        )
+        first = json.loads(capsys.readouterr().out)
+        assert (
+            das(["kafka", "init", "--bus", bus, "--topic", topic, "--dlq-topic", f"{topic}.dlq", "--json"])
+            == 0
+        )
+        second = json.loads(capsys.readouterr().out)
+        assert [t["action"] for t in first["topics"]] == ["created", "created"]
+        assert [t["action"] for t in second["topics"]] == ["exists", "exists"]
+        assert all(t["partitions"] == 6 and t["replication_factor"] == 1 for t in second["topics"])
+        assert (
+            das(
+                [
+                    "kafka",
+                    "init",
+                    "--bus",
+                    bus,
+                    "--topic",
+                    topic,
+                    "--dlq-topic",
+                    f"{topic}.dlq",
+                    "--partitions",
+                    "3",
+                ]
+            )
+            == 1
+        )
+        assert "exists with 6 partitions" in capsys.readouterr().err
+        from pipeline.topics import admin_client
+
+        admin = admin_client(kafka_servers)
+        configs = admin.describe_configs(
+            [ConfigResource("TOPIC", topic), ConfigResource("TOPIC", f"{topic}.dlq")]
+        )
+        admin.close()
+        assert configs["topic"][topic]["cleanup.policy"]["value"] == "compact"
+        assert configs["topic"][f"{topic}.dlq"]["cleanup.policy"]["value"] == "compact,delete"
+    finally:
+        drop_topics(kafka_servers, topic, f"{topic}.dlq")
+
+
+def test_published_records_reach_the_replica_with_offsets_and_tombstones(
+    kafka_servers, kafka_topics, tmp_path
+):
+    topic, dlq = kafka_topics
+    records = list(synthetic_records(0, 300, SMALL))
+    bus = open_bus(f"kafka://{','.join(kafka_servers)}", topic=topic)
+    for record in records:
+        bus.publish(record)
+    bus.close()
+    with HistoryStore(tmp_path / "store", window_epochs=2) as store:
+        indexer = _indexer(kafka_servers, topic, dlq, store)
+        totals = _drain(indexer, store, kafka_servers, topic)
+        indexer.close()
+        kept = {r.key for r in records if r.epoch >= 3}
+        assert {t.key for t in store.iter_trajectories()} == kept
+        assert totals["applied"] == len(records) and totals["evicted"] == len(records) - len(kept)
+        assert store.offsets() == totals["ends"]  # the tombstones this replica published come after
+    messages = _read_all(kafka_servers, topic)
+    tombstones = {m.key for m in messages if m.value is None}
+    assert tombstones == {record_key(*r.key) for r in records if r.epoch < 3}
+    for m in messages:  # records and their tombstones live in their problem's partition
+        assert m.partition == partition_for(m.key.decode().split("\x00")[0], 6)
+
+
+def test_problem_partition_matches_kafkas_default_partitioner(kafka_servers, kafka_topics):
+    topic, _ = kafka_topics
+    producer = KafkaProducer(bootstrap_servers=kafka_servers)
+    for i in range(60):
+        problem_id = f"problem-{i}-\u00e9"
+        sent = producer.send(topic, key=problem_id.encode(), value=b"x").get(timeout=30)
+        assert sent.partition == partition_for(problem_id, 6)
+    producer.close()
+
+
+def _malformed(i: int, rng: random.Random) -> tuple[bytes | None, bytes, str]:
+    """One malformed message (key, value, expected reason), cycling through every kind."""
+    good = synthetic_record(9, i, 1000, SMALL)
+    value = encode_record(good)
+    key = record_key(*good.key)
+    meta = json.dumps({"problem_id": good.problem_id, "epoch": 0, "sample": i}).encode()
+
+    def frame(meta_raw: bytes, n_prompt: int = 0, n_response: int = 0, version: int = 1) -> bytes:
+        return struct.pack("<2sBBIII", b"DR", version, 0, len(meta_raw), n_prompt, n_response) + meta_raw
+
+    kinds = [
+        (key, bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 200))), "encoding"),  # invalid encoding
+        (key, value[: rng.randint(16, len(value) - 1)], "truncated"),  # truncated payload
+        (key, value[:4] + b"\x00\x00\x00\x00" + value[8:], "truncated"),  # lengths disagree with payload
+        (key, b"\x00\x01" + value[2:], "encoding"),  # bad magic
+        (key, frame(meta, version=rng.choice([0, 2, 7, 255])), "schema_version"),  # unknown schema version
+        (key, frame(json.dumps({"problem_id": 5, "epoch": "x", "sample": 0}).encode()), "invalid"),  # types
+        (key, frame(meta, n_prompt=1) + struct.pack("<i", -rng.randint(1, 2**31)), "invalid"),  # negative id
+        (
+            key,
+            frame(meta, n_response=1) + struct.pack("<I", rng.randint(2**31, 2**32 - 1)),
+            "invalid",
+        ),  # huge id
+        (key, frame(meta, n_response=5000) + b"\x01\x00\x00\x00" * 5000, "oversize"),  # oversize record
+        (record_key("other", 0, i), value, "key_mismatch"),  # key of another record
+        (key, frame(b'{"problem_id": "p", "epoch": 0, "sam'), "encoding"),  # broken JSON
+    ]
+    return kinds[i % len(kinds)]
+
+
+def test_malformed_messages_go_to_the_dead_letter_topic_and_valid_ones_apply(
+    kafka_servers, kafka_topics, tmp_path
+):
+    topic, dlq = kafka_topics
+    rng = random.Random(4)
+    producer = KafkaProducer(bootstrap_servers=kafka_servers, max_request_size=1 << 24, linger_ms=5)
+    expected: dict[tuple[int, int], str] = {}  # (partition, offset) -> reason
+    futures = []
+    valid = [synthetic_record(1, i, 1000, SMALL) for i in range(1000)]
+    for i in range(1000):  # interleaved: a valid record, then a malformed one, in the same partitions
+        futures.append(
+            (None, producer.send(topic, key=record_key(*valid[i].key), value=encode_record(valid[i])))
+        )
+        key, value, reason = _malformed(i, rng)
+        futures.append((reason, producer.send(topic, key=key, value=value, partition=i % 6)))
+    for reason, future in futures:
+        meta = future.get(timeout=60)
+        if reason is not None:
+            expected[(meta.partition, meta.offset)] = reason
+    producer.close()
+    with HistoryStore(tmp_path / "store", window_epochs=5) as store:
+        indexer = _indexer(kafka_servers, topic, dlq, store, max_record_tokens=4096, batch_records=300)
+        totals = _drain(indexer, store, kafka_servers, topic)  # the replica never stops on bad input
+        indexer.close()
+        assert {t.key for t in store.iter_trajectories()} == {r.key for r in valid}
+    assert sum(totals["dead"].values()) == 1000
+    letters = _read_all(kafka_servers, dlq)
+    got = {}
+    for m in letters:
+        headers = dict(m.headers)
+        assert headers[H_TOPIC].decode() == topic
+        got[(int(headers[H_PARTITION]), int(headers[H_OFFSET]))] = headers[H_REASON].decode()
+        assert m.key == f"{topic}/{int(headers[H_PARTITION])}/{int(headers[H_OFFSET])}".encode()
+        assert H_KEY in headers
+    assert got == expected
+    assert len(letters) == 1000
+
+
+def test_publish_reports_backpressure_instead_of_blocking(kafka_servers, kafka_topics):
+    topic, _ = kafka_topics
+    bus = open_bus(f"kafka://{','.join(kafka_servers)}", topic=topic, max_queue_records=2)
+    refused = 0
+    for record in synthetic_records(2, 300, SMALL):
+        try:
+            bus.publish(record)
+        except BusBackpressureError as exc:
+            assert "record not taken" in str(exc)
+            refused += 1
+    bus.flush()
+    bus.close()
+    assert refused > 0
+    assert sum(end_offsets(kafka_servers, topic).values()) == 300 - refused
+    with pytest.raises(BusError, match="closed"):
+        bus.publish(next(synthetic_records(2, 1, SMALL)))
+
+
+def test_opening_the_bus_fails_clearly_without_a_broker_or_topic(kafka_servers):
+    with pytest.raises(BusError, match="127.0.0.1:1"):
+        open_bus("kafka://127.0.0.1:1", bootstrap_timeout_ms=2000)
+    with pytest.raises(BusError, match="das kafka init"):
+        open_bus(f"kafka://{','.join(kafka_servers)}", topic="test.no-such-topic")
+    with pytest.raises(ValueError, match="durability"):
+        open_bus(f"kafka://{','.join(kafka_servers)}", acks=1)
