@@ -7,10 +7,13 @@ O(new tokens + draft length). Occurrence counts equal those of a depth-bounded s
 of length <= depth, so drafting semantics are the suffix tree's.
 
 Layout (all int32 unless noted; one arena holds every tree so one call drafts for a whole batch):
-  states: s_len (longest string length), s_link (suffix link), s_count (occurrences = |endpos|),
-          s_edge (head of the state's outgoing-edge list), s_deg (number of outgoing edges)
+  states: s_len (longest string length), s_link (suffix link; -1 marks a root), s_count (occurrences =
+          |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
+          degree in its tree), s_edge (head of the state's outgoing-edge list)
   edges:  e_tok, e_to, e_next (singly linked per state, for enumerating continuations)
-  hash:   h_key (int64: state << 32 | token, -1 empty), h_val (edge id): (state, token) -> edge in O(1)
+  hash:   h_key (int64: state << 32 | token, -1 empty), h_val (edge id). Only states with more than
+          HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
+          list is as fast as a probe, while hashing every edge would cost a third of the memory.
   meta:   int64 [n_states, n_edges, n_hash_used]
 """
 
@@ -20,6 +23,7 @@ import numpy as np
 from numba import njit
 
 EMPTY = np.int64(-1)
+HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -31,8 +35,17 @@ def _slot(key, mask):
 
 
 @njit(cache=True)
-def find_edge(h_key, h_val, state, tok):
+def find_edge(s_edge, e_tok, e_next, h_key, h_val, state, tok):
     """Edge id of the transition (state, tok), or -1."""
+    e = s_edge[state]
+    for _ in range(HASHED_DEGREE):
+        if e == -1:
+            return -1
+        if e_tok[e] == tok:
+            return e
+        e = e_next[e]
+    if e == -1:
+        return -1
     key = (np.int64(state) << 32) | np.int64(tok)
     mask = h_key.shape[0] - 1
     i = _slot(key, mask)
@@ -56,45 +69,57 @@ def _hash_put(h_key, h_val, key, edge):
 
 
 @njit(cache=True)
-def new_state(s_len, s_link, s_count, s_edge, s_deg, meta, length, link, count):
+def new_state(s_len, s_link, s_count, s_edge, meta, length, link, count):
     s = meta[0]
     meta[0] += 1
     s_len[s] = length
     s_link[s] = link
     s_count[s] = count
     s_edge[s] = -1
-    s_deg[s] = 0
     return np.int32(s)
 
 
 @njit(cache=True)
-def _add_edge(s_edge, s_deg, e_tok, e_to, e_next, h_key, h_val, meta, state, tok, to):
-    s_deg[state] += 1
+def _add_edge(s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, state, tok, to):
     e = meta[1]
     meta[1] += 1
     e_tok[e] = tok
     e_to[e] = to
     e_next[e] = s_edge[state]
     s_edge[state] = e
-    _hash_put(h_key, h_val, (np.int64(state) << 32) | np.int64(tok), e)
-    meta[2] += 1
+    if s_link[state] == -1:
+        s_count[state] += 1  # a root's degree
+    degree = 0
+    x = e
+    while x != -1 and degree <= HASHED_DEGREE + 1:
+        degree += 1
+        x = e_next[x]
+    if degree == HASHED_DEGREE + 1:  # just crossed the threshold: hash every edge of the state
+        x = e
+        while x != -1:
+            _hash_put(h_key, h_val, (np.int64(state) << 32) | np.int64(e_tok[x]), x)
+            meta[2] += 1
+            x = e_next[x]
+    elif degree > HASHED_DEGREE + 1:
+        _hash_put(h_key, h_val, (np.int64(state) << 32) | np.int64(tok), e)
+        meta[2] += 1
 
 
 @njit(cache=True)
-def _clone(s_len, s_link, s_count, s_edge, s_deg, e_tok, e_to, e_next, h_key, h_val, meta, q, length):
-    c = new_state(s_len, s_link, s_count, s_edge, s_deg, meta, length, s_link[q], s_count[q])
+def _clone(s_len, s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, q, length):
+    c = new_state(s_len, s_link, s_count, s_edge, meta, length, s_link[q], s_count[q])
     e = s_edge[q]
     while e != -1:
-        _add_edge(s_edge, s_deg, e_tok, e_to, e_next, h_key, h_val, meta, c, e_tok[e], e_to[e])
+        _add_edge(s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, c, e_tok[e], e_to[e])
         e = e_next[e]
     return c
 
 
 @njit(cache=True)
-def _redirect(s_link, e_to, h_key, h_val, p, tok, old, new):
+def _redirect(s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, p, tok, old, new):
     """Points (p, tok) and the same transition of p's suffix ancestors from `old` to `new`."""
     while p != -1:
-        e = find_edge(h_key, h_val, p, tok)
+        e = find_edge(s_edge, e_tok, e_next, h_key, h_val, p, tok)
         if e == -1 or e_to[e] != old:
             break
         e_to[e] = new
@@ -103,7 +128,7 @@ def _redirect(s_link, e_to, h_key, h_val, p, tok, old, new):
 
 @njit(cache=True)
 def extend_tokens(
-    s_len, s_link, s_count, s_edge, s_deg, e_tok, e_to, e_next, h_key, h_val, meta, root, last, tokens, start
+    s_len, s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, root, last, tokens, start
 ):
     """Appends tokens[start:] to the sequence whose current end state is `last`.
 
@@ -116,7 +141,7 @@ def extend_tokens(
         # Room for the worst case of one token: two new states, an edge for each state on the suffix path
         # (at most len(last) + 1), a clone's copied edges (at most root's degree), with the hash half empty.
         # Every state's degree is at most its root's (each token that follows anything also follows root).
-        new_edges = s_len[last] + 2 + s_deg[root]
+        new_edges = s_len[last] + 2 + s_count[root]
         if (
             meta[0] + 2 > s_len.shape[0]
             or meta[1] + new_edges > e_tok.shape[0]
@@ -124,7 +149,7 @@ def extend_tokens(
         ):
             return i, last
         c = tokens[i]
-        e = find_edge(h_key, h_val, last, c)
+        e = find_edge(s_edge, e_tok, e_next, h_key, h_val, last, c)
         if e != -1:
             q = e_to[e]
             if s_len[last] + 1 == s_len[q]:
@@ -135,7 +160,6 @@ def extend_tokens(
                     s_link,
                     s_count,
                     s_edge,
-                    s_deg,
                     e_tok,
                     e_to,
                     e_next,
@@ -145,18 +169,18 @@ def extend_tokens(
                     q,
                     s_len[last] + 1,
                 )
-                _redirect(s_link, e_to, h_key, h_val, last, c, q, r)
+                _redirect(s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, last, c, q, r)
                 s_link[q] = r
         else:
-            cur = new_state(s_len, s_link, s_count, s_edge, s_deg, meta, s_len[last] + 1, -1, 0)
+            cur = new_state(s_len, s_link, s_count, s_edge, meta, s_len[last] + 1, root, 0)
             p = last
-            while p != -1 and find_edge(h_key, h_val, p, c) == -1:
-                _add_edge(s_edge, s_deg, e_tok, e_to, e_next, h_key, h_val, meta, p, c, cur)
+            while p != -1 and find_edge(s_edge, e_tok, e_next, h_key, h_val, p, c) == -1:
+                _add_edge(s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, p, c, cur)
                 p = s_link[p]
             if p == -1:
                 s_link[cur] = root
             else:
-                q = e_to[find_edge(h_key, h_val, p, c)]
+                q = e_to[find_edge(s_edge, e_tok, e_next, h_key, h_val, p, c)]
                 if s_len[p] + 1 == s_len[q]:
                     s_link[cur] = q
                 else:
@@ -165,7 +189,6 @@ def extend_tokens(
                         s_link,
                         s_count,
                         s_edge,
-                        s_deg,
                         e_tok,
                         e_to,
                         e_next,
@@ -175,7 +198,7 @@ def extend_tokens(
                         q,
                         s_len[p] + 1,
                     )
-                    _redirect(s_link, e_to, h_key, h_val, p, c, q, cl)
+                    _redirect(s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, p, c, q, cl)
                     s_link[q] = cl
                     s_link[cur] = cl
             r = cur
@@ -191,9 +214,16 @@ def extend_tokens(
 
 @njit(cache=True)
 def rehash(h_key_new, h_val_new, e_tok, e_next, s_edge, n_states):
-    """Re-inserts every edge of states [0, n_states) into a fresh (larger) hash table."""
+    """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
     h_key_new[:] = EMPTY
     for s in range(n_states):
+        degree = 0
+        e = s_edge[s]
+        while e != -1 and degree <= HASHED_DEGREE:
+            degree += 1
+            e = e_next[e]
+        if e == -1:
+            continue
         e = s_edge[s]
         while e != -1:
             _hash_put(h_key_new, h_val_new, (np.int64(s) << 32) | np.int64(e_tok[e]), e)
@@ -201,18 +231,20 @@ def rehash(h_key_new, h_val_new, e_tok, e_next, s_edge, n_states):
 
 
 @njit(cache=True)
-def advance_match(s_len, s_link, e_to, h_key, h_val, root, state, length, tokens, lo, hi, max_depth):
+def advance_match(
+    s_len, s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, root, state, length, tokens, lo, hi, max_depth
+):
     """Feeds tokens[lo:hi] to a match state; returns the state and length of the longest suffix (<= depth)."""
     # A clone made since the last call may now hold the matched string: move to the state that does.
     while state != root and length <= s_len[s_link[state]]:
         state = s_link[state]
     for i in range(lo, hi):
         t = tokens[i]
-        e = find_edge(h_key, h_val, state, t)
+        e = find_edge(s_edge, e_tok, e_next, h_key, h_val, state, t)
         while e == -1 and state != root:
             state = s_link[state]
             length = s_len[state]
-            e = find_edge(h_key, h_val, state, t)
+            e = find_edge(s_edge, e_tok, e_next, h_key, h_val, state, t)
         if e != -1:
             state = e_to[e]
             length += 1
@@ -342,7 +374,10 @@ def draft_batch_kernel(
                 st, ln = advance_match(
                     s_len,
                     s_link,
+                    s_edge,
+                    e_tok,
                     e_to,
+                    e_next,
                     h_key,
                     h_val,
                     root,
@@ -358,7 +393,10 @@ def draft_batch_kernel(
                 st, ln = advance_match(
                     s_len,
                     s_link,
+                    s_edge,
+                    e_tok,
                     e_to,
+                    e_next,
                     h_key,
                     h_val,
                     root,
@@ -406,7 +444,6 @@ def extend_rows(
     s_link,
     s_count,
     s_edge,
-    s_deg,
     e_tok,
     e_to,
     e_next,
@@ -421,22 +458,22 @@ def extend_rows(
     pos,
     d_states,
     d_edges,
+    d_hash,
 ):
     """Appends tok[off[r]:off[r+1]] to the sequence ending at lasts[r] of tree roots[r], for rows r >= row,
-    starting at token `pos`. Updates lasts in place and adds each row's new states and edges to d_states /
-    d_edges. Stops early when the arena needs room; returns where it stopped as (row, pos), and
+    starting at token `pos`. Updates lasts in place and adds each row's new states, edges and hash entries
+    to d_states / d_edges / d_hash. Stops early when the arena needs room; returns where it stopped as (row, pos), and
     (len(roots), 0) when done."""
     n_rows = roots.shape[0]
     while row < n_rows:
         end = off[row + 1]
         if pos < end:
-            states0, edges0 = meta[0], meta[1]
+            states0, edges0, hash0 = meta[0], meta[1], meta[2]
             nxt, last = extend_tokens(
                 s_len,
                 s_link,
                 s_count,
                 s_edge,
-                s_deg,
                 e_tok,
                 e_to,
                 e_next,
@@ -451,6 +488,7 @@ def extend_rows(
             lasts[row] = last
             d_states[row] += meta[0] - states0
             d_edges[row] += meta[1] - edges0
+            d_hash[row] += meta[2] - hash0
             if nxt < end:
                 return row, nxt
         row += 1

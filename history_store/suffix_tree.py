@@ -94,7 +94,6 @@ class SuffixForest:
         self.s_link = np.zeros(2 * n, np.int32)
         self.s_count = np.zeros(2 * n, np.int32)
         self.s_edge = np.zeros(2 * n, np.int32)
-        self.s_deg = np.zeros(2 * n, np.int32)
         self.e_tok = np.zeros(3 * n, np.int32)
         self.e_to = np.zeros(3 * n, np.int32)
         self.e_next = np.zeros(3 * n, np.int32)
@@ -111,20 +110,18 @@ class SuffixForest:
 
     @property
     def memory_bytes(self) -> int:
-        arrays = (self.s_len, self.s_link, self.s_count, self.s_edge, self.s_deg, self.e_tok, self.e_to)
+        arrays = (self.s_len, self.s_link, self.s_count, self.s_edge, self.e_tok, self.e_to)
         return sum(a.nbytes for a in arrays) + self.e_next.nbytes + self.h_key.nbytes + self.h_val.nbytes
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the arena in use: 20 per state, 12 per edge, and the hash at its fill."""
+        """Bytes of the arena in use: 16 per state, 12 per edge, 12 per hashed edge."""
         n_states, n_edges, n_hash = (int(x) for x in self.meta)
-        return 20 * n_states + 12 * n_edges + 12 * n_hash
+        return 16 * n_states + 12 * n_edges + 12 * n_hash
 
     def new_root(self) -> int:
         self._grow(states=1, edges=0)
-        return int(
-            K.new_state(self.s_len, self.s_link, self.s_count, self.s_edge, self.s_deg, self.meta, 0, -1, 0)
-        )
+        return int(K.new_state(self.s_len, self.s_link, self.s_count, self.s_edge, self.meta, 0, -1, 0))
 
     def extend(self, root: int, last: int, tokens: np.ndarray) -> int:
         """Appends tokens to the sequence ending at state `last` of the tree at `root`; returns the new end."""
@@ -135,7 +132,6 @@ class SuffixForest:
                 self.s_link,
                 self.s_count,
                 self.s_edge,
-                self.s_deg,
                 self.e_tok,
                 self.e_to,
                 self.e_next,
@@ -148,7 +144,7 @@ class SuffixForest:
                 i,
             )
             if i < tokens.shape[0]:
-                need = int(self.s_len[last]) + 2 + int(self.s_deg[root])
+                need = int(self.s_len[last]) + 2 + int(self.s_count[root])
                 self._grow(states=2 * (tokens.shape[0] - i) + 2, edges=need + 3 * (tokens.shape[0] - i))
         return last
 
@@ -163,6 +159,7 @@ class SuffixForest:
         lasts = np.fromiter((q.last for q in seqs), np.int32, n)
         d_states = np.zeros(n, np.int64)
         d_edges = np.zeros(n, np.int64)
+        d_hash = np.zeros(n, np.int64)
         row, pos = 0, int(off[0]) if n else 0
         while row < n:
             row, pos = K.extend_rows(
@@ -170,7 +167,6 @@ class SuffixForest:
                 self.s_link,
                 self.s_count,
                 self.s_edge,
-                self.s_deg,
                 self.e_tok,
                 self.e_to,
                 self.e_next,
@@ -185,10 +181,11 @@ class SuffixForest:
                 pos,
                 d_states,
                 d_edges,
+                d_hash,
             )
             if row < n:
                 left = int(off[row + 1]) - pos
-                need = int(self.s_len[lasts[row]]) + 2 + int(self.s_deg[roots[row]])
+                need = int(self.s_len[lasts[row]]) + 2 + int(self.s_count[roots[row]])
                 self._grow(states=2 * left + 2, edges=need + 3 * left)
         for i, (tree, seq) in enumerate(zip(trees, seqs, strict=True)):
             chunk = tokens[off[i] : off[i + 1]]
@@ -199,12 +196,13 @@ class SuffixForest:
                 tree.num_tokens += chunk.shape[0]
                 tree._n_states += int(d_states[i])
                 tree._n_edges += int(d_edges[i])
+                tree._n_hash += int(d_hash[i])
 
     def _grow(self, states: int, edges: int) -> None:
         n_states, n_edges, n_hash = (int(x) for x in self.meta)
         if n_states + states > self.s_len.shape[0]:
             size = _grown(self.s_len.shape[0], n_states + states)
-            for name in ("s_len", "s_link", "s_count", "s_edge", "s_deg"):
+            for name in ("s_len", "s_link", "s_count", "s_edge"):
                 setattr(self, name, _resized(getattr(self, name), size))
         if n_edges + edges > self.e_tok.shape[0]:
             size = _grown(self.e_tok.shape[0], n_edges + edges)
@@ -280,6 +278,7 @@ class SuffixTree:
         self.num_tokens = 0
         self._n_states = 1
         self._n_edges = 0
+        self._n_hash = 0
         self.root = self.forest.new_root()
         self.version = self.forest.next_version()
         self.forest.register(self)
@@ -300,14 +299,15 @@ class SuffixTree:
 
     @property
     def memory_bytes(self) -> int:
-        """Arena bytes this tree uses (20 per state, 12 per edge plus its hash slot) plus its stored tokens."""
-        return 20 * self._n_states + 24 * self._n_edges + 4 * self.num_tokens
+        """Arena bytes this tree uses (16 per state, 12 per edge, 12 per hashed edge) plus its stored tokens."""
+        return 16 * self._n_states + 12 * self._n_edges + 12 * self._n_hash + 4 * self.num_tokens
 
     def _extend_seq(self, last: int, toks: np.ndarray) -> int:
-        states, edges = int(self.forest.meta[0]), int(self.forest.meta[1])
+        states, edges, hashed = (int(x) for x in self.forest.meta)
         last = self.forest.extend(self.root, last, toks)
         self._n_states += int(self.forest.meta[0]) - states
         self._n_edges += int(self.forest.meta[1]) - edges
+        self._n_hash += int(self.forest.meta[2]) - hashed
         return last
 
     def extend(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> None:
@@ -348,7 +348,7 @@ class SuffixTree:
     def _rebuild(self, count_garbage: bool) -> None:
         if count_garbage:
             self.forest.garbage_states += self._n_states
-        self._n_states, self._n_edges = 1, 0
+        self._n_states, self._n_edges, self._n_hash = 1, 0, 0
         self.root = self.forest.new_root()
         self.version = self.forest.next_version()
         for seq in self._seqs.values():
@@ -368,7 +368,10 @@ class SuffixTree:
         state, length = K.advance_match(
             f.s_len,
             f.s_link,
+            f.s_edge,
+            f.e_tok,
             f.e_to,
+            f.e_next,
             f.h_key,
             f.h_val,
             self.root,
