@@ -216,7 +216,7 @@ def test_history_survives_restarts_and_rollout_workers_share_their_replica() -> 
         assert "deploy" not in service, f"{name}: a history replica needs no GPU"
     workers = {name: svc for name, svc in das_services().items() if command_of(svc)[1] == "rollout"}
     for name, service in workers.items():
-        volume = volume_holding(service, option(command_of(service), "--history"))
+        volume = volume_holding(service, option(command_of(service), "--history-dir"))
         assert volume in volumes, f"{name}: its history is not on a named volume"
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert any("gpu" in device["capabilities"] for device in devices), f"{name}: no GPU reservation"
@@ -251,3 +251,29 @@ def test_every_variable_is_documented_in_the_header() -> None:
     assert not undocumented, (
         f"variables used but not described in the docker-compose.yml header: {undocumented}"
     )
+
+
+def test_multiprocess_metrics_folders_start_empty() -> None:
+    for name, service in SERVICES.items():
+        folder = environment(service).get("PROMETHEUS_MULTIPROC_DIR")
+        if folder is not None:
+            # A tmpfs is empty at every container start: values of a previous run never add to this one's.
+            assert folder in service.get("tmpfs", []), f"{name}: {folder} must be a tmpfs"
+
+
+def _parse_error(arguments: list[str], capsys: pytest.CaptureFixture[str]) -> str | None:
+    """The das CLI's complaint about `arguments`, or None when they parse."""
+    from workers.cli import build_cli
+
+    try:
+        build_cli().parser.parse_args(arguments)
+    except SystemExit:
+        return capsys.readouterr().err.strip().splitlines()[-1]
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(das_services()))
+def test_compose_commands_parse_with_the_das_cli(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    command = command_of(SERVICES[name])
+    error = _parse_error(command[1:], capsys)
+    assert error is None, f"{name}: `{shlex.join(command)}` is not a valid das command: {error}"
