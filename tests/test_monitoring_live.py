@@ -10,10 +10,13 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 from kafka import KafkaProducer
 from monitoring_support import DASHBOARDS, free_port
 from test_monitoring_prometheus import RATE_INTERVAL, PrometheusApi, require_binary, wait_for
+
+pytestmark = pytest.mark.kafka
 
 RECORDS = 200
 # Panels fed by the replica; the others come from rollout workers and producers, which this test does not run.
