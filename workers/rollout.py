@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -396,3 +397,45 @@ class RolloutWorker:
     def proposer_stats(self) -> dict[str, Any]:
         """The DAS proposer's counters and budget state."""
         return self.llm.collective_rpc("das_stats")[0]
+
+
+class EmbeddedReplica:
+    """The one-machine history replica: an Indexer thread applying the embedded bus to a local HistoryStore.
+
+    The DAS proposer in the engine process reads the same folder as a RocksDB secondary (`DAS_HISTORY_DIR`),
+    so trajectories published by the rollout become draftable without a broker, and survive a restart.
+    """
+
+    def __init__(self, history_dir: Path) -> None:
+        from history_store.store import HistoryStore
+        from pipeline.bus import embedded_bus
+        from workers.indexer import Indexer
+
+        self.path = Path(history_dir)
+        self.store = HistoryStore(self.path)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._indexer = Indexer(embedded_bus().subscribe(), self.store)
+        self._thread = threading.Thread(target=self._run, name="das-embedded-indexer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._indexer.run(self._stop)
+        except BaseException as exc:  # surfaced by close(): a dead indexer must not pass silently
+            self._error = exc
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stops the indexer after it applied what was published, and closes the store.
+
+        Raises:
+            RuntimeError: the indexer thread failed (with its error as the cause).
+        """
+        from pipeline.bus import embedded_bus
+
+        embedded_bus().flush(timeout_s)
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self.store.close()
+        if self._error is not None:
+            raise RuntimeError(f"embedded indexer for {self.path} failed: {self._error}") from self._error

