@@ -83,6 +83,7 @@ class KafkaBus:
         self._failed = 0
         self._first_error: str | None = None
         self._closed = False
+        self.wire_bytes = 0  # encoded bytes handed to the producer (before compression); for load reports
         self._thread = threading.Thread(target=self._send_loop, name="das-bus-sender", daemon=True)
         self._thread.start()
 
@@ -155,11 +156,13 @@ class KafkaBus:
             if item is _STOP:
                 return
             record, published_at = item  # type: ignore[misc]
+            value = encode_record(record)
+            self.wire_bytes += len(value)
             try:
                 future = self._producer.send(
                     self.topic,
                     key=record_key(*record.key),
-                    value=encode_record(record),
+                    value=value,
                     partition=partition_for(record.problem_id, self._partitions),
                     timestamp_ms=int(published_at * 1000),
                 )

@@ -4,7 +4,8 @@ A value is a 16-byte header, a small JSON object of the scalar fields, then the 
 as little-endian unsigned integers, 2 bytes a token when every id of the array fits (vocabularies up to 65,536,
 e.g. SmolLM2's 49,152) and 4 bytes otherwise. JSON arrays take 6 to 8 bytes a token for today's 150k-token
 vocabularies and cost several times more to parse; here decoding is one `np.frombuffer` per array. Decoding
-always ends in `TrajectoryRecord.model_validate`, so the bus accepts exactly what the model accepts.
+validates the scalar fields through `TrajectoryRecord.model_validate` and the token arrays against the model's
+token bound (vectorized), so the bus accepts exactly what the model accepts.
 
 Header (little-endian): magic b"DR", schema version (u8), flags (u8: bit 0 prompt is u16, bit 1 response is
 u16), JSON length (u32), prompt length (u32), response length (u32), in tokens.
@@ -25,7 +26,7 @@ import numpy as np
 from kafka.partitioner.default import murmur2
 from pydantic import ValidationError
 
-from pipeline.schemas import SCHEMA_VERSION, TrajectoryRecord
+from pipeline.schemas import MAX_TOKEN_ID, SCHEMA_VERSION, TrajectoryRecord
 
 MAGIC = b"DR"
 _HEAD = struct.Struct("<2sBBIII")
@@ -85,8 +86,44 @@ def encode_record(record: TrajectoryRecord) -> bytes:
     return b"".join((head, meta_raw, prompt, response))
 
 
-def decode_record(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> TrajectoryRecord:
-    """Decodes and validates one wire value.
+@dataclass(frozen=True, slots=True)
+class DecodedRecord:
+    """A validated record as the replica handles it: token ids stay numpy arrays (views of the message), so
+    the store and the trees take them without a round trip through Python lists.
+
+    `meta` is the record model validated with every scalar field and empty token lists; the token arrays
+    passed the model's TokenId bound (0..MAX_TOKEN_ID) vectorized.
+    """
+
+    meta: TrajectoryRecord
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+
+    @property
+    def problem_id(self) -> str:
+        return self.meta.problem_id
+
+    @property
+    def epoch(self) -> int:
+        return self.meta.epoch
+
+    @property
+    def sample(self) -> int:
+        return self.meta.sample
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.meta.key
+
+    def to_record(self) -> TrajectoryRecord:
+        """The full record model, token ids as lists."""
+        return self.meta.model_copy(
+            update={"prompt_ids": self.prompt_ids.tolist(), "response_ids": self.response_ids.tolist()}
+        )
+
+
+def decode(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> DecodedRecord:
+    """Decodes and validates one wire value, keeping token ids as arrays.
 
     Raises WireError with the reason code (encoding, truncated, schema_version, oversize, invalid).
     """
@@ -125,13 +162,28 @@ def decode_record(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKE
         raise WireError(REASON_ENCODING, f"{misplaced} belong in the binary part, not the JSON object")
     start = HEADER_BYTES + meta_len
     middle = start + n_prompt * prompt_width
-    meta["prompt_ids"] = np.frombuffer(value, f"<u{prompt_width}", n_prompt, start).tolist()
-    meta["response_ids"] = np.frombuffer(value, f"<u{response_width}", n_response, middle).tolist()
+    prompt = np.frombuffer(value, f"<u{prompt_width}", n_prompt, start)
+    response = np.frombuffer(value, f"<u{response_width}", n_response, middle)
+    # Unsigned arrays are >= 0 by construction; only 4-byte ids can exceed the model's bound. Checking the
+    # arrays here instead of validating a Python int per token makes decoding about three times faster.
+    for name, arr in (("prompt_ids", prompt), ("response_ids", response)):
+        if arr.itemsize == 4 and arr.size and int(arr.max()) > MAX_TOKEN_ID:
+            bad = int(arr[arr > MAX_TOKEN_ID][0])
+            raise WireError(REASON_INVALID, f"{name}: token id {bad} outside 0..{MAX_TOKEN_ID}")
+    meta["prompt_ids"] = meta["response_ids"] = []
     meta["schema_version"] = version
     try:
-        return TrajectoryRecord.model_validate(meta)
+        return DecodedRecord(TrajectoryRecord.model_validate(meta), prompt, response)
     except ValidationError as exc:
         raise WireError(REASON_INVALID, _summarize(exc)) from exc
+
+
+def decode_record(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> TrajectoryRecord:
+    """Decodes and validates one wire value into the record model.
+
+    Raises WireError with the reason code (encoding, truncated, schema_version, oversize, invalid).
+    """
+    return decode(value, max_tokens).to_record()
 
 
 def _summarize(exc: ValidationError, limit: int = 3) -> str:
@@ -161,11 +213,12 @@ def parse_record_key(key: bytes) -> tuple[str, int, int]:
         ) from exc
 
 
-def check_key(key: bytes | None, record: TrajectoryRecord) -> None:
-    """Raises WireError(key_mismatch) unless `key` is the record's own key (a partition or compaction mix-up)."""
-    if key != record_key(*record.key):
+def check_key(key: bytes | None, identity: tuple[str, int, int]) -> None:
+    """Raises WireError(key_mismatch) unless `key` is the key of the record `identity` (problem, epoch,
+    sample): a mismatch means a partition or compaction mix-up upstream."""
+    if key != record_key(*identity):
         raise WireError(
-            REASON_KEY_MISMATCH, f"message key {key!r:.80} does not match record {record.key!r:.120}"
+            REASON_KEY_MISMATCH, f"message key {key!r:.80} does not match record {identity!r:.120}"
         )
 
 

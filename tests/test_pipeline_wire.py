@@ -130,10 +130,10 @@ def test_validation_detail_does_not_echo_token_arrays():
 
 def test_key_must_match_the_records_identity():
     record = _record()
-    check_key(record_key("p", 1, 2), record)
+    check_key(record_key("p", 1, 2), record.key)
     for key in (None, b"p", record_key("p", 1, 3), record_key("q", 1, 2)):
         with pytest.raises(WireError) as info:
-            check_key(key, record)
+            check_key(key, record.key)
         assert info.value.reason == REASON_KEY_MISMATCH
 
 

@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from history_store.problem_index import ProblemIndex
-from history_store.store import HistoryStore
+from history_store.store import HistoryStore, TrajectoryLike
 from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERED, FRESHNESS
 from pipeline.bus import EMBEDDED_TOPIC, BusError, BusMessage, TrajectorySource
 from pipeline.consumer import ReplicaPublisher
-from pipeline.schemas import TrajectoryRecord
-from pipeline.wire import DEFAULT_MAX_RECORD_TOKENS, WireError, check_key, decode_record
+from pipeline.wire import DEFAULT_MAX_RECORD_TOKENS, WireError, check_key, decode
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +48,11 @@ LAG_INTERVAL_S = 5.0
 class ReplicaListener(Protocol):
     """Told about every change the replica applied, after it is durable."""
 
-    def on_applied(self, records: Sequence[TrajectoryRecord]) -> None: ...
+    def on_applied(self, records: Sequence[TrajectoryLike]) -> None:
+        """Records now durable and draftable (records of the model, or decoded ones with token arrays)."""
 
-    def on_evicted(self, keys: Sequence[Key]) -> None: ...
+    def on_evicted(self, keys: Sequence[Key]) -> None:
+        """Keys the store evicted because their epoch left the window."""
 
 
 class ProblemIndexListener:
@@ -60,7 +61,7 @@ class ProblemIndexListener:
     def __init__(self, index: ProblemIndex) -> None:
         self.index = index
 
-    def on_applied(self, records: Sequence[TrajectoryRecord]) -> None:
+    def on_applied(self, records: Sequence[TrajectoryLike]) -> None:
         for r in records:
             self.index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
 
@@ -128,27 +129,28 @@ class Indexer:
         if not messages:
             return report
         report.messages = len(messages)
-        records: list[TrajectoryRecord] = []
+        records: list[TrajectoryLike] = []
         published_ms: dict[Key, int] = {}
         offsets: dict[tuple[str, int], int] = {}
         for message in messages:
             if message.topic != EMBEDDED_TOPIC:
                 offsets[(message.topic, message.partition)] = message.offset + 1
-            record = message.record
+            record: TrajectoryLike | None = message.record
             if record is None:
                 if message.value is None:
                     # A tombstone another replica (or this one, earlier) published; our window evicts the same.
                     report.tombstones += 1
                     continue
                 try:
-                    record = decode_record(message.value, self.max_record_tokens)
-                    check_key(message.key, record)
+                    decoded = decode(message.value, self.max_record_tokens)
+                    check_key(message.key, decoded.key)
+                    record = decoded
                 except WireError as exc:
                     self._dead_letter(message, exc)
                     report.dead_lettered[exc.reason] += 1
                     continue
             records.append(record)
-            published_ms.setdefault(record.key, message.timestamp_ms)
+            published_ms.setdefault((record.problem_id, record.epoch, record.sample), message.timestamp_ms)
         if report.dead_lettered:
             assert self.publisher is not None  # _dead_letter raised otherwise
             self.publisher.flush()
@@ -162,7 +164,7 @@ class Indexer:
         report.stale, report.evicted = len(result.stale), len(result.evicted)
         if result.applied and self.listeners:
             applied = set(result.applied)
-            fresh = [r for r in records if r.key in applied]
+            fresh = [r for r in records if (r.problem_id, r.epoch, r.sample) in applied]
             for listener in self.listeners:
                 listener.on_applied(fresh)
         if result.evicted:

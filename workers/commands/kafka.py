@@ -130,9 +130,9 @@ def init(args: argparse.Namespace) -> int:
 
 
 def load(args: argparse.Namespace) -> int:
-    from pipeline.bus import BusBackpressureError, BusError, open_bus
+    from pipeline.bus import BusBackpressureError, BusError
+    from pipeline.producer import KafkaBus
     from pipeline.synthetic import SyntheticShape, synthetic_records
-    from pipeline.wire import encode_record
 
     shape = SyntheticShape(
         problems=args.problems,
@@ -141,11 +141,11 @@ def load(args: argparse.Namespace) -> int:
         response_tokens_median=args.response_tokens,
     )
     try:
-        bus = open_bus(args.bus or "", topic=args.topic, **kafka_settings(args.kafka_setting))
+        bus = KafkaBus(kafka_servers_from(args), topic=args.topic, **kafka_settings(args.kafka_setting))
     except (BusError, ValueError) as exc:
         print(f"das kafka load: {exc}", file=sys.stderr)
         return 1
-    published = wire_bytes = backpressured = 0
+    published = backpressured = 0
     started = time.perf_counter()
     try:
         for record in synthetic_records(args.worker, args.count, shape, args.seed):
@@ -162,7 +162,6 @@ def load(args: argparse.Namespace) -> int:
                     backpressured += 1
                     time.sleep(0.01)
             published += 1
-            wire_bytes += len(encode_record(record))
         bus.close()
     except BusError as exc:
         print(f"das kafka load: {exc}", file=sys.stderr)
@@ -174,7 +173,7 @@ def load(args: argparse.Namespace) -> int:
                 "published": published,
                 "seconds": round(seconds, 3),
                 "records_per_s": round(published / seconds, 1),
-                "wire_bytes": wire_bytes,
+                "wire_bytes": bus.wire_bytes,
                 "backpressure_waits": backpressured,
             }
         )
