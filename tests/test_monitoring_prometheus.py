@@ -5,75 +5,32 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from monitoring_support import ALERT_RULES, DASHBOARDS, METRICS_SOURCE, PROMETHEUS_CONFIG, free_port
+from monitoring_support import (
+    ALERT_RULES,
+    DASHBOARDS,
+    METRICS_SOURCE,
+    PROMETHEUS_CONFIG,
+    RATE_INTERVAL,
+    PrometheusApi,
+    free_port,
+    require_binary,
+    running_prometheus,
+    wait_for,
+)
 
 from monitoring import metrics
-
-# Long enough for a cold start on a loaded shared machine; a healthy run needs a few seconds.
-STARTUP_DEADLINE_S = 120
-# Grafana's $__rate_interval is at least four scrapes; the test scrapes every second.
-RATE_INTERVAL = "30s"
-
-
-def require_binary(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(
-            f"`{name}` not found on PATH: these tests run a real Prometheus. Install it with "
-            "`bash scripts/install_system_deps.sh` (Debian package `prometheus`)."
-        )
-    return path
-
-
-def wait_for(what: str, check, deadline_s: float = STARTUP_DEADLINE_S):
-    """Polls `check` until it returns something truthy; fails naming `what` if the deadline passes."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what} after {deadline_s} s")
-        time.sleep(0.5)
-
-
-class PrometheusApi:
-    def __init__(self, port: int) -> None:
-        self.base = f"http://127.0.0.1:{port}"
-
-    def get(self, path: str, **params: str) -> dict:
-        url = f"{self.base}{path}?{urllib.parse.urlencode(params)}"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            body = json.loads(response.read())
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        return self.get("/api/v1/query", query=expr)["result"]
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base}/-/ready", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
 
 
 @pytest.fixture(scope="module")
 def prometheus() -> Iterator[PrometheusApi]:
-    binary = require_binary("prometheus")
     with tempfile.TemporaryDirectory(prefix="das-prometheus-") as tmp:
         workdir = Path(tmp)
         (workdir / "multiproc").mkdir()
@@ -84,41 +41,17 @@ def prometheus() -> Iterator[PrometheusApi]:
             stdout=subprocess.PIPE,
             text=True,
         )
-        prometheus_process = None
         try:
             ready_line = source.stdout.readline()
             assert ready_line.startswith("ready"), f"metrics source did not start: {ready_line!r}"
-            config = {
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": [str(ALERT_RULES)],
-                "scrape_configs": [
-                    {"job_name": "das-test", "static_configs": [{"targets": [f"127.0.0.1:{source_port}"]}]}
-                ],
-            }
-            (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-            api_port = free_port(exclude=(source_port,))
-            prometheus_process = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={workdir / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{api_port}",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=(workdir / "prometheus.log").open("w"),
-            )
-            api = PrometheusApi(api_port)
-            wait_for("Prometheus to be ready", lambda: prometheus_process.poll() is None and api.ready())
-            # Rates need a few scrapes inside the window; alert rules need a few evaluations.
-            wait_for(
-                "das_ samples to accumulate",
-                lambda: api.query(f"rate(das_drafts_total[{RATE_INTERVAL}]) > 0"),
-            )
-            yield api
+            with running_prometheus(workdir, {"das-test": source_port}, rule_files=(ALERT_RULES,)) as api:
+                # Rates need a few scrapes inside the window; alert rules need a few evaluations.
+                wait_for(
+                    "das_ samples to accumulate",
+                    lambda: api.query(f"rate(das_drafts_total[{RATE_INTERVAL}]) > 0"),
+                )
+                yield api
         finally:
-            if prometheus_process is not None:
-                prometheus_process.terminate()
-                prometheus_process.wait(timeout=60)
             source.stdin.close()
             source.wait(timeout=60)
 
