@@ -1,0 +1,59 @@
+"""What a request carries in `SamplingParams.extra_args`, and the proposer's environment settings: malformed
+input is named and falls back to own-context drafting, never an exception."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.proposer import ProposerSettings, parse_extra_args
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "expected"),
+    [
+        (None, (None, None, None)),
+        ({}, (None, None, None)),
+        ({"das_problem_id": "p1"}, ("p1", None, None)),
+        ({"das_problem_id": "p1", "das_epoch": 3, "das_sample": 0, "other": "x"}, ("p1", 3, 0)),
+    ],
+)
+def test_well_formed_extra_args_give_problem_epoch_and_sample(extra_args, expected) -> None:
+    *parsed, problem = parse_extra_args(extra_args)
+    assert tuple(parsed) == expected
+    assert problem is None
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "reason"),
+    [
+        ("p1", "not a dict"),
+        ({"das_problem_id": 7}, "non-empty str"),
+        ({"das_problem_id": ""}, "non-empty str"),
+        ({"das_problem_id": "x" * 513}, "at most 512"),
+        ({"das_problem_id": "p", "das_epoch": -1}, "das_epoch"),
+        ({"das_problem_id": "p", "das_epoch": True}, "das_epoch"),
+        ({"das_problem_id": "p", "das_sample": "0"}, "das_sample"),
+    ],
+)
+def test_malformed_extra_args_are_named_and_fall_back_to_own_context(extra_args, reason) -> None:
+    problem_id, epoch, sample, problem = parse_extra_args(extra_args)
+    assert (problem_id, epoch, sample) == (None, None, None)
+    assert reason in problem
+
+
+def test_settings_come_from_das_environment_variables(monkeypatch) -> None:
+    monkeypatch.setenv("DAS_BUDGET", "off")
+    monkeypatch.setenv("DAS_MIN_TOKEN_PROB", "0.2")
+    monkeypatch.setenv("DAS_HISTORY_DIR", "/tmp/replica")
+    settings = ProposerSettings.from_env()
+    assert (settings.budget, settings.min_token_prob, settings.history_dir) == (False, 0.2, "/tmp/replica")
+
+
+def test_unparsable_settings_name_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv("DAS_MIN_TOKEN_PROB", "high")
+    with pytest.raises(ValueError, match="DAS_MIN_TOKEN_PROB"):
+        ProposerSettings.from_env()
+    monkeypatch.setenv("DAS_MIN_TOKEN_PROB", "0.1")
+    monkeypatch.setenv("DAS_BUDGET", "maybe")
+    with pytest.raises(ValueError, match="DAS_BUDGET"):
+        ProposerSettings.from_env()
