@@ -271,14 +271,15 @@ def draft_from(
     spec_factor,
     spec_offset,
     min_prob,
+    escape,
     out_tok,
     out_prob,
 ):
     """Drafts from a match state: the most frequent continuation while its path probability >= min_prob.
 
     The match falls back to the longest suffix that has a continuation (a string seen only at the end of a
-    sequence, e.g. the request's own tail, predicts nothing). Probabilities are count(x+t) / sum over
-    continuations, multiplied along the path. Ties go to the smaller token id.
+    sequence, e.g. the request's own tail, predicts nothing). Probabilities are count(x+t) / (sum over
+    continuations + escape), multiplied along the path. Ties go to the smaller token id.
     Returns (number of draft tokens, match length used, score = sum of path probabilities).
     """
     while state != root and s_edge[state] == -1:
@@ -304,7 +305,7 @@ def draft_from(
                 best_c = c
                 best_e = e
             e = e_next[e]
-        p = prob * best_c / total
+        p = prob * best_c / (total + escape)
         if p < min_prob:
             break
         prob = p
@@ -341,6 +342,7 @@ def draft_batch_kernel(
     spec_factor,
     spec_offset,
     min_prob,
+    escape,
     out_tok,
     out_len,
     out_prob,
@@ -426,6 +428,7 @@ def draft_batch_kernel(
                 spec_factor[i],
                 spec_offset,
                 min_prob[i],
+                escape,
                 tmp_tok,
                 tmp_prob,
             )

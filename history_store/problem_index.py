@@ -391,6 +391,7 @@ class ProblemIndex:
             np.full(n, cfg.max_spec_factor),
             cfg.max_spec_offset,
             np.full(n, cfg.min_token_prob),
+            cfg.escape,
             out.tokens,
             out.lengths,
             out.probs,

@@ -34,6 +34,9 @@ class DraftConfig:
         matches draft little (SuffixDecoding's rule; 1.0 and 0 are its defaults).
     min_token_prob: stop when the path probability of the next draft token falls below this (0.1 as in
         SuffixDecoding).
+    escape: pseudo-count of "a continuation not seen yet" in each probability, count / (total + escape).
+        Raw count ratios are overconfident on thin history (one sighting reads as certainty); 1.0 is PPM's
+        method-A escape estimate. 0.0 gives SuffixDecoding's raw ratios.
     """
 
     max_depth: int = 64
@@ -41,12 +44,15 @@ class DraftConfig:
     max_spec_factor: float = 1.0
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
+    escape: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_spec_tokens < 0:
             raise ValueError(f"max_depth must be >= 1 and max_spec_tokens >= 0, got {self}")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.escape < 0.0:
+            raise ValueError(f"escape must be >= 0, got {self.escape}")
 
 
 @dataclass(frozen=True)
@@ -399,6 +405,7 @@ class SuffixTree:
             cfg.max_spec_factor,
             cfg.max_spec_offset,
             cfg.min_token_prob,
+            cfg.escape,
             out_tok,
             out_prob,
         )

@@ -37,7 +37,7 @@ def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: Dra
         if not counts:
             break
         best = min(counts, key=lambda t: (-counts[t], t))
-        p = prob * counts[best] / sum(counts.values())
+        p = prob * counts[best] / (sum(counts.values()) + cfg.escape)
         if p < cfg.min_token_prob:
             break
         prob = p
@@ -69,6 +69,7 @@ config = st.builds(
     max_spec_factor=st.sampled_from([0.5, 1.0, 4.0]),
     max_spec_offset=st.sampled_from([0.0, 1.0]),
     min_token_prob=st.sampled_from([0.0, 0.1, 0.3]),
+    escape=st.sampled_from([0.0, 1.0]),
 )
 
 

@@ -14,6 +14,7 @@ H100-class GPU at decode batch sizes).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -100,7 +101,9 @@ def _index_for(strategy: str, config: DraftConfig, window: int) -> ProblemIndex 
     if strategy in ("none", "ngram"):
         return None
     if strategy == "suffix-global":
-        # SuffixDecoding: one global tree of responses (active ones included), plus the request's own context.
+        # SuffixDecoding as it is: one global tree of responses (active ones included), the request's own
+        # context, and its raw count ratios as probabilities.
+        config = dataclasses.replace(config, escape=0.0)
         return ProblemIndex(window_epochs=1_000_000, config=config, use_history=False, live_scope="all")
     if strategy == "das-problem":
         return ProblemIndex(window_epochs=window, config=config, use_global=False)

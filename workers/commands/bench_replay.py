@@ -25,6 +25,9 @@ def register(cli) -> None:
     parser.add_argument("--min-token-prob", type=float, default=0.1)
     parser.add_argument("--max-spec-factor", type=float, default=1.0)
     parser.add_argument("--max-spec-offset", type=float, default=0.0)
+    parser.add_argument(
+        "--escape", type=float, default=1.0, help="pseudo-count of unseen continuations (das)"
+    )
     parser.add_argument("--c-base", type=float, default=8e-3, help="verifier step cost, seconds")
     parser.add_argument("--c-seq", type=float, default=1e-4, help="verifier cost per active request, seconds")
     parser.add_argument(
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         max_spec_factor=args.max_spec_factor,
         max_spec_offset=args.max_spec_offset,
         min_token_prob=args.min_token_prob,
+        escape=args.escape,
     )
     cost = replay.CostModel(args.c_base, args.c_seq, args.c_tok)
     try:
