@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -119,10 +119,17 @@ class DasProcesses:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, *args: str, preexec_fn: Callable[[], None] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Starts `das <args>` with output to `<name>.log`; `preexec_fn` runs in the child before exec."""
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child writes it; closed at stop)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+            [sys.executable, "-m", "workers.cli", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            preexec_fn=preexec_fn,
         )
         log.close()
         self.procs.append(proc)
