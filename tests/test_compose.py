@@ -206,6 +206,8 @@ def test_history_survives_restarts_and_rollout_workers_share_their_replica() -> 
         name: svc for name, svc in das_services().items() if command_of(svc)[1:3] == ["indexer", "run"]
     }
     assert len(replicas) >= 2
+    names = [option(command_of(svc), "--replica") for svc in replicas.values()]
+    assert len(set(names)) == len(names), f"replicas share a name (consumer group): {names}"
     replica_of_volume = {}
     for name, service in replicas.items():
         # Checkpoints go beside the store on the same volume (they hard-link its files).
