@@ -97,10 +97,11 @@ def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, cont
 @settings(max_examples=100, deadline=None)
 @given(seqs=st.dictionaries(st.integers(0, 10), st.lists(SMALL_VOCAB, max_size=30), max_size=5))
 def test_serialization_round_trips_exactly(seqs):
-    tree = SuffixTree(DraftConfig(min_token_prob=0.0))
+    config = DraftConfig(min_token_prob=0.0)
+    tree = SuffixTree(config)
     for seq_id, tokens in seqs.items():
         tree.extend(seq_id, tokens)
-    copy = SuffixTree.from_bytes(tree.to_bytes())
+    copy = SuffixTree.from_bytes(tree.to_bytes(), config)
     assert copy.to_bytes() == tree.to_bytes()
     for tokens in seqs.values():
         for cut in range(0, len(tokens), 3):
