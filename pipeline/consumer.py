@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 CONSUMER_DEFAULTS: dict[str, object] = {
     "enable_auto_commit": False,
     "auto_offset_reset": "earliest",
-    # One message may be a 16 MiB trajectory; a fetch must be able to carry it.
-    "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,
-    "fetch_max_bytes": 4 * MAX_MESSAGE_BYTES,
+    # Small per-partition fetches keep partitions in step under a backlog (one big fetch would be drained
+    # partition by partition, starving the others' freshness). Both limits are soft since Kafka 0.10.1: a
+    # record larger than them (up to the topic's 16 MiB) still comes, alone.
+    "max_partition_fetch_bytes": 1024 * 1024,
+    "fetch_max_bytes": MAX_MESSAGE_BYTES,
     # The broker answers as soon as one record is there (fetch_min_bytes=1), so this only bounds idle polls.
     "fetch_max_wait_ms": 100,
 }

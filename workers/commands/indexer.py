@@ -79,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    start_from_args(args)
+    server = start_from_args(args)
+    if server is not None:
+        logging.getLogger("das.indexer").info(
+            "metrics on http://%s:%d/metrics", args.metrics_host, server.server_port
+        )
     try:
         with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
             source = KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings)
