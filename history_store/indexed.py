@@ -58,16 +58,11 @@ def _in_apply_order(store: _StoreReader) -> list[TrajectoryKey]:
 def load_index(store: _StoreReader, index: ProblemIndex) -> LoadReport:
     """Adds every stored trajectory to `index`, in apply order. Records already indexed are skipped."""
     started = time.perf_counter()
-    count = tokens = 0
-    for key in _in_apply_order(store):
-        record = store.get(*key)
-        if record is None:
-            continue  # quarantined between the two passes
-        if index.add_trajectory(
-            record.problem_id, record.epoch, record.sample, record.prompt_ids, record.response_ids
-        ):
-            count += 1
-            tokens += record.response_ids.size
+    records = [r for r in (store.get(*key) for key in _in_apply_order(store)) if r is not None]
+    count = index.add_trajectories(
+        (r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids) for r in records
+    )
+    tokens = sum(r.response_ids.size for r in records)
     seconds = time.perf_counter() - started
     RESTORE_DURATION.set(seconds)
     return LoadReport(count, tokens, seconds)

@@ -13,7 +13,7 @@ A request without a problem id drafts from its own context (and the global tree)
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -124,6 +124,42 @@ class ProblemIndex:
     ) -> bool:
         """Indexes a finished rollout. Returns False (and changes nothing) if it is already indexed or older
         than the problem's window. A newer epoch slides the window and evicts what falls out of it."""
+        return self._add(problem_id, epoch, sample, prompt_ids, response_ids, to_global=True)
+
+    def add_trajectories(
+        self, records: Iterable[tuple[str, int, int, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]]
+    ) -> int:
+        """Bulk-loads rollouts (problem_id, epoch, sample, prompt_ids, response_ids) in arrival order, as at
+        start-up; returns how many were indexed. The same as adding them one by one, except that the global
+        tree receives only the newest rollouts that fit its window and cap, instead of being filled, trimmed
+        and rebuilt over and over."""
+        records = list(records)
+        to_global = [False] * len(records)
+        if self._global is not None and records:
+            newest = max(self._global_newest, max(r[1] for r in records))
+            start = max(0, newest - self.window_epochs + 1)
+            self._global_newest = newest
+            self._drop_global(k for k in self._global_seq if k[1] < start)
+            room = self.global_tokens - self._global.num_tokens
+            for i in range(len(records) - 1, -1, -1):
+                _, epoch, _, prompt, response = records[i]
+                size = min(len(prompt), self.config.max_depth) + len(response)
+                if epoch >= start and size <= room:
+                    to_global[i] = True
+                    room -= size
+        return sum(
+            self._add(*record, to_global=flag) for record, flag in zip(records, to_global, strict=True)
+        )
+
+    def _add(
+        self,
+        problem_id: str,
+        epoch: int,
+        sample: int,
+        prompt_ids: Sequence[int] | np.ndarray,
+        response_ids: Sequence[int] | np.ndarray,
+        to_global: bool,
+    ) -> bool:
         if not isinstance(problem_id, str) or not problem_id:
             raise ValueError(f"problem_id must be a non-empty string, got {problem_id!r}")
         if epoch < 0 or sample < 0:
@@ -151,7 +187,11 @@ class ProblemIndex:
             problem.tree.invalidate_matches()
         problem.seq_of[(epoch, sample)] = seq_id
         problem.lengths[(epoch, sample)] = int(response.shape[0])
-        if self._global is not None and epoch >= self.window_start(problem_id, self._global_newest):
+        if (
+            to_global
+            and self._global is not None
+            and epoch >= self.window_start(problem_id, self._global_newest)
+        ):
             self._add_global((problem_id, epoch, sample), tokens)
         return True
 

@@ -107,3 +107,29 @@ def test_requests_without_a_problem_draft_from_their_own_context():
     index.finish_request("r")
     with pytest.raises(KeyError):
         index.draft_batch(["r"], [3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(history=st.lists(trajectory, max_size=12), context=tokens)
+def test_bulk_loading_drafts_like_adding_one_by_one(history, context):
+    ordered = sorted(history, key=lambda r: r[1])  # a store replays in apply order: epochs ascend
+    one_by_one, bulk = ProblemIndex(window_epochs=2, config=CFG), ProblemIndex(window_epochs=2, config=CFG)
+    added = sum(one_by_one.add_trajectory(*r) for r in ordered)
+    assert bulk.add_trajectories(ordered) == added
+    for pid in ("p", "q", None):
+        one_by_one.start_request("r", pid, context)
+        bulk.start_request("r", pid, context)
+        a, b = one_by_one.draft_batch(["r"], [5]), bulk.draft_batch(["r"], [5])
+        assert (a.draft(0), a.sources.tolist()) == (b.draft(0), b.sources.tolist())
+        one_by_one.finish_request("r")
+        bulk.finish_request("r")
+
+
+def test_bulk_loading_past_the_global_cap_keeps_the_newest_rollouts():
+    index = ProblemIndex(window_epochs=3, config=CFG, global_tokens=100)
+    records = [("p", 0, s, [1], list(range(100 * s, 100 * s + 30))) for s in range(10)]
+    assert index.add_trajectories(records) == 10
+    index.start_request("r", "other", [900, 901])  # only the global tree can know problem p
+    assert index.draft_batch(["r"], [5]).draft(0) == [902, 903]
+    index.start_request("s", "other", [10, 11])  # an old rollout that did not fit the cap
+    assert index.draft_batch(["s"], [5]).draft(0) == []
