@@ -8,7 +8,7 @@ Measurements, each on a fresh topic that is deleted afterwards:
   fast a new node catches up;
 - freshness: producers publish at a fixed rate (rollouts finish at a steady pace in training); p50/p99/max
   seconds from `publish` to the record applied and draftable in the replica;
-- encoding: wire bytes per token against JSON arrays, and decode + validation time per record.
+- encoding: wire bytes per token against JSON arrays, and decode + validation time per record of each.
 All processes share this machine's cores with the broker, so the figures are a floor for a real node.
 """
 
@@ -27,9 +27,10 @@ import numpy as np
 
 from history_store.store import HistoryStore
 from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
+from pipeline.schemas import TrajectoryRecord
 from pipeline.synthetic import SyntheticShape, synthetic_record
 from pipeline.topics import admin_client, ensure_topics
-from pipeline.wire import decode_record, encode_record, measure_encoding
+from pipeline.wire import decode, encode_record, measure_encoding
 from workers.indexer import Indexer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,20 +153,28 @@ def _ingest(
 
 
 def _encoding(shape: SyntheticShape, samples: int = 200) -> dict[str, Any]:
+    """Wire against JSON arrays: bytes per token, and decode + validation time per record (the replica's
+    `decode` for the wire; `json.loads` + `TrajectoryRecord.model_validate` for JSON)."""
     records = [synthetic_record(0, i, samples, shape) for i in range(samples)]
     sizes = [measure_encoding(r) for r in records]
     tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in records)
     values = [encode_record(r) for r in records]
+    as_json = [r.model_dump_json(exclude_none=True) for r in records]
     started = time.perf_counter()
     for value in values:
-        decode_record(value)
-    decode_s = time.perf_counter() - started
+        decode(value)
+    wire_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for text in as_json:
+        TrajectoryRecord.model_validate(json.loads(text))
+    json_s = time.perf_counter() - started
     return {
         "vocab": shape.vocab,
+        "tokens_per_record": round(tokens / samples, 1),
         "wire_bytes_per_token": round(sum(s.wire_bytes for s in sizes) / tokens, 3),
         "json_bytes_per_token": round(sum(s.json_bytes for s in sizes) / tokens, 3),
-        "decode_validate_us_per_record": round(decode_s / samples * 1e6, 1),
-        "tokens_per_record": round(tokens / samples, 1),
+        "wire_decode_validate_us_per_record": round(wire_s / samples * 1e6, 1),
+        "json_decode_validate_us_per_record": round(json_s / samples * 1e6, 1),
     }
 
 

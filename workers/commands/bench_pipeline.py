@@ -66,13 +66,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        t, f = result["throughput"], result["freshness"]
+        t, r, f = result["throughput"], result["rebuild"], result["freshness"]
         print(
             f"throughput: {t['trajectories_per_s']} trajectories/s, {t['mb_per_s']} MB/s ({t['records']} records)"
         )
+        print(f"rebuild from the topic: {r['trajectories_per_s']} trajectories/s, {r['mb_per_s']} MB/s")
         print(f"freshness at {f['rate_per_s']}/s: p50 {f['p50_s']} s, p99 {f['p99_s']} s, max {f['max_s']} s")
         for e in result["encoding"]:
             print(
-                f"encoding (vocab {e['vocab']}): {e['wire_bytes_per_token']} B/token vs JSON {e['json_bytes_per_token']}"
+                f"encoding (vocab {e['vocab']}): {e['wire_bytes_per_token']} B/token, "
+                f"{e['wire_decode_validate_us_per_record']} us/record; JSON {e['json_bytes_per_token']} B/token, "
+                f"{e['json_decode_validate_us_per_record']} us/record"
             )
     return 0
