@@ -16,6 +16,7 @@ sync into the rollout engine with speculative decoding on, vLLMHttpServer over H
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,9 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
         first, second, stats = asyncio.run(run_two_steps())
     finally:
         engine.shutdown()
+        # Collected now, while vLLM's modules are alive (its __del__ shuts down again and fails at exit).
+        engine = None
+        gc.collect()
     messages = subscription.poll(max_records=10, timeout_s=1.0)
     subscription.close()
     records = sorted((m.record for m in messages), key=lambda r: r.key)
