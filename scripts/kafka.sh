@@ -184,8 +184,12 @@ up() {
   resolve
   local name
   for name in single c1 c2 c3; do write_config "$name"; done
-  format single single
-  for name in c1 c2 c3; do format "$name" cluster; done
+  # Formatting starts one JVM per node: in parallel it takes the time of one.
+  cluster_id cluster >/dev/null
+  local pids=() pid
+  format single single & pids+=($!)
+  for name in c1 c2 c3; do format "$name" cluster & pids+=($!); done
+  for pid in "${pids[@]}"; do wait "$pid" || die "formatting KRaft storage failed (see $KDIR/logs/*.format.out)"; done
   for name in single c1 c2 c3; do start_node "$name"; done
   wait_ready "$SINGLE_BOOTSTRAP" 1 "" single
   wait_ready "$CLUSTER_BOOTSTRAP" 3 "" c1,c2,c3
