@@ -17,7 +17,7 @@ import threading
 import time
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, KafkaTimeoutError, MessageSizeTooLargeError
 
 from monitoring.metrics import PRODUCER_QUEUE_DEPTH, PRODUCER_SEND_ERRORS, RECORDS_PUBLISHED
 from pipeline.bus import DEFAULT_QUEUE_RECORDS, BusBackpressureError, BusError
@@ -71,12 +71,12 @@ class KafkaBus:
         self.topic = topic
         self._where = f"Kafka at {','.join(self.servers)}, topic {topic}"
         self._partitions = topic_partitions(self.servers, topic, **settings)
-        try:
-            self._producer = KafkaProducer(
-                bootstrap_servers=self.servers, **{**PRODUCER_DEFAULTS, **settings}
-            )
-        except KafkaError as exc:
-            raise BusError(f"cannot reach {self._where}: {exc}") from exc
+        self._settings = {**PRODUCER_DEFAULTS, **settings}
+        self._producer = self._new_producer()
+        # kafka-python 3.0.12 puts an idempotent producer into a permanent fatal state after any
+        # non-retriable batch error (e.g. a record the broker refuses as too large); the sender thread then
+        # replaces it, so one bad record costs that record, not every later one.
+        self._replace_producer = False
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue_records)
         self._lock = threading.Condition()
         self._pending = 0  # published, not yet acknowledged or failed
@@ -150,12 +150,27 @@ class KafkaBus:
             self._producer.close(timeout=timeout_s)
             PRODUCER_QUEUE_DEPTH.set(0)
 
+    def _new_producer(self) -> KafkaProducer:
+        try:
+            return KafkaProducer(bootstrap_servers=self.servers, **self._settings)
+        except KafkaError as exc:
+            raise BusError(f"cannot reach {self._where}: {exc}") from exc
+
     def _send_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
             record, published_at = item  # type: ignore[misc]
+            if self._replace_producer:
+                self._replace_producer = False
+                self._producer.close(timeout=5)
+                try:
+                    self._producer = self._new_producer()
+                except BusError as exc:
+                    self._on_failure(exc)
+                    self._replace_producer = True
+                    continue
             value = encode_record(record)
             self.wire_bytes += len(value)
             try:
@@ -166,17 +181,26 @@ class KafkaBus:
                     partition=partition_for(record.problem_id, self._partitions),
                     timestamp_ms=int(published_at * 1000),
                 )
+            except (KafkaTimeoutError, MessageSizeTooLargeError) as exc:
+                self._on_failure(exc)  # refused before sending: the producer itself is fine
+                continue
             except KafkaError as exc:
                 self._on_failure(exc)
+                self._replace_producer = True
                 continue
             future.add_callback(self._on_success)
-            future.add_errback(self._on_failure)
+            future.add_errback(self._on_delivery_failure)
 
     def _on_success(self, _metadata: object) -> None:
         with self._lock:
             self._pending -= 1
             PRODUCER_QUEUE_DEPTH.set(self._pending)
             self._lock.notify_all()
+
+    def _on_delivery_failure(self, exc: BaseException) -> None:
+        if not getattr(exc, "retriable", False):
+            self._replace_producer = True
+        self._on_failure(exc)
 
     def _on_failure(self, exc: BaseException) -> None:
         PRODUCER_SEND_ERRORS.inc()

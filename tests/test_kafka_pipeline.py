@@ -24,6 +24,7 @@ from pipeline.consumer import (
     ReplicaPublisher,
 )
 from pipeline.synthetic import SyntheticShape, synthetic_record, synthetic_records
+from pipeline.topics import admin_client
 from pipeline.wire import encode_record, partition_for, record_key
 from workers.cli import main as das
 from workers.indexer import Indexer
@@ -105,8 +106,6 @@ def test_kafka_init_is_idempotent_and_configures_compaction(kafka_servers, capsy
             == 1
         )
         assert "exists with 6 partitions" in capsys.readouterr().err
-        from pipeline.topics import admin_client
-
         admin = admin_client(kafka_servers)
         configs = admin.describe_configs(
             [ConfigResource("TOPIC", topic), ConfigResource("TOPIC", f"{topic}.dlq")]
@@ -245,3 +244,21 @@ def test_opening_the_bus_fails_clearly_without_a_broker_or_topic(kafka_servers):
         open_bus(f"kafka://{','.join(kafka_servers)}", topic="test.no-such-topic")
     with pytest.raises(ValueError, match="durability"):
         open_bus(f"kafka://{','.join(kafka_servers)}", acks=1)
+
+
+def test_records_the_broker_refuses_are_reported_by_the_next_flush(kafka_servers, kafka_topics):
+    topic, _ = kafka_topics
+    admin = admin_client(kafka_servers)
+    admin.alter_configs([ConfigResource("TOPIC", topic, {"max.message.bytes": "20000"})])
+    admin.close()
+    bus = open_bus(f"kafka://{','.join(kafka_servers)}", topic=topic)
+    small, large = synthetic_record(3, 0, 2, SMALL), synthetic_record(3, 1, 2, SMALL)
+    large = large.model_copy(update={"response_ids": list(range(70_000, 80_000))})  # ~40 KB on the wire
+    bus.publish(small)
+    bus.publish(large)
+    with pytest.raises(BusError, match="1 records could not be delivered") as info:
+        bus.flush()
+    assert "MessageSizeTooLarge" in str(info.value) or "RecordTooLarge" in str(info.value)
+    bus.publish(small)  # reported once; the bus keeps working
+    bus.close()
+    assert sum(end_offsets(kafka_servers, topic).values()) == 2
