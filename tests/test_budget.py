@@ -94,15 +94,28 @@ def test_cost_model_rejects_impossible_steps() -> None:
 
 def test_calibration_replaces_overconfident_tree_probabilities_with_observed_acceptance() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=4))
-    probs = np.full((50, 4), 0.9)
+    # The tree says each next token follows with 0.9; the verifier rejects the first token of 40 drafts of 50
+    # and accepts all four of the other 10: 80 conditional trials, 40 accepted.
+    probs = np.tile(0.9 ** np.arange(1, 5), (50, 1))
     classes = np.full(50, LONG)
-    # The tree says 0.9 everywhere; the verifier accepts only the first token, and only a fifth of the time.
-    accepted = np.where(np.arange(50) % 5 == 0, 1, 0)
+    accepted = np.where(np.arange(50) < 40, 0, 4)
     policy.observe_acceptance(probs, np.full(50, 4), classes, accepted)
     calibrated = policy.calibrator.calibrate(probs[:1], classes[:1])[0]
-    assert calibrated[0] == pytest.approx((10 + 8 * 0.9) / (50 + 8))
-    assert calibrated[1] == pytest.approx(8 * 0.9 / 58)
+    conditional = (40 + 8 * 0.9) / (80 + 8)
+    np.testing.assert_allclose(calibrated, conditional ** np.arange(1, 5))
+
+
+def test_calibration_learns_deep_positions_from_shallow_ones_when_the_tree_is_underconfident() -> None:
+    policy = BudgetPolicy(BudgetConfig(max_tokens=8))
+    # Thin history: the tree halves its path probability each token, but the drafts are always right. Only
+    # three positions were ever drafted; the pooled conditional still lifts all eight.
+    probs = np.tile(0.5 ** np.arange(1, 9), (100, 1))
+    classes = np.full(100, LONG)
+    policy.observe_acceptance(probs, np.full(100, 3), classes, np.full(100, 3))
+    calibrated = policy.calibrator.calibrate(probs[:1], classes[:1])[0]
+    assert calibrated[-1] > 0.75
     assert np.all(np.diff(calibrated) <= 0)
+    assert policy.truncate(np.array([8]), probs[:1], classes[:1]).tolist() == [8]
 
 
 def test_truncate_keeps_only_tokens_whose_acceptance_pays_for_their_verification() -> None:

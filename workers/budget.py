@@ -7,8 +7,9 @@ Three parts, each fitted online from what the engine observes:
 - a verifier cost model, step seconds = c_base + c_seq x active requests + c_tok x tokens verified, fitted by
   ridge least squares over recent measured steps (ridge toward the prior keeps it defined while the batch size
   does not vary).
-- an acceptance calibrator: the tree's path probabilities are count ratios, overconfident on real rollouts, so
-  they are mapped to observed acceptance rates per (length class, draft position, probability bin).
+- an acceptance calibrator: the tree's path probabilities are count ratios, overconfident on real rollouts (and
+  underconfident on thin history), so they are mapped to observed acceptance per (length class, bin of the
+  tree's per-token ratio), pooled over draft positions.
 
 The rule: a draft token is kept while its calibrated acceptance probability times the value of saving one step
 of its request pays for verifying it (c_tok). A budget of zero is always allowed. No vLLM import: the policy is
@@ -164,46 +165,55 @@ class CostModel:
 
 
 class AcceptanceCalibrator:
-    """Maps the tree's path probabilities to observed acceptance, per (length class, position, bin)."""
+    """Maps the tree's probabilities to observed acceptance.
+
+    The tree gives a path probability per draft position; its step ratio p_j / p_(j-1) is the tree's estimate
+    that token j is accepted once token j-1 was. The calibrator learns the real conditional acceptance per
+    (length class, bin of that ratio), pooled over positions: a deep position then borrows what shallow ones
+    taught (a per-position table never learns positions the rule has not yet dared to draft), and the
+    calibrated path probability is the running product of the calibrated conditionals.
+    """
 
     def __init__(self, config: BudgetConfig) -> None:
-        shape = (len(LENGTH_CLASSES), config.max_tokens, config.probability_bins)
         self._bins = config.probability_bins
         self._prior = config.calibration_prior
-        self._trials = np.zeros(shape)
-        self._accepted = np.zeros(shape)
+        self._trials = np.zeros((len(LENGTH_CLASSES), self._bins))
+        self._accepted = np.zeros((len(LENGTH_CLASSES), self._bins))
 
-    def _cells(self, probs: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, ...]:
-        n, k = probs.shape
-        bins = np.clip((probs * self._bins).astype(np.int64), 0, self._bins - 1)
-        return np.broadcast_to(classes[:, None], (n, k)), np.broadcast_to(np.arange(k), (n, k)), bins
+    def _conditionals(self, probs: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, ...]:
+        probs = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
+        previous = np.concatenate([np.ones((probs.shape[0], 1)), probs[:, :-1]], axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(previous > 0, np.clip(probs / previous, 0.0, 1.0), 0.0)
+        bins = np.clip((ratio * self._bins).astype(np.int64), 0, self._bins - 1)
+        return ratio, np.broadcast_to(np.asarray(classes)[:, None], probs.shape), bins
 
     def calibrate(self, probs: np.ndarray, classes: np.ndarray) -> np.ndarray:
-        """Calibrated acceptance probability of every draft position; non-increasing along each row (a token
-        is accepted only if every earlier one is)."""
-        probs = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
-        cls, pos, bins = self._cells(probs, classes)
-        out = (self._accepted[cls, pos, bins] + self._prior * probs) / (
-            self._trials[cls, pos, bins] + self._prior
+        """Calibrated acceptance probability of every draft position (path probabilities: non-increasing
+        along each row, since a token is accepted only if every earlier one is)."""
+        ratio, cls, bins = self._conditionals(probs, classes)
+        conditional = (self._accepted[cls, bins] + self._prior * ratio) / (
+            self._trials[cls, bins] + self._prior
         )
-        return np.minimum.accumulate(out, axis=1)
+        return np.cumprod(conditional, axis=1)
 
     def observe(
         self, probs: np.ndarray, lengths: np.ndarray, classes: np.ndarray, accepted: np.ndarray
     ) -> None:
-        """Records verification outcomes: row i drafted `lengths[i]` tokens, the first `accepted[i]` passed."""
-        probs = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
-        cls, pos, bins = self._cells(probs, classes)
-        drafted = pos < lengths[:, None]
-        hit = pos < accepted[:, None]
-        np.add.at(self._trials, (cls[drafted], pos[drafted], bins[drafted]), 1.0)
-        np.add.at(self._accepted, (cls[drafted & hit], pos[drafted & hit], bins[drafted & hit]), 1.0)
+        """Records verification outcomes: row i drafted `lengths[i]` tokens, the first `accepted[i]` passed.
+        Token j is a trial of its conditional when every earlier token passed (j <= accepted)."""
+        _, cls, bins = self._conditionals(probs, classes)
+        pos = np.arange(cls.shape[1])[None, :]
+        tried = (pos < np.asarray(lengths)[:, None]) & (pos <= np.asarray(accepted)[:, None])
+        hit = tried & (pos < np.asarray(accepted)[:, None])
+        np.add.at(self._trials, (cls[tried], bins[tried]), 1.0)
+        np.add.at(self._accepted, (cls[hit], bins[hit]), 1.0)
 
     def table(self) -> list[list[float]]:
-        """Observed acceptance rate per (class, position) over all bins (NaN where nothing was drafted)."""
-        trials = self._trials.sum(axis=2)
+        """Observed conditional acceptance per (class, ratio bin) (NaN where nothing was tried)."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(trials > 0, self._accepted.sum(axis=2) / trials, np.nan).round(4).tolist()
+            rate = np.where(self._trials > 0, self._accepted / self._trials, np.nan)
+        return rate.round(4).tolist()
 
 
 @dataclass
@@ -301,7 +311,7 @@ class BudgetPolicy:
         step = self.cost.predict(active, active + int(lengths.sum()))
         value = np.where(classes == LONG, step, np.where(classes == MEDIUM, step / active, 0.0))
         pays = calibrated * value[:, None] >= self.cost.coefficients[2]
-        # Calibrated probabilities are non-increasing along a row, so the kept tokens are a prefix.
+        # Calibrated path probabilities are non-increasing along a row, so the kept tokens are a prefix.
         kept = pays.sum(axis=1).astype(np.int32)
         return np.minimum(lengths, kept)
 
@@ -322,5 +332,5 @@ class BudgetPolicy:
             "cost_model": dict(zip(COST_COEFFICIENTS, map(float, self.cost.coefficients), strict=True)),
             "cost_model_steps": self.cost.steps,
             "live_classes": dict(zip(LENGTH_CLASSES, map(int, counts), strict=True)),
-            "acceptance_by_class_position": dict(zip(LENGTH_CLASSES, self.calibrator.table(), strict=True)),
+            "acceptance_by_class_ratio_bin": dict(zip(LENGTH_CLASSES, self.calibrator.table(), strict=True)),
         }

@@ -78,7 +78,8 @@ def _env_float(name: str, default: float) -> float:
 class ProposerSettings:
     """Proposer configuration. Worker processes are spawned by vLLM, so it comes from the environment.
 
-    budget: use the length-aware budget policy (off: every row may draft up to K, cut only by the tree).
+    budget: use the length-aware budget policy (off: every row may draft up to K, cut only by the tree's
+        min_token_prob, SuffixDecoding's rule).
     history_dir: the node's history replica (distributed mode); None in embedded mode.
     """
 
@@ -104,7 +105,9 @@ class ProposerSettings:
             budget=budget == "on",
             window_epochs=int(_env_float("DAS_WINDOW_EPOCHS", 3)),
             max_depth=int(_env_float("DAS_MAX_DEPTH", 64)),
-            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", 0.1),
+            # With the budget on, its calibrated pay-off rule decides where a draft ends: a fixed floor on the
+            # tree's raw probabilities would cut first (one trajectory of history halves them per token).
+            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", 0.0 if budget == "on" else 0.1),
             max_spec_factor=_env_float("DAS_MAX_SPEC_FACTOR", 1.0),
             max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", 0.0),
             history_dir=os.environ.get("DAS_HISTORY_DIR") or None,

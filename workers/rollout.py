@@ -72,6 +72,8 @@ def build_engine(options: EngineOptions) -> Any:
         ModelError: the model is not prepared.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM logs to stdout by default; commands print their results (JSON) there. Read when vllm is imported.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     model_dir = require_model(options.model_dir)
     from vllm import LLM
 
