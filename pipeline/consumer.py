@@ -45,7 +45,10 @@ H_OFFSET = "das-dlq-offset"
 H_TIMESTAMP = "das-dlq-timestamp-ms"
 H_KEY = "das-dlq-key"
 H_REPLICA = "das-dlq-replica"
+H_TRUNCATED = "das-dlq-truncated-from-bytes"
 _MAX_DETAIL = 1000
+# Room for our headers and the batch overhead under the dead-letter topic's max.message.bytes.
+_MAX_DEAD_LETTER_VALUE = MAX_MESSAGE_BYTES - 64 * 1024
 
 
 class KafkaTrajectorySource:
@@ -165,7 +168,7 @@ class ReplicaPublisher:
                 enable_idempotence=True,
                 compression_type="lz4",
                 linger_ms=5,
-                max_request_size=MAX_MESSAGE_BYTES + 64 * 1024,  # the rejected message plus our headers
+                max_request_size=MAX_MESSAGE_BYTES,
                 client_id=f"{replica}-publisher",
                 **shared_settings(settings),
             )
@@ -189,8 +192,14 @@ class ReplicaPublisher:
         ]
         if message.key is not None:
             headers.append((H_KEY, message.key))
+        value = message.value
+        if value is not None and len(value) > _MAX_DEAD_LETTER_VALUE:
+            # The dead-letter topic has the same size limit as the source: keep a prefix rather than fail the
+            # send and stop the replica on the same message at every restart.
+            headers.append((H_TRUNCATED, str(len(value)).encode()))
+            value = value[:_MAX_DEAD_LETTER_VALUE]
         origin = f"{message.topic}/{message.partition}/{message.offset}".encode()
-        self._send(self.dead_letter_topic, origin, message.value, None, headers)
+        self._send(self.dead_letter_topic, origin, value, None, headers)
 
     def tombstones(self, topic: str, partitions: int, keys: Iterable[tuple[str, int, int]]) -> None:
         """Publishes a tombstone (null value) for each evicted record, in its problem's partition, so
