@@ -18,6 +18,7 @@ adds memory, and the proposer's metrics land in this process's registry, which `
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import threading
 import time
@@ -94,7 +95,6 @@ class HistoryState:
     epochs_at_start: tuple[int, int] | None
     first_epoch: int
     trajectories_at_end: int = 0
-    evicted: int = 0
 
 
 @dataclass
@@ -190,7 +190,7 @@ def _spec_vectors(llm: Any) -> tuple[int, list[int]]:
             drafts += int(metric.value)
         elif metric.name == _ACCEPTED_PER_POS:
             values = [int(v) for v in metric.values]
-            per_pos = [a + b for a, b in zip(per_pos + [0] * len(values), values, strict=False)] or values
+            per_pos = [a + b for a, b in itertools.zip_longest(per_pos, values, fillvalue=0)]
     return drafts, per_pos
 
 
@@ -204,8 +204,9 @@ def open_history(config: DemoConfig) -> tuple[Any, HistoryState]:
 
     config.history_dir.mkdir(parents=True, exist_ok=True)
     store = HistoryStore(config.history_dir, window_epochs=config.window_epochs)
-    epochs = sorted({item.epoch for item in store.iter_trajectories()})
-    count = sum(1 for _ in store.iter_trajectories())
+    stored_epochs = [item.epoch for item in store.iter_trajectories()]
+    epochs = sorted(set(stored_epochs))
+    count = len(stored_epochs)
     state = HistoryState(
         path=str(config.history_dir),
         warm=count > 0,
