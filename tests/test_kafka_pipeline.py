@@ -247,18 +247,26 @@ def test_opening_the_bus_fails_clearly_without_a_broker_or_topic(kafka_servers):
 
 
 def test_records_the_broker_refuses_are_reported_by_the_next_flush(kafka_servers, kafka_topics):
-    topic, _ = kafka_topics
+    topic = f"{kafka_topics[0]}.small"
     admin = admin_client(kafka_servers)
-    admin.alter_configs([ConfigResource("TOPIC", topic, {"max.message.bytes": "20000"})])
+    # Configured at creation: a later config change reaches the broker's log asynchronously.
+    admin.create_topics(
+        {topic: {"num_partitions": 1, "replication_factor": 1, "configs": {"max.message.bytes": "20000"}}}
+    )
+    admin.wait_for_topics([topic], timeout_ms=30_000)
     admin.close()
-    bus = open_bus(f"kafka://{','.join(kafka_servers)}", topic=topic)
-    small, large = synthetic_record(3, 0, 2, SMALL), synthetic_record(3, 1, 2, SMALL)
-    large = large.model_copy(update={"response_ids": list(range(70_000, 80_000))})  # ~40 KB on the wire
-    bus.publish(small)
-    bus.publish(large)
-    with pytest.raises(BusError, match="1 records could not be delivered") as info:
+    try:
+        bus = open_bus(f"kafka://{','.join(kafka_servers)}", topic=topic)
+        small, large = synthetic_record(3, 0, 2, SMALL), synthetic_record(3, 1, 2, SMALL)
+        large = large.model_copy(update={"response_ids": list(range(70_000, 80_000))})  # ~40 KB on the wire
+        bus.publish(small)
         bus.flush()
-    assert "MessageSizeTooLarge" in str(info.value) or "RecordTooLarge" in str(info.value)
-    bus.publish(small)  # reported once; the bus keeps working
-    bus.close()
-    assert sum(end_offsets(kafka_servers, topic).values()) == 2
+        bus.publish(large)
+        with pytest.raises(BusError, match="1 records could not be delivered") as info:
+            bus.flush()
+        assert "MessageSizeTooLarge" in str(info.value)
+        bus.publish(small.model_copy(update={"sample": 7}))  # reported once; the bus keeps working
+        bus.close()
+        assert sum(end_offsets(kafka_servers, topic).values()) == 2
+    finally:
+        drop_topics(kafka_servers, topic)
