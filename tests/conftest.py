@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
 
 from history_store.store import HistoryStore
 from pipeline.topics import admin_client, ensure_topics
@@ -59,12 +60,20 @@ def make_topics(servers: list[str], name: str, partitions: int = 6) -> tuple[str
 
 
 def drop_topics(servers: list[str], *topics: str) -> None:
-    """Deletes a test's topics so the brokers do not accumulate them across runs."""
-    admin = admin_client(servers)
-    try:
-        admin.delete_topics(list(topics), timeout_ms=30_000)
-    finally:
-        admin.close()
+    """Deletes a test's topics so the brokers do not accumulate them across runs. Retries for a while: right
+    after a broker restart the controller may still be moving leadership and refuse the request."""
+    deadline = time.monotonic() + 60
+    while True:
+        admin = admin_client(servers)
+        try:
+            admin.delete_topics(list(topics), timeout_ms=30_000)
+            return
+        except KafkaError:
+            if time.monotonic() > deadline:
+                raise
+        finally:
+            admin.close()
+        time.sleep(1)
 
 
 @pytest.fixture
