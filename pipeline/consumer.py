@@ -6,7 +6,8 @@ not Kafka, decides where reading resumes. Offsets are committed to Kafka only as
 after the store has them.
 
 `ReplicaPublisher` writes what a replica sends back: rejected messages to the dead-letter topic (original
-bytes, reason and origin in headers), and tombstones for records its store evicted.
+bytes, reason and origin in headers), and tombstones for records its store evicted. `read_dead_letters`
+reads the dead letters back (`das kafka dlq`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
@@ -236,3 +238,61 @@ class ReplicaPublisher:
         except KafkaError as exc:
             raise BusError(f"cannot send to {topic} on {self._where}: {exc}") from exc
         future.add_errback(lambda exc: self._failures.append(f"{topic}: {type(exc).__name__}: {exc}"))
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One rejected message as the dead-letter topic keeps it."""
+
+    reason: str
+    detail: str
+    topic: str
+    partition: int
+    offset: int
+    replica: str
+    key: bytes | None
+    value_bytes: int
+
+
+def read_dead_letters(
+    servers: list[str], dead_letter_topic: str = DEAD_LETTER_TOPIC, idle_s: float = 1.0, **settings: object
+) -> list[DeadLetter]:
+    """Every dead letter currently in the topic, oldest first per partition (reads until `idle_s` passes
+    without a message). Raises BusError if Kafka is unreachable or the topic does not exist."""
+    try:
+        consumer = KafkaConsumer(
+            bootstrap_servers=list(servers),
+            enable_auto_commit=False,
+            consumer_timeout_ms=int(idle_s * 1000),
+            max_partition_fetch_bytes=1024 * 1024,
+            **shared_settings(settings),
+        )
+    except KafkaError as exc:
+        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc
+    try:
+        partitions = consumer.partitions_for_topic(dead_letter_topic)
+        if not partitions:
+            raise BusError(
+                f"dead-letter topic {dead_letter_topic} does not exist: create it with `das kafka init`"
+            )
+        assigned = [TopicPartition(dead_letter_topic, p) for p in sorted(partitions)]
+        consumer.assign(assigned)
+        consumer.seek_to_beginning(*assigned)
+        letters = []
+        for m in consumer:
+            h = {k: v.decode("utf-8", "replace") for k, v in m.headers or () if k != H_KEY and v is not None}
+            letters.append(
+                DeadLetter(
+                    reason=h.get(H_REASON, "?"),
+                    detail=h.get(H_DETAIL, ""),
+                    topic=h.get(H_TOPIC, "?"),
+                    partition=int(h.get(H_PARTITION, -1)),
+                    offset=int(h.get(H_OFFSET, -1)),
+                    replica=h.get(H_REPLICA, "?"),
+                    key=dict(m.headers or ()).get(H_KEY),
+                    value_bytes=len(m.value or b""),
+                )
+            )
+        return letters
+    finally:
+        consumer.close()

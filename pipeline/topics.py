@@ -31,7 +31,7 @@ DEFAULT_PARTITIONS = 6
 # Raised together with the brokers' message.max.bytes and the clients' request and fetch sizes: a 100k-token
 # trajectory at 4 bytes a token is 400 KB, and 16 MiB leaves room for very long agentic rollouts.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-# Two weeks of rejected messages: long enough to notice, diagnose and replay them.
+# Two weeks of rejected messages: long enough to notice and diagnose them (`das kafka dlq`).
 DLQ_RETENTION_MS = 14 * 24 * 3600 * 1000
 # Client settings every kafka-python client kind accepts (TLS, SASL, how long to wait for brokers): they pass
 # from the bus settings to the admin client and the replica's producers; the rest is specific to one kind.

@@ -3,6 +3,7 @@ and tombstones, dead letters for every kind of malformed message, and clear erro
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import struct
@@ -15,13 +16,11 @@ from kafka.admin import ConfigResource
 from history_store.store import HistoryStore
 from pipeline.bus import BusBackpressureError, BusError, open_bus
 from pipeline.consumer import (
-    H_KEY,
     H_OFFSET,
     H_PARTITION,
-    H_REASON,
-    H_TOPIC,
     KafkaTrajectorySource,
     ReplicaPublisher,
+    read_dead_letters,
 )
 from pipeline.synthetic import SyntheticShape, synthetic_record, synthetic_records
 from pipeline.topics import admin_client
@@ -182,7 +181,7 @@ def _malformed(i: int, rng: random.Random) -> tuple[bytes | None, bytes, str]:
 
 
 def test_malformed_messages_go_to_the_dead_letter_topic_and_valid_ones_apply(
-    kafka_servers, kafka_topics, tmp_path
+    kafka_servers, kafka_topics, tmp_path, capsys
 ):
     topic, dlq = kafka_topics
     rng = random.Random(4)
@@ -207,16 +206,20 @@ def test_malformed_messages_go_to_the_dead_letter_topic_and_valid_ones_apply(
         indexer.close()
         assert {t.key for t in store.iter_trajectories()} == {r.key for r in valid}
     assert sum(totals["dead"].values()) == 1000
-    letters = _read_all(kafka_servers, dlq)
-    got = {}
-    for m in letters:
-        headers = dict(m.headers)
-        assert headers[H_TOPIC].decode() == topic
-        got[(int(headers[H_PARTITION]), int(headers[H_OFFSET]))] = headers[H_REASON].decode()
-        assert m.key == f"{topic}/{int(headers[H_PARTITION])}/{int(headers[H_OFFSET])}".encode()
-        assert H_KEY in headers
-    assert got == expected
+    letters = read_dead_letters(kafka_servers, dlq)
+    assert {(d.partition, d.offset): d.reason for d in letters} == expected
+    assert all(d.topic == topic and d.detail and d.key is not None for d in letters)
     assert len(letters) == 1000
+    for m in _read_all(kafka_servers, dlq):  # keyed by origin, so replicas' copies compact to one
+        headers = dict(m.headers)
+        assert m.key == f"{topic}/{int(headers[H_PARTITION])}/{int(headers[H_OFFSET])}".encode()
+    assert (
+        das(["kafka", "dlq", "--bus", f"kafka://{','.join(kafka_servers)}", "--dlq-topic", dlq, "--json"])
+        == 0
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["dead_letters"] == 1000
+    assert summary["by_reason"] == dict(collections.Counter(expected.values()))
 
 
 def test_publish_reports_backpressure_instead_of_blocking(kafka_servers, kafka_topics):

@@ -1,4 +1,4 @@
-"""`das kafka init|load`: create the bus topics (idempotent) and publish synthetic load.
+"""`das kafka init|load|dlq`: create the bus topics (idempotent), publish synthetic load, read dead letters.
 
 The bus URL comes from `--bus kafka://host:port[,host:port]` or the environment variable DAS_BUS. Kafka client
 settings such as TLS and SASL pass through `--kafka-setting key=value` (kafka-python names, e.g.
@@ -85,6 +85,18 @@ def register(cli: Any) -> None:
 
     p = cli.command(
         "kafka",
+        "dlq",
+        help="Summarise the dead-letter topic: rejected messages by reason, and the last few with origin and detail.",
+        run=dlq,
+    )
+    add_bus_arguments(p)
+    p.add_argument("--dlq-topic", default="das.trajectories.dlq", help="dead-letter topic")
+    p.add_argument("--last", type=int, default=10, help="dead letters to show in full")
+    p.add_argument("--idle-s", type=float, default=1.0, help="stop reading after this long without a message")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = cli.command(
+        "kafka",
         "load",
         help="Publish synthetic trajectories (load generation, smoke tests); prints a JSON summary.",
         run=load,
@@ -101,6 +113,36 @@ def register(cli: Any) -> None:
     p.add_argument("--epochs", type=int, default=3, help="epochs the records spread over, in order")
     p.add_argument("--prompt-tokens", type=int, default=200, help="mean prompt length")
     p.add_argument("--response-tokens", type=int, default=1000, help="median response length (log-normal)")
+
+
+def dlq(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from pipeline.bus import BusError
+    from pipeline.consumer import read_dead_letters
+
+    try:
+        letters = read_dead_letters(
+            kafka_servers_from(args), args.dlq_topic, idle_s=args.idle_s, **kafka_settings(args.kafka_setting)
+        )
+    except (BusError, ValueError) as exc:
+        print(f"das kafka dlq: {exc}", file=sys.stderr)
+        return 1
+    # Two replicas can dead-letter the same message; compaction merges them later, the summary at once.
+    unique = {(d.topic, d.partition, d.offset): d for d in letters}
+    reasons = Counter(d.reason for d in unique.values())
+    recent = [dataclasses.asdict(d) | {"key": d.key.decode("utf-8", "replace") if d.key else None}
+              for d in list(unique.values())[-args.last :]]  # fmt: skip
+    if args.json:
+        print(json.dumps({"dead_letters": len(unique), "by_reason": dict(reasons), "last": recent}))
+    else:
+        print(
+            f"{len(unique)} dead letters in {args.dlq_topic}: "
+            + ", ".join(f"{r} {n}" for r, n in reasons.most_common())
+        )
+        for d in recent:
+            print(f"  {d['topic']}/{d['partition']}/{d['offset']} {d['reason']}: {d['detail'][:160]}")
+    return 0
 
 
 def init(args: argparse.Namespace) -> int:
