@@ -13,6 +13,7 @@ from conftest import drop_topics, end_offsets
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource
 
+from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore
 from pipeline.bus import BusBackpressureError, BusError, open_bus
 from pipeline.consumer import (
@@ -26,7 +27,7 @@ from pipeline.synthetic import SyntheticShape, synthetic_record, synthetic_recor
 from pipeline.topics import admin_client
 from pipeline.wire import encode_record, partition_for, record_key
 from workers.cli import main as das
-from workers.indexer import Indexer
+from workers.indexer import Indexer, ProblemIndexListener
 
 pytestmark = pytest.mark.kafka
 SMALL = SyntheticShape(
@@ -125,11 +126,18 @@ def test_published_records_reach_the_replica_with_offsets_and_tombstones(
     for record in records:
         bus.publish(record)
     bus.close()
+    index = ProblemIndex(window_epochs=2)
     with HistoryStore(tmp_path / "store", window_epochs=2) as store:
-        indexer = _indexer(kafka_servers, topic, dlq, store)
+        indexer = _indexer(kafka_servers, topic, dlq, store, listeners=[ProblemIndexListener(index)])
         totals = _drain(indexer, store, kafka_servers, topic)
         indexer.close()
         kept = {r.key for r in records if r.epoch >= 3}
+        for problem_id in {r.problem_id for r in records}:  # the drafting trees hold exactly the window
+            stats = index.problem_stats(problem_id)
+            assert stats["samples"] == sum(1 for k in kept if k[0] == problem_id) and stats["epochs"] == [
+                3,
+                4,
+            ]
         assert {t.key for t in store.iter_trajectories()} == kept
         assert totals["applied"] == len(records) and totals["evicted"] == len(records) - len(kept)
         assert store.offsets() == totals["ends"]  # the tombstones this replica published come after

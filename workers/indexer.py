@@ -163,8 +163,13 @@ class Indexer:
         report.applied, report.duplicates = len(result.applied), result.duplicates
         report.stale, report.evicted = len(result.stale), len(result.evicted)
         if result.applied and self.listeners:
-            applied = set(result.applied)
-            fresh = [r for r in records if (r.problem_id, r.epoch, r.sample) in applied]
+            pending = set(result.applied)
+            fresh = []
+            for r in records:  # in batch order; a key repeated in the batch was applied once, its first copy
+                key = (r.problem_id, r.epoch, r.sample)
+                if key in pending:
+                    pending.discard(key)
+                    fresh.append(r)
             for listener in self.listeners:
                 listener.on_applied(fresh)
         if result.evicted:
