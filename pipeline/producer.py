@@ -1,9 +1,9 @@
 """The Kafka side of the bus for rollout workers: `KafkaBus`, opened with `open_bus("kafka://...")`.
 
-`publish` only appends to a bounded queue; one background thread encodes records and hands them to
-kafka-python's producer, whose own IO thread batches, compresses and sends them. The caller's decode loop
-therefore never waits on the network: when brokers are away the queue fills and `publish` raises
-`BusBackpressureError` at once, and records that fail delivery after the producer's own retries are reported
+`publish` only appends to a queue; one background thread encodes records and hands them to kafka-python's
+producer, whose own IO thread batches, compresses and sends them. The caller's decode loop therefore never
+waits on the network: at most `max_queue_records` records may be published and not yet acknowledged, and
+when brokers are away that bound is reached and `publish` raises `BusBackpressureError` at once, and records that fail delivery after the producer's own retries are reported
 by the next `publish`, `flush` or `close` as one `BusError` with a count and the first cause.
 
 Durability is not configurable down: acks=all with the idempotent producer (retries cannot duplicate or
@@ -78,7 +78,8 @@ class KafkaBus:
         # non-retriable batch error (e.g. a record the broker refuses as too large); the sender thread then
         # replaces it, so one bad record costs that record, not every later one.
         self._replace_producer = False
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue_records)
+        self.max_queue_records = max_queue_records
+        self._queue: queue.Queue[object] = queue.Queue()
         self._lock = threading.Condition()
         self._pending = 0  # published, not yet acknowledged or failed
         self._failed = 0
@@ -91,8 +92,9 @@ class KafkaBus:
     def publish(self, record: TrajectoryRecord) -> None:
         """Queues one record; never blocks.
 
-        Raises BusBackpressureError if the queue is full (the record is not taken), BusError if earlier
-        records failed delivery (reported once) or the bus is closed, TypeError for a non-record.
+        Raises BusBackpressureError if `max_queue_records` records are already published and not yet
+        acknowledged (the record is not taken), BusError if earlier records failed delivery (reported once)
+        or the bus is closed, TypeError for a non-record.
         """
         if not isinstance(record, TrajectoryRecord):
             raise TypeError(f"publish takes a TrajectoryRecord, got {type(record).__name__}")
@@ -100,14 +102,15 @@ class KafkaBus:
             raise BusError(f"bus to {self._where} is closed")
         self._raise_failures()
         with self._lock:
-            try:
-                self._queue.put_nowait((record, time.time()))
-            except queue.Full:
+            # The bound counts records inside kafka-python too: its accumulator has no memory limit, so a
+            # queue alone would drain into it without bound while the brokers are away.
+            if self._pending >= self.max_queue_records:
                 raise BusBackpressureError(
-                    f"{self._queue.maxsize} records wait to be sent to {self._where}: the brokers are "
+                    f"{self._pending} records wait for acknowledgement from {self._where}: the brokers are "
                     f"unreachable or slower than the rollouts (last error: {self._first_error or 'none'}); "
                     "record not taken"
-                ) from None
+                )
+            self._queue.put_nowait((record, time.time()))
             self._pending += 1
             PRODUCER_QUEUE_DEPTH.set(self._pending)
         RECORDS_PUBLISHED.inc()

@@ -145,8 +145,15 @@ def ensure_topics(
                 states.append(TopicState(name, "exists", have, replicas))
             else:
                 states.append(TopicState(name, "created", plan.partitions, plan.replication_factor))
-        resources = [ConfigResource(ConfigResourceType.TOPIC, name, cfg) for name, cfg in configs.items()]
-        admin.alter_configs(resources)
+        # Created topics got their configuration at creation; existing ones are brought to the plan (altering a
+        # topic just created can race its metadata reaching the broker that answers).
+        resources = [
+            ConfigResource(ConfigResourceType.TOPIC, name, cfg)
+            for name, cfg in configs.items()
+            if name in existing
+        ]
+        if resources:
+            admin.alter_configs(resources)
         return states
     except KafkaError as exc:
         raise BusError(f"topic administration on {','.join(servers)} failed: {exc}") from exc

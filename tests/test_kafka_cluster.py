@@ -3,6 +3,8 @@
 - A broker stopped and restarted mid-stream: producers retry, nothing is lost, the replica catches up.
 - Two replicas (two nodes) and several publishers, all separate processes; one replica is killed and
   restarted; both end with identical stores, equal to a clean store fed the same records.
+- While the brokers refuse writes, `publish` raises BusBackpressureError instead of blocking, and everything
+  it accepted is delivered once they are back.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO, end_offsets, wait_caught_up
+from conftest import REPO, drop_topics, end_offsets, wait_caught_up
 
 from history_store.store import HistoryStore
+from pipeline.bus import BusBackpressureError, open_bus
 from pipeline.synthetic import SyntheticShape, synthetic_records
+from pipeline.topics import admin_client
 
 pytestmark = pytest.mark.kafka
 SHAPE_ARGS = ("--problems", "40", "--prompt-tokens", "16", "--response-tokens", "40")
@@ -163,3 +167,52 @@ def test_two_replicas_converge_after_one_is_killed_and_restarted(
             assert store.stats().trajectories > 0
     assert digests["node-a"] == digests["node-b"]
     assert digests["node-a"] == _reference_digest(tmp_path / "reference", workers, count, _shape(epochs))
+
+
+def test_publish_reports_backpressure_while_brokers_refuse_writes_and_delivers_all_after(
+    kafka_cluster_servers, cluster_topics
+):
+    # min.insync.replicas=3 on this topic: with one broker stopped the cluster refuses every write (as when
+    # brokers are away), while the test still stops only one broker.
+    topic = f"{cluster_topics[0]}.isr3"
+    admin = admin_client(kafka_cluster_servers)
+    configs = {"min.insync.replicas": "3", "max.message.bytes": str(16 * 1024 * 1024)}
+    admin.create_topics({topic: {"num_partitions": 3, "replication_factor": 3, "configs": configs}})
+    admin.wait_for_topics([topic], timeout_ms=30_000)
+    admin.close()
+    bus = open_bus(
+        f"kafka://{','.join(kafka_cluster_servers)}", topic=topic, max_queue_records=200,
+        delivery_timeout_ms=240_000,
+    )  # fmt: skip
+    records = synthetic_records(
+        5, 5_000, SyntheticShape(problems=10, prompt_tokens=16, response_tokens_median=400)
+    )
+    accepted = refused = 0
+    stopped = False
+    try:
+        for _ in range(20):
+            bus.publish(next(records))
+            accepted += 1
+        bus.flush()
+        _kafka_sh("stop-broker", "3")
+        stopped = True
+        record = next(records)
+        deadline = time.monotonic() + 120
+        while refused == 0:
+            assert time.monotonic() < deadline, f"no backpressure after {accepted} records"
+            try:
+                bus.publish(record)
+                accepted, record = accepted + 1, next(records)
+            except BusBackpressureError as exc:
+                assert "record not taken" in str(exc)
+                refused += 1
+            time.sleep(0.001)
+        _kafka_sh("start-broker", "3")
+        stopped = False
+    finally:
+        if stopped:
+            _kafka_sh("start-broker", "3")
+    bus.flush(timeout_s=240)  # everything taken before and during the outage is delivered
+    bus.close()
+    assert sum(end_offsets(kafka_cluster_servers, topic).values()) == accepted
+    drop_topics(kafka_cluster_servers, topic)
