@@ -14,6 +14,7 @@ the same message leave one copy after compaction.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -161,13 +162,19 @@ def ensure_topics(
         admin.close()
 
 
-def topic_partitions(servers: list[str], topic: str, **settings: object) -> int:
-    """Partition count of `topic`. Raises BusError if the topic does not exist or Kafka is unreachable."""
+def topic_partitions(servers: list[str], topic: str, wait_s: float = 5.0, **settings: object) -> int:
+    """Partition count of `topic`. Raises BusError if Kafka is unreachable or the topic does not appear within
+    `wait_s` (a topic just created reaches every broker's metadata a moment later)."""
     admin = admin_client(servers, **settings)
+    deadline = time.monotonic() + wait_s
     try:
-        for info in admin.describe_topics([topic]):
-            if info["name"] == topic and not info["error_code"] and info["partitions"]:
-                return len(info["partitions"])
+        while True:
+            for info in admin.describe_topics([topic]):
+                if info["name"] == topic and not info["error_code"] and info["partitions"]:
+                    return len(info["partitions"])
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
     except KafkaError as exc:
         raise BusError(f"cannot describe topic {topic} on {','.join(servers)}: {exc}") from exc
     finally:
