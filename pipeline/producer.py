@@ -173,7 +173,13 @@ class KafkaBus:
                     self._on_failure(exc)
                     self._replace_producer = True
                     continue
-            value = encode_record(record)
+            try:
+                value = encode_record(record)
+            except (ValueError, TypeError, OverflowError) as exc:
+                # A record built without validation (model_construct) can hold ids no encoding takes; it fails
+                # alone and is reported like any undelivered record, and this thread lives on.
+                self._on_failure(exc)
+                continue
             self.wire_bytes += len(value)
             try:
                 future = self._producer.send(

@@ -276,7 +276,10 @@ def test_records_the_broker_refuses_are_reported_by_the_next_flush(kafka_servers
         with pytest.raises(BusError, match="1 records could not be delivered") as info:
             bus.flush()
         assert "MessageSizeTooLarge" in str(info.value)
-        bus.publish(small.model_copy(update={"sample": 7}))  # reported once; the bus keeps working
+        bus.publish(small.model_copy(update={"sample": 7, "response_ids": [-1]}))  # unencodable, unvalidated
+        with pytest.raises(BusError, match="1 records could not be delivered"):
+            bus.flush()
+        bus.publish(small.model_copy(update={"sample": 8}))  # each failure is reported once; the bus works on
         bus.close()
         assert sum(end_offsets(kafka_servers, topic).values()) == 2
     finally:
