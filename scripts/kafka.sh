@@ -107,7 +107,12 @@ format() {
 }
 
 pid_of() { [ -f "$RUN/$1.pid" ] && cat "$RUN/$1.pid"; }
-running() { local pid; pid=$(pid_of "$1") && kill -0 "$pid" 2>/dev/null; }
+# A pid file can outlive its broker (machine restart) and the pid be reused: check it is our broker.
+running() {
+  local pid
+  pid=$(pid_of "$1") && kill -0 "$pid" 2>/dev/null &&
+    grep -q "$KDIR/config/$1.properties" "/proc/$pid/cmdline" 2>/dev/null
+}
 
 start_node() {
   local name=$1
