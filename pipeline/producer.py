@@ -2,9 +2,10 @@
 
 `publish` only appends to a queue; one background thread encodes records and hands them to kafka-python's
 producer, whose own IO thread batches, compresses and sends them. The caller's decode loop therefore never
-waits on the network: at most `max_queue_records` records may be published and not yet acknowledged, and
-when brokers are away that bound is reached and `publish` raises `BusBackpressureError` at once, and records that fail delivery after the producer's own retries are reported
-by the next `publish`, `flush` or `close` as one `BusError` with a count and the first cause.
+waits on the network: at most `max_queue_records` records may be published and not yet acknowledged; when
+the brokers are away that bound is reached and `publish` raises `BusBackpressureError` at once. Records that
+fail delivery after the producer's own retries are reported by the next `publish`, `flush` or `close` as one
+`BusError` with a count and the first cause.
 
 Durability is not configurable down: acks=all with the idempotent producer (retries cannot duplicate or
 reorder a partition's records), lz4 compression (token ids compress well and lz4 costs little CPU).
@@ -35,8 +36,8 @@ PRODUCER_DEFAULTS: dict[str, object] = {
     # Trajectories are ~10 KB; 512 KB batches hold dozens, which is where lz4 and the broker work best.
     "batch_size": 512 * 1024,
     "max_request_size": MAX_MESSAGE_BYTES,
-    # How long the sender thread may wait for metadata or buffer space before a record fails; the bounded
-    # queue in front absorbs the wait, so the caller sees backpressure rather than a stall.
+    # How long the sender thread may wait for a partition's metadata before a record fails; the bound on
+    # unacknowledged records absorbs the wait, so the caller sees backpressure rather than a stall.
     "max_block_ms": 60_000,
     # Two minutes of retries covers a broker restart and a leader election on a loaded machine.
     "delivery_timeout_ms": 120_000,
