@@ -19,6 +19,7 @@ from pipeline.bus import BusBackpressureError, BusError, open_bus
 from pipeline.consumer import (
     H_OFFSET,
     H_PARTITION,
+    H_TRUNCATED,
     KafkaTrajectorySource,
     ReplicaPublisher,
     read_dead_letters,
@@ -284,3 +285,24 @@ def test_records_the_broker_refuses_are_reported_by_the_next_flush(kafka_servers
         assert sum(end_offsets(kafka_servers, topic).values()) == 2
     finally:
         drop_topics(kafka_servers, topic)
+
+
+def test_a_dead_letter_too_large_for_its_topic_keeps_a_prefix_and_its_size(
+    kafka_servers, kafka_topics, tmp_path
+):
+    topic, dlq = kafka_topics
+    # Just under the trajectory topic's 16 MiB limit, so it is accepted there but no longer fits the dead-letter
+    # topic together with its headers.
+    value = b"DR" + bytes(16_750_000)
+    producer = KafkaProducer(bootstrap_servers=kafka_servers, max_request_size=1 << 24)
+    producer.send(topic, key=b"big", value=value, partition=0).get(timeout=60)
+    producer.close()
+    with HistoryStore(tmp_path / "store") as store:
+        indexer = _indexer(kafka_servers, topic, dlq, store)
+        totals = _drain(indexer, store, kafka_servers, topic)
+        indexer.close()
+    assert sum(totals["dead"].values()) == 1
+    [letter] = _read_all(kafka_servers, dlq)
+    headers = dict(letter.headers)
+    assert int(headers[H_TRUNCATED]) == len(value)
+    assert value.startswith(letter.value) and len(letter.value) < len(value)
