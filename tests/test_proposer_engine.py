@@ -7,11 +7,21 @@ ever accepted and the text degrades), so on this CPU only greedy decoding can ch
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 
-from workers.rollout import EngineOptions, RolloutWorker, build_engine, builtin_problems, shutdown_engine
+from history_store.store import HistoryStore
+from pipeline.schemas import TrajectoryRecord
+from workers.rollout import (
+    EngineOptions,
+    Problem,
+    RolloutWorker,
+    build_engine,
+    builtin_problems,
+    shutdown_engine,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -45,9 +55,25 @@ def ngram() -> tuple[Any, list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def das(plain, ngram):
-    """The DAS engine (built after the other two have shut down) and its worker."""
-    llm = build_engine(EngineOptions(strategy="das", **OPTIONS))
+def replica(tmp_path_factory):
+    """A node's history replica (distributed mode): this process writes it, the proposer reads it."""
+    with HistoryStore(tmp_path_factory.mktemp("replica") / "history") as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
+def das(plain, ngram, replica):
+    """The DAS engine (built after the other two have shut down), reading `replica`, and its worker."""
+    previous = os.environ.get("DAS_HISTORY_DIR")
+    # vLLM's engine process inherits the environment when it is spawned, i.e. inside build_engine.
+    os.environ["DAS_HISTORY_DIR"] = str(replica.path)
+    try:
+        llm = build_engine(EngineOptions(strategy="das", **OPTIONS))
+    finally:
+        if previous is None:
+            del os.environ["DAS_HISTORY_DIR"]
+        else:
+            os.environ["DAS_HISTORY_DIR"] = previous
     try:
         yield RolloutWorker(llm, "das")
     finally:
@@ -121,3 +147,24 @@ def test_a_problem_whose_history_is_evicted_mid_run_completes_unchanged(plain, d
     assert sum(evicted) >= 2 * PROBLEMS, f"expected both epochs of history evicted, got {evicted}"
     assert _tokens(finished) == reference
     assert das.proposer_stats()["errors"] == 0
+
+
+def test_trajectories_written_to_the_replica_become_draftable_without_a_restart(plain, das, replica) -> None:
+    _, reference = plain
+    prompt = builtin_problems(das.llm.get_tokenizer(), 1)[0].prompt_ids
+    replica.apply(
+        [
+            TrajectoryRecord(
+                problem_id="replica-0", epoch=0, sample=0, prompt_ids=list(prompt), response_ids=reference[0]
+            )
+        ]
+    )
+    before = das.proposer_stats()
+    finished = das.run([(Problem("replica-0", prompt), 1, 0)], GREEDY)
+    after = das.proposer_stats()
+    assert _tokens(finished) == [reference[0]]
+    assert after["history_problems"] == before["history_problems"] + 1, (
+        "the replica's new problem never arrived"
+    )
+    assert after["accepted_tokens"] - before["accepted_tokens"] >= len(reference[0]) // 2
+    assert after["errors"] == 0
