@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from monitoring.metrics import EPOCH, EPOCH_MAKESPAN, REQUEST_DURATION, REQUEST_DURATION_MAX
 from pipeline.schemas import TrajectoryRecord
 from workers.model import require_model
 
@@ -303,7 +304,9 @@ class RolloutWorker:
                     finished_at=time.time(),
                     worker=self.worker,
                 )
-                done[output.request_id] = Finished(record, time.perf_counter() - state.submitted)
+                latency = time.perf_counter() - state.submitted
+                done[output.request_id] = Finished(record, latency)
+                REQUEST_DURATION.observe(latency)
                 if self.sink is not None:
                     self.sink(record)
             step += 1
@@ -327,6 +330,9 @@ class RolloutWorker:
         start = time.perf_counter()
         finished = self.run([(p, epoch, s) for p in problems for s in range(samples)], sampling)
         wall = time.perf_counter() - start
+        EPOCH_MAKESPAN.set(wall)
+        EPOCH.set(epoch)
+        REQUEST_DURATION_MAX.set(max((f.latency_s for f in finished), default=0.0))
         after = self.spec_counters()
         proposer = None
         if self.strategy == "das":
