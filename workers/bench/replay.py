@@ -123,6 +123,10 @@ def replay(
 ) -> dict:
     """Replays the records with one strategy; returns its totals and breakdowns."""
     cost = cost or CostModel()
+    if strategy == "das":
+        # As in the engine (workers/proposer.py): with the budget on, the calibrated pay-off rule, not the
+        # tree's raw probability floor, decides where a draft ends.
+        config = dataclasses.replace(config, min_token_prob=0.0)
     index = _index_for(strategy, config, window)
     k = config.max_spec_tokens
     # DAS proper: the same length-aware policy the engine runs, its cost model fed the simulated step times.
