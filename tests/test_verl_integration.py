@@ -1,16 +1,17 @@
 """The verl 0.9.1 hooks, driven through verl's own code as far as the CPU allows.
 
 - The example config composes with verl's defaults through Hydra and passes verl's RolloutConfig dataclass check.
-- verl's own loaders find our agent loop (config path) and manager (fully qualified class name).
-- The manager's epoch and sample columns on a batch built the way verl's trainer builds one.
+- verl's own loaders find our agent loop (config path) and managers (fully qualified class names).
+- The managers' epoch and sample numbering on batches built the way verl's V1 and legacy trainers build them.
 - End to end without Ray: the example's engine arguments go through verl's CLI-argument builder and vLLM's
   `serve` parser into a real `AsyncLLM` on the CPU (what verl's vLLMHttpServer.run_server does), with our worker
-  extension; `das_agent`, built from verl's registry by Hydra, runs verl's single-turn loop against it. The
-  proposer sees the request identity in `extra_args` (it files the finished requests under their problem, epoch
-  and sample), and the trajectories arrive on the bus.
+  extension; `das_agent`, built from verl's registry by Hydra with the keyword arguments verl's V1 worker gives
+  it, runs verl's single-turn loop against it. The proposer sees the request identity in `extra_args` (the second
+  step drafts from the first step's history), and the trajectories arrive on the bus.
 
-What needs a GPU (and a Ray cluster) to verify: a full `verl.trainer.main_ppo` step with FSDP actors, weight
-sync into the rollout engine with speculative decoding on, vLLMHttpServer over HTTP, and the V1 trainer.
+What needs a GPU (and a Ray cluster) to verify: a full `verl.trainer.main_ppo` step with FSDP actors, Ray
+dispatch through the managers and TransferQueue, weight sync into the rollout engine with speculative decoding
+on, and vLLMHttpServer over HTTP.
 """
 
 from __future__ import annotations
@@ -52,29 +53,40 @@ def test_example_config_composes_with_verl_defaults_and_passes_verls_rollout_che
     assert vllm_kwargs.worker_extension_cls == "workers.verl.extension.DasVerlWorkerExtension"
     assert rollout.disable_log_stats is False
     assert rollout.temperature == 1.0 and rollout.n == 8
-    assert config.trainer.use_v1 is False
+    assert config.trainer.use_v1 is True  # verl's default trainer
     assert config.das.bus is None and config.das.steps_per_epoch == 1
     # verl's own typed view of the rollout section (what its workers build) accepts every key we set.
     checked = omega_conf_to_dataclass(rollout)
     assert isinstance(checked, RolloutConfig)
     assert checked.agent.default_agent_loop == "das_agent"
-    assert checked.agent.agent_loop_manager_class == "workers.verl.manager.DasAgentLoopManager"
+    assert checked.agent.agent_loop_manager_class == "workers.verl.manager_v1.DasAgentLoopManagerTQ"
 
 
-def test_verl_loaders_find_the_das_agent_loop_and_manager() -> None:
+def test_verl_loaders_find_the_das_agent_loop_and_both_managers() -> None:
     from omegaconf import OmegaConf
     from verl.experimental.agent_loop import AgentLoopManager
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ
     from verl.utils.import_utils import load_class_from_fqn, resolve_config_path
 
     from workers.verl.agent_loop import DasAgentLoop
     from workers.verl.manager import DasAgentLoopManager
+    from workers.verl.manager_v1 import DasAgentLoopManagerTQ
 
     config = _compose()
     agent = config.actor_rollout_ref.rollout.agent
     # As AgentLoopWorker.__init__ does with agent_loop_config_path (the path is relative to the checkout).
     entries = {e.name: e for e in OmegaConf.load(resolve_config_path(agent.agent_loop_config_path))}
     assert entries[agent.default_agent_loop]["_target_"] == "workers.verl.agent_loop.DasAgentLoop"
+    # As verl's TaskRunnerV1 and the legacy RayPPOTrainer load agent_loop_manager_class.
     manager = load_class_from_fqn(agent.agent_loop_manager_class, "AgentLoopManager")
+    assert manager is DasAgentLoopManagerTQ and issubclass(manager, AgentLoopManagerTQ)
+    legacy = _compose(
+        "trainer.use_v1=false",
+        "actor_rollout_ref.rollout.agent.agent_loop_manager_class=workers.verl.manager.DasAgentLoopManager",
+    )
+    manager = load_class_from_fqn(
+        legacy.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager"
+    )
     assert manager is DasAgentLoopManager and issubclass(manager, AgentLoopManager)
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
@@ -115,6 +127,60 @@ def test_manager_keeps_validation_rollouts_out_of_the_history() -> None:
     row = {k: v[0] for k, v in batch.non_tensor_batch.items()}
     identity = RequestIdentity.from_kwargs(row)
     # Validation requests still draft from the problem's history, but never enter it.
+    assert identity.extra_args() == {"das_problem_id": "7"} and not identity.in_history
+
+
+def _v1_batch(problems: list[str], step: int, validate: bool = False) -> Any:
+    """A prompt batch as verl's V1 trainer hands it to the agent loop manager (one row per prompt)."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_tensordict(
+        {
+            "index": list(problems),
+            "raw_prompt": [[{"role": "user", "content": f"Problem {p}: what is 2 + 2?"}] for p in problems],
+            "uid": [uuid.uuid4().hex for _ in problems],
+        },
+        non_tensor_dict={"global_steps": step, **({"validate": True} if validate else {})},
+    )
+
+
+def _v1_kwargs(batch: Any, n: int) -> list[dict[str, Any]]:
+    """Each session's agent loop keyword arguments, as AgentLoopWorkerTQ.generate_sequences and _run_prompt
+    build them (every batch field of the row, `validate` and `agent_name` taken out, plus `session_id`)."""
+    import torch
+    from tensordict import NonTensorData, NonTensorStack
+
+    rows = []
+    for i in range(len(batch)):
+        prompt = {}
+        for key, value in batch.items():
+            if key in ("validate", "agent_name"):
+                continue
+            if isinstance(value, torch.Tensor):
+                prompt[key] = value[i]
+            elif isinstance(value, NonTensorStack):
+                prompt[key] = value[i].data
+            elif isinstance(value, NonTensorData):
+                prompt[key] = value.data
+        rows += [{**prompt, "session_id": session} for session in range(n)]
+    return rows
+
+
+def test_v1_manager_sets_the_epoch_and_sessions_number_the_samples() -> None:
+    from workers.verl.identity import RequestIdentity
+    from workers.verl.manager_v1 import annotate_tq
+
+    batch = _v1_batch(["7", "9"], step=5)
+    annotate_tq(batch, per_epoch=2)
+    identities = [RequestIdentity.from_kwargs(kw) for kw in _v1_kwargs(batch, n=3)]
+    assert [(i.problem_id, i.epoch, i.sample) for i in identities] == [
+        (p, 2, s) for p in ("7", "9") for s in range(3)
+    ]
+    assert identities[4].extra_args() == {"das_problem_id": "9", "das_epoch": 2, "das_sample": 1}
+
+    validation = _v1_batch(["7"], step=5, validate=True)
+    annotate_tq(validation, per_epoch=2)
+    (identity,) = [RequestIdentity.from_kwargs(kw) for kw in _v1_kwargs(validation, n=1)]
     assert identity.extra_args() == {"das_problem_id": "7"} and not identity.in_history
 
 
@@ -194,7 +260,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     from verl.utils.import_utils import resolve_config_path
 
     from pipeline.bus import embedded_bus
-    from workers.verl.manager import annotate
+    from workers.verl.manager_v1 import annotate_tq
 
     # The embedded bus: this test's process is the agent loop worker and subscribes like an in-process replica.
     config = _compose("das.bus=embedded", "data.max_response_length=24", "data.max_prompt_length=256")
@@ -217,8 +283,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             "logprobs": False,
         }
 
-        async def run_row(batch: Any, i: int) -> Any:
-            kwargs = {k: v[i] for k, v in batch.non_tensor_batch.items()}
+        async def run_session(kwargs: dict[str, Any]) -> Any:
             # As AgentLoopWorker._run_agent_loop builds it.
             loop = hydra.utils.instantiate(
                 config=_agent_loop_registry[rollout.agent.default_agent_loop],
@@ -233,10 +298,10 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             return await loop.run(dict(sampling), **kwargs)
 
         async def run_step(step: int) -> list[Any]:
-            batch = _trainer_batch([0], n=2, step=step)
-            batch.non_tensor_batch["index"] = np.array([problem, problem], dtype=object)
-            annotate(batch, per_epoch=1)
-            return list(await asyncio.gather(*(run_row(batch, i) for i in range(len(batch)))))
+            # verl's V1 trainer (the example config's): one prompt row, its n=2 samples run as sessions.
+            batch = _v1_batch([problem], step=step)
+            annotate_tq(batch, per_epoch=1)
+            return list(await asyncio.gather(*(run_session(kw) for kw in _v1_kwargs(batch, n=2))))
 
         async def run_two_steps() -> tuple[list[Any], list[Any], list[dict]]:
             first = await run_step(1)

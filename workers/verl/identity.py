@@ -20,6 +20,7 @@ from pipeline.schemas import TrajectoryRecord
 
 EPOCH_FIELD = "das_epoch"
 SAMPLE_FIELD = "das_sample"
+V1_SESSION_FIELD = "session_id"
 STEPS_PER_EPOCH_ENV = "DAS_STEPS_PER_EPOCH"
 # Marks rows that must not enter the history: validation rollouts, greedy baselines (REMAX).
 NOT_HISTORY = -1
@@ -46,6 +47,14 @@ def steps_per_epoch(das_config: Mapping[str, Any] | None = None) -> int:
     return value
 
 
+def rollout_epoch(global_step: Any, validate: bool, per_epoch: int) -> int:
+    """The DAS epoch of a training step's rollouts: (step - 1) // per_epoch (verl counts steps from 1), or
+    NOT_HISTORY for validation and batches without a step."""
+    if validate or global_step is None or int(global_step) < 1:
+        return NOT_HISTORY
+    return (int(global_step) - 1) // per_epoch
+
+
 def rollout_identity(
     index: Sequence[Any] | None,
     global_step: int | None,
@@ -61,9 +70,9 @@ def rollout_identity(
     n = len(index) if index is not None else 0
     epochs = np.full(n, NOT_HISTORY, dtype=np.int64)
     samples = np.full(n, NOT_HISTORY, dtype=np.int64)
-    if validate or global_step is None or index is None or int(global_step) < 1:
+    epoch = rollout_epoch(global_step, validate, per_epoch)
+    if epoch == NOT_HISTORY or index is None:
         return epochs, samples
-    epoch = (int(global_step) - 1) // per_epoch
     seen: Counter[str] = Counter()
     for row, problem in enumerate(index):
         if do_sample is not None and not bool(do_sample[row]):
@@ -85,10 +94,13 @@ class RequestIdentity:
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> RequestIdentity:
-        """From verl's per-row fields: `index` (problem), `das_epoch` and `das_sample` (DasAgentLoopManager)."""
+        """From verl's per-row fields: `index` (problem) and `das_epoch` (our managers); the sample is
+        `das_sample` (legacy trainer: DasAgentLoopManager numbers the repeated rows) or verl's own `session_id`
+        (V1 trainer: the worker runs a prompt's n samples as sessions 0..n-1)."""
         index = kwargs.get("index")
         problem_id = None if index is None else str(index.item() if hasattr(index, "item") else index)
-        epoch, sample = kwargs.get(EPOCH_FIELD), kwargs.get(SAMPLE_FIELD)
+        epoch = kwargs.get(EPOCH_FIELD)
+        sample = kwargs.get(SAMPLE_FIELD, kwargs.get(V1_SESSION_FIELD))
         if epoch is None or sample is None or int(epoch) < 0 or int(sample) < 0:
             return cls(problem_id or None, None, None)
         return cls(problem_id or None, int(epoch), int(sample))

@@ -1,11 +1,11 @@
-"""`DasAgentLoopManager`: verl's agent loop manager that tells each rollout row its DAS epoch and sample.
+"""`DasAgentLoopManager`: verl's legacy agent loop manager that tells each rollout row its DAS epoch and sample.
 
 verl keeps the training step in the batch's `meta_info`, which agent loops never see, and repeats each prompt n
 times without numbering the copies. Before the batch is split across agent loop workers, this manager adds
 `das_epoch` and `das_sample` columns (as verl itself adds `priority`); `DasAgentLoop` reads them.
 
-For verl's default (V1, TransferQueue) trainer the manager base class differs; the example config selects the
-legacy trainer (`trainer.use_v1: false`), the one this manager extends.
+This is for verl's legacy trainer (`trainer.use_v1=false`); the default V1 trainer takes
+`workers.verl.manager_v1.DasAgentLoopManagerTQ`.
 """
 
 from __future__ import annotations
