@@ -343,17 +343,20 @@ class DasProposer:
         clean = all(sampled) and all(k in self._live for k in keys)
         self._learn_from_last_step(keys, sampled, started, clean)
         self._reap(set(keys))
+        committed = []
         for i, key in enumerate(keys):
             live = self._live.get(key)
             if live is None:
                 live = self._start(key, runner.requests[key], token_ids[i])
             count = int(num_tokens[i])
-            if count > live.fed:
-                new = token_ids[i, live.fed : count]
-                self.index.append_request(key, new)
+            new = token_ids[i, live.fed : max(count, live.fed)]
+            committed.append(new)
+            if new.size:
                 if live.chunks is not None:
                     live.chunks.append(new.copy())
                 live.fed = count
+        # One native call commits the whole batch's new tokens to the live trees.
+        self.index.append_batch(keys, committed)
         if self._replica is not None and started >= self._next_catch_up:
             self._catch_up(started)
 

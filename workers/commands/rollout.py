@@ -105,6 +105,7 @@ def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | No
 
 
 def _rollout(args: argparse.Namespace) -> int:
+    from monitoring.server import start_from_args
     from pipeline.bus import open_bus
     from workers.rollout import EmbeddedReplica
 
@@ -113,6 +114,11 @@ def _rollout(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"das rollout: {exc}", file=sys.stderr)
         return 2
+    # The proposer's metrics come from vLLM's engine process: they reach this server when
+    # PROMETHEUS_MULTIPROC_DIR is set before `das` starts (as docker-compose.yml does).
+    server = start_from_args(args)
+    if server is not None:
+        print(f"metrics on http://{args.metrics_host}:{server.server_port}/metrics", file=sys.stderr)
     replica = None
     scratch = None
     if args.bus == "embedded":
@@ -133,6 +139,8 @@ def _rollout(args: argparse.Namespace) -> int:
             replica.close()
         if scratch is not None:
             scratch.cleanup()
+        if server is not None:
+            server.shutdown()
     if args.json:
         print(json.dumps({"strategy": args.strategy, "bus": args.bus.split("://")[0], "epochs": reports}))
     return 0
@@ -170,6 +178,9 @@ def register(cli) -> None:
     rollout.add_argument(
         "--bus", default="embedded", help="'embedded' (default) or kafka://host:port[,host:port]"
     )
+    from monitoring.server import add_metrics_arguments
+
+    add_metrics_arguments(rollout)
     rollout.add_argument(
         "--history-dir",
         type=Path,
