@@ -79,3 +79,37 @@ def test_open_bus_names_the_embedded_bus_and_refuses_unknown_urls():
     with pytest.raises(TypeError):
         embedded_bus().publish({"problem_id": "p"})  # type: ignore[arg-type]
     assert isinstance(next(synthetic_records(0, 1)), TrajectoryRecord)
+
+
+def test_replica_checkpoints_at_epoch_boundaries_and_a_failed_checkpoint_never_stops_ingest(tmp_path, caplog):
+    from history_store.checkpoints import Checkpointer, list_checkpoints, read_manifest
+
+    bus = EmbeddedBus()
+    records = list(synthetic_records(0, 60, SHAPE))
+    with HistoryStore(tmp_path / "store", window_epochs=5) as store:
+        root = tmp_path / "checkpoints"
+        indexer = Indexer(
+            bus.subscribe(),
+            store,
+            poll_timeout_s=0.01,
+            batch_records=4,
+            checkpointer=Checkpointer(store, root, every_seconds=3600, keep=2),
+        )
+        indexer.start()
+        for record in records:
+            bus.publish(record)
+        while indexer.step().messages:
+            pass
+        kept = list_checkpoints(root)
+        assert 1 <= len(kept) <= 2, "epoch boundaries checkpoint, the oldest are pruned"
+        assert read_manifest(kept[-1])["max_epoch"] <= max(r.epoch for r in records)
+        stored = sum(1 for _ in store.iter_trajectories())
+        root.rename(tmp_path / "moved")
+        root.write_text("not a folder: every checkpoint now fails")
+        indexer.checkpointer.every_seconds = 1e-9  # due at every batch from now on
+        for record in synthetic_records(60, 40, SHAPE):
+            bus.publish(record)
+        while indexer.step().messages:
+            pass
+        assert sum(1 for _ in store.iter_trajectories()) > stored
+        assert "automatic checkpoint" in caplog.text

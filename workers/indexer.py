@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from history_store.checkpoints import Checkpointer
+from history_store.errors import StoreError
 from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore, TrajectoryLike
 from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERED, FRESHNESS
@@ -103,6 +105,7 @@ class Indexer:
         batch_records: int = DEFAULT_BATCH_RECORDS,
         poll_timeout_s: float = POLL_TIMEOUT_S,
         publish_tombstones: bool = True,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         if batch_records < 1:
             raise ValueError(f"batch_records must be >= 1, got {batch_records}")
@@ -114,6 +117,8 @@ class Indexer:
         self.batch_records = batch_records
         self.poll_timeout_s = poll_timeout_s
         self.publish_tombstones = publish_tombstones
+        self.checkpointer = checkpointer
+        self.max_epoch = -1
         self._next_lag = 0.0
 
     def start(self) -> None:
@@ -184,6 +189,15 @@ class Indexer:
             self.publisher.tombstones(self.source.topic, self.source.partition_count(), result.evicted)
         if offsets:
             self.source.commit(offsets)
+        if result.applied:
+            self.max_epoch = max(self.max_epoch, max(epoch for _, epoch, _ in result.applied))
+        if self.checkpointer is not None:
+            # A checkpoint is a copy of a consistent store: its failure loses nothing, so ingest goes on (the
+            # last-checkpoint age metric and its alert report it).
+            try:
+                self.checkpointer.maybe_checkpoint(self.max_epoch)
+            except (StoreError, OSError):
+                log.exception("automatic checkpoint of %s failed; ingest goes on", self.store.path)
         log.debug(
             "batch: messages=%d applied=%d duplicates=%d stale=%d evicted=%d tombstones=%d dead_lettered=%d",
             report.messages,

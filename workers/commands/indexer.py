@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from workers.commands.kafka import add_bus_arguments, kafka_servers_from, kafka_settings
@@ -39,6 +40,15 @@ def register(cli: Any) -> None:
         help="this replica's name: its Kafka consumer group (lag monitoring) and dead-letter origin header",
     )
     p.add_argument("--window-epochs", type=int, default=None, help="epochs of history kept per problem")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="write RocksDB checkpoints here at epoch boundaries and every --checkpoint-every seconds "
+        "(same file system as --data: checkpoints are hard links)",
+    )
+    p.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints")
+    p.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept")
     p.add_argument("--max-record-tokens", type=int, default=None, help="larger records are dead-lettered")
     p.add_argument("--batch-records", type=int, default=None, help="records applied per RocksDB write")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -46,6 +56,7 @@ def register(cli: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from history_store.checkpoints import Checkpointer
     from history_store.errors import StoreError
     from history_store.store import HistoryStore
     from monitoring.server import start_from_args
@@ -90,12 +101,18 @@ def run(args: argparse.Namespace) -> int:
             publisher = ReplicaPublisher(
                 servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings
             )
+            checkpointer = (
+                Checkpointer(store, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
+                if args.checkpoint_dir is not None
+                else None
+            )
             indexer = Indexer(
                 source,
                 store,
                 publisher=publisher,
                 max_record_tokens=args.max_record_tokens or DEFAULT_MAX_RECORD_TOKENS,
                 batch_records=args.batch_records or DEFAULT_BATCH_RECORDS,
+                checkpointer=checkpointer,
             )
             logging.getLogger("das.indexer").info(
                 "replica %s: %s -> %s (window %d epochs)",
