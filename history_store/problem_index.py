@@ -229,10 +229,14 @@ class ProblemIndex:
                     kept -= n
             self._drop_global(drop)
 
-    def _drop_global(self, keys) -> None:
+    def _drop_global(self, keys: Iterable[tuple[str, int, int]]) -> None:
         seq_ids = [self._global_seq.pop(k) for k in list(keys) if k in self._global_seq]
         if seq_ids and self._global is not None:
             self._global.remove_many(seq_ids)
+        # Rollouts arrive in epoch order, so those the window dropped sit at the FIFO's front: prune them
+        # there, or a long run would keep an entry per rollout ever seen.
+        while self._global_fifo and self._global_fifo[0][0] not in self._global_seq:
+            self._global_fifo.popleft()
 
     def problem_ids(self) -> list[str]:
         return list(self._problems)

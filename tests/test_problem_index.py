@@ -133,3 +133,11 @@ def test_bulk_loading_past_the_global_cap_keeps_the_newest_rollouts():
     assert index.draft_batch(["r"], [5]).draft(0) == [902, 903]
     index.start_request("s", "other", [10, 11])  # an old rollout that did not fit the cap
     assert index.draft_batch(["s"], [5]).draft(0) == []
+
+
+def test_the_global_tree_forgets_rollouts_that_left_the_window():
+    index = ProblemIndex(window_epochs=2, config=CFG)
+    for epoch in range(50):
+        for sample in range(4):
+            index.add_trajectory(f"p{sample}", epoch, 0, [1], [epoch, sample, 7])
+    assert len(index._global_fifo) <= 2 * 4, "bookkeeping stays bounded by the window, not the run"
