@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from history_store import layout
 from history_store.errors import StoreError, StoreOpenError
 from history_store.store import HistoryStore
 from monitoring.metrics import CHECKPOINT_DURATION, LAST_CHECKPOINT
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 _PREFIX = "ckpt-"
@@ -206,6 +210,21 @@ class Checkpointer:
         existing = list_checkpoints(self.root)
         self._last_time = time.monotonic()
         self._last_epoch = read_manifest(existing[-1])["max_epoch"] if existing else -1
+        self._max_epoch = store.stats().max_epoch  # newest epoch applied so far (-1: empty store)
+
+    def after_apply(self, applied: Sequence[tuple[str, int, int]]) -> CheckpointInfo | None:
+        """What a running service calls after each apply with the keys it applied: checkpoints if one is
+        due. A failure is logged, not raised: a checkpoint copies a consistent store, so failing one loses
+        nothing and ingest goes on (the last-checkpoint age metric and its alert report it)."""
+        if applied:
+            self._max_epoch = max(self._max_epoch, max(epoch for _, epoch, _ in applied))
+        try:
+            return self.maybe_checkpoint(self._max_epoch)
+        except (StoreError, OSError):
+            log.exception(
+                "automatic checkpoint of %s into %s failed; ingest goes on", self.store.path, self.root
+            )
+            return None
 
     def maybe_checkpoint(self, max_epoch: int | None = None) -> CheckpointInfo | None:
         """Checkpoints if one is due; returns it, or None. `max_epoch` is the newest epoch applied so far

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from history_store.checkpoints import Checkpointer
-from history_store.errors import StoreError
 from history_store.problem_index import ProblemIndex
 from history_store.store import (
     ApplyResult,
@@ -92,7 +91,6 @@ class IndexedHistory:
         self.index = index
         self.load = load
         self.checkpointer = checkpointer
-        self.max_epoch = store.stats().max_epoch
         self._next_gauge_update = 0.0
 
     @classmethod
@@ -155,15 +153,8 @@ class IndexedHistory:
             # Summing over every problem costs O(problems): refresh the gauge on a timer, not per batch.
             self._next_gauge_update = now + _GAUGE_INTERVAL_S
             STORE_TOKENS.set(_index_tokens(self.index))
-        if result.applied:
-            self.max_epoch = max(self.max_epoch, max(epoch for _, epoch, _ in result.applied))
         if self.checkpointer is not None:
-            try:
-                self.checkpointer.maybe_checkpoint(self.max_epoch)
-            except (StoreError, OSError):
-                log.exception(
-                    "history store %s: automatic checkpoint failed; ingest goes on", self.store.path
-                )
+            self.checkpointer.after_apply(result.applied)
         return result
 
     def close(self) -> None:

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from history_store.checkpoints import Checkpointer
-from history_store.errors import StoreError
 from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore, TrajectoryLike
 from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERED, FRESHNESS
@@ -118,7 +117,6 @@ class Indexer:
         self.poll_timeout_s = poll_timeout_s
         self.publish_tombstones = publish_tombstones
         self.checkpointer = checkpointer
-        self.max_epoch = -1
         self._next_lag = 0.0
 
     def start(self) -> None:
@@ -189,15 +187,8 @@ class Indexer:
             self.publisher.tombstones(self.source.topic, self.source.partition_count(), result.evicted)
         if offsets:
             self.source.commit(offsets)
-        if result.applied:
-            self.max_epoch = max(self.max_epoch, max(epoch for _, epoch, _ in result.applied))
         if self.checkpointer is not None:
-            # A checkpoint is a copy of a consistent store: its failure loses nothing, so ingest goes on (the
-            # last-checkpoint age metric and its alert report it).
-            try:
-                self.checkpointer.maybe_checkpoint(self.max_epoch)
-            except (StoreError, OSError):
-                log.exception("automatic checkpoint of %s failed; ingest goes on", self.store.path)
+            self.checkpointer.after_apply(result.applied)
         log.debug(
             "batch: messages=%d applied=%d duplicates=%d stale=%d evicted=%d tombstones=%d dead_lettered=%d",
             report.messages,
