@@ -15,6 +15,8 @@ Layout (all int32 unless noted; one arena holds every tree so one call drafts fo
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
   meta:   int64 [n_states, n_edges, n_hash_used]
+Every kernel takes the arena arrays first, in the order above (s_len ... h_val, meta), or a prefix of them,
+so the facade passes `*forest.arena` (or a prefix) rather than naming each array.
 """
 
 from __future__ import annotations
@@ -232,7 +234,22 @@ def rehash(h_key_new, h_val_new, e_tok, e_next, s_edge, n_states):
 
 @njit(cache=True)
 def advance_match(
-    s_len, s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, root, state, length, tokens, lo, hi, max_depth
+    s_len,
+    s_link,
+    s_count,
+    s_edge,
+    e_tok,
+    e_to,
+    e_next,
+    h_key,
+    h_val,
+    root,
+    state,
+    length,
+    tokens,
+    lo,
+    hi,
+    max_depth,
 ):
     """Feeds tokens[lo:hi] to a match state; returns the state and length of the longest suffix (<= depth)."""
     # A clone made since the last call may now hold the matched string: move to the state that does.
@@ -355,9 +372,8 @@ def draft_batch_kernel(
     Row i has up to C candidate trees (roots[i, c], -1 for none). Its persisted match state per candidate
     (m_state, m_len, m_version) advances over the tokens committed since the last call (new_tok[new_off[i]:
     new_off[i+1]]); a candidate whose tree was rebuilt (version changed) re-matches from the last `max_depth`
-    context tokens (ctx_tok[ctx_off[i]:ctx_off[i+1]]). spec_factor and min_prob are per row (length-aware
-    drafting: tail requests draft deeper). The candidate with the highest score wins; out_src holds its
-    index + 1 (0: no draft).
+    context tokens (ctx_tok[ctx_off[i]:ctx_off[i+1]]). The candidate with the highest score wins; out_src
+    holds its index + 1 (0: no draft).
     """
     n_rows, n_cand = roots.shape
     k = out_tok.shape[1]
@@ -376,6 +392,7 @@ def draft_batch_kernel(
                 st, ln = advance_match(
                     s_len,
                     s_link,
+                    s_count,
                     s_edge,
                     e_tok,
                     e_to,
@@ -395,6 +412,7 @@ def draft_batch_kernel(
                 st, ln = advance_match(
                     s_len,
                     s_link,
+                    s_count,
                     s_edge,
                     e_tok,
                     e_to,
@@ -425,9 +443,9 @@ def draft_batch_kernel(
                 st,
                 ln,
                 budgets[i],
-                spec_factor[i],
+                spec_factor,
                 spec_offset,
-                min_prob[i],
+                min_prob,
                 escape,
                 tmp_tok,
                 tmp_prob,

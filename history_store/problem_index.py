@@ -253,11 +253,6 @@ class ProblemIndex:
             "response_lengths": list(problem.lengths.values()),
         }
 
-    def recent_lengths(self, problem_id: str) -> list[int]:
-        """Response lengths of the problem's window ([] for an unknown problem)."""
-        problem = self._problems.get(problem_id)
-        return list(problem.lengths.values()) if problem else []
-
     # ---- live requests -------------------------------------------------------------------------------
 
     def start_request(
@@ -412,15 +407,7 @@ class ProblemIndex:
         f = self.forest
         cfg = self.config
         K.draft_batch_kernel(
-            f.s_len,
-            f.s_link,
-            f.s_count,
-            f.s_edge,
-            f.e_tok,
-            f.e_to,
-            f.e_next,
-            f.h_key,
-            f.h_val,
+            *f.arena[:9],
             roots,
             versions,
             m_state,
@@ -432,9 +419,9 @@ class ProblemIndex:
             ctx_off,
             budgets,
             depth,
-            np.full(n, cfg.max_spec_factor),
+            cfg.max_spec_factor,
             cfg.max_spec_offset,
-            np.full(n, cfg.min_token_prob),
+            cfg.min_token_prob,
             cfg.escape,
             out.tokens,
             out.lengths,
@@ -445,11 +432,3 @@ class ProblemIndex:
         )
         self._m_state[slots], self._m_len[slots], self._m_version[slots] = m_state, m_len, m_version
         return out
-
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._requests)
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.forest.memory_bytes

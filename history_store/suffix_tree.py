@@ -95,6 +95,11 @@ class SuffixForest:
     """
 
     def __init__(self, capacity_tokens: int = 4096) -> None:
+        self._allocate(capacity_tokens)
+        self.trees: list[SuffixTree] = []
+        self._version = 0
+
+    def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
         self.s_len = np.zeros(2 * n, np.int32)
         self.s_link = np.zeros(2 * n, np.int32)
@@ -103,12 +108,26 @@ class SuffixForest:
         self.e_tok = np.zeros(3 * n, np.int32)
         self.e_to = np.zeros(3 * n, np.int32)
         self.e_next = np.zeros(3 * n, np.int32)
-        self.h_key = np.full(_pow2(8 * n), -1, np.int64)
+        self.h_key = np.full(_pow2(2 * n), -1, np.int64)  # only high-degree states' edges are hashed
         self.h_val = np.zeros(self.h_key.shape[0], np.int32)
         self.meta = np.zeros(3, np.int64)
-        self.trees: list[SuffixTree] = []
-        self._version = 0
         self.garbage_states = 0
+
+    @property
+    def arena(self) -> tuple[np.ndarray, ...]:
+        """The arrays in the order every kernel takes them (see `_kernels`)."""
+        return (
+            self.s_len,
+            self.s_link,
+            self.s_count,
+            self.s_edge,
+            self.e_tok,
+            self.e_to,
+            self.e_next,
+            self.h_key,
+            self.h_val,
+            self.meta,
+        )
 
     def next_version(self) -> int:
         self._version += 1
@@ -116,34 +135,20 @@ class SuffixForest:
 
     @property
     def memory_bytes(self) -> int:
-        arrays = (self.s_len, self.s_link, self.s_count, self.s_edge, self.e_tok, self.e_to)
-        return sum(a.nbytes for a in arrays) + self.e_next.nbytes + self.h_key.nbytes + self.h_val.nbytes
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the arena in use: 16 per state, 12 per edge, 12 per hashed edge."""
-        n_states, n_edges, n_hash = (int(x) for x in self.meta)
-        return 16 * n_states + 12 * n_edges + 12 * n_hash
+        """Bytes the arena has allocated."""
+        return sum(a.nbytes for a in self.arena)
 
     def new_root(self) -> int:
         self._grow(states=1, edges=0)
-        return int(K.new_state(self.s_len, self.s_link, self.s_count, self.s_edge, self.meta, 0, -1, 0))
+        s_len, s_link, s_count, s_edge, *_, meta = self.arena
+        return int(K.new_state(s_len, s_link, s_count, s_edge, meta, 0, -1, 0))
 
     def extend(self, root: int, last: int, tokens: np.ndarray) -> int:
         """Appends tokens to the sequence ending at state `last` of the tree at `root`; returns the new end."""
         i = 0
         while i < tokens.shape[0]:
             i, last = K.extend_tokens(
-                self.s_len,
-                self.s_link,
-                self.s_count,
-                self.s_edge,
-                self.e_tok,
-                self.e_to,
-                self.e_next,
-                self.h_key,
-                self.h_val,
-                self.meta,
+                *self.arena,
                 root,
                 last,
                 tokens,
@@ -169,16 +174,7 @@ class SuffixForest:
         row, pos = 0, int(off[0]) if n else 0
         while row < n:
             row, pos = K.extend_rows(
-                self.s_len,
-                self.s_link,
-                self.s_count,
-                self.s_edge,
-                self.e_tok,
-                self.e_to,
-                self.e_next,
-                self.h_key,
-                self.h_val,
-                self.meta,
+                *self.arena,
                 roots,
                 lasts,
                 tokens,
@@ -235,11 +231,9 @@ class SuffixForest:
             self.compact()
 
     def compact(self) -> None:
-        trees = list(self.trees)
-        fresh = SuffixForest(capacity_tokens=max(64, sum(t.num_tokens for t in trees)))
-        self.__dict__.update({k: v for k, v in fresh.__dict__.items() if k not in ("trees", "_version")})
-        self.garbage_states = 0
-        for tree in trees:
+        """Rebuilds every live tree into freshly allocated arrays, dropping all garbage."""
+        self._allocate(sum(t.num_tokens for t in self.trees))
+        for tree in self.trees:
             tree._rebuild(count_garbage=False)
 
 
@@ -291,9 +285,6 @@ class SuffixTree:
 
     def __len__(self) -> int:
         return len(self._seqs)
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
 
     @property
     def seq_ids(self) -> list[int]:
@@ -372,32 +363,12 @@ class SuffixTree:
         ctx = as_tokens(context, "context")[-cfg.max_depth :]
         f = self.forest
         state, length = K.advance_match(
-            f.s_len,
-            f.s_link,
-            f.s_edge,
-            f.e_tok,
-            f.e_to,
-            f.e_next,
-            f.h_key,
-            f.h_val,
-            self.root,
-            self.root,
-            0,
-            ctx,
-            0,
-            ctx.shape[0],
-            cfg.max_depth,
+            *f.arena[:9], self.root, self.root, 0, ctx, 0, ctx.shape[0], cfg.max_depth
         )
         out_tok = np.empty(max(budget, 0), np.int32)
         out_prob = np.empty(max(budget, 0), np.float32)
         n, match_len, score = K.draft_from(
-            f.s_len,
-            f.s_link,
-            f.s_count,
-            f.s_edge,
-            f.e_tok,
-            f.e_to,
-            f.e_next,
+            *f.arena[:7],
             self.root,
             state,
             length,
@@ -410,10 +381,6 @@ class SuffixTree:
             out_prob,
         )
         return Draft(out_tok[:n].copy(), out_prob[:n].copy(), int(match_len), float(score))
-
-    def sequence(self, seq_id: int) -> np.ndarray:
-        """The tokens of one sequence. Raises KeyError for an unknown seq_id."""
-        return self._seqs[seq_id].all_tokens().copy()
 
     def to_bytes(self) -> bytes:
         """Compact serialized form: the sequences (the automaton is rebuilt on load)."""
