@@ -224,7 +224,7 @@ def rehash(h_key_new, h_val_new, e_tok, e_next, s_edge, n_states):
         while e != -1 and degree <= HASHED_DEGREE:
             degree += 1
             e = e_next[e]
-        if e == -1:
+        if degree <= HASHED_DEGREE:  # the same rule as _add_edge: hashed once it has HASHED_DEGREE + 1 edges
             continue
         e = s_edge[s]
         while e != -1:

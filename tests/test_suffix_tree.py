@@ -80,7 +80,8 @@ config = st.builds(
     cfg=config,
 )
 def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, contexts, cfg):
-    tree = SuffixTree(cfg)
+    # A minimal arena grows and rehashes all the time, so growth and rehashing are checked here too.
+    tree = SuffixTree(cfg, SuffixForest(capacity_tokens=1))
     seqs: dict[int, list[int]] = {}
     for op, seq_id, tokens in ops:
         if op == "extend":
@@ -111,6 +112,18 @@ def test_serialization_round_trips_exactly(seqs):
                 b.probs.tolist(),
                 b.match_len,
             )
+
+
+@pytest.mark.parametrize("degree", range(1, 9))
+def test_growing_the_arena_keeps_every_transition(degree):
+    # Small states are scanned, large ones hashed; a rehash must keep exactly the hashed ones findable.
+    forest = SuffixForest(capacity_tokens=1)
+    tree = SuffixTree(DraftConfig(min_token_prob=0.0), forest)
+    tree.extend(0, list(range(1, degree + 2)))  # the root gets degree + 1 continuations
+    before = [tree.speculate([t]).tokens.tolist() for t in range(1, degree + 1)]
+    forest._grow(states=0, edges=10_000)  # forces a rehash into a larger table
+    assert [tree.speculate([t]).tokens.tolist() for t in range(1, degree + 1)] == before
+    assert all(before)
 
 
 def test_removing_every_sequence_returns_to_an_empty_tree():
