@@ -146,6 +146,20 @@ class DasProcesses:
         self.procs.append(proc)
         return proc
 
+    def start_producers(
+        self, bus: str, topic: str, workers: int, count: int, rate: int, *load_args: str
+    ) -> list[subprocess.Popen[bytes]]:
+        """Starts `workers` `das kafka load` processes (`producer-<w>`), each publishing `count` records."""
+        return [
+            self.start(
+                f"producer-{w}",
+                *("kafka", "load", "--bus", bus, "--topic", topic),
+                *("--count", str(count), "--worker", str(w), "--rate", str(rate)),
+                *load_args,
+            )
+            for w in range(workers)
+        ]
+
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 

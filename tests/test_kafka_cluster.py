@@ -66,27 +66,7 @@ def test_broker_stopped_and_restarted_mid_stream_loses_nothing(
     workers, count = 2, 2_000
     store_path = tmp_path / "replica"
     replica = das_processes.start("replica", *_replica_args(bus, topic, dlq, store_path, "cluster-replica"))
-    producers = [
-        das_processes.start(
-            f"producer-{w}",
-            "kafka",
-            "load",
-            "--bus",
-            bus,
-            "--topic",
-            topic,
-            "--count",
-            str(count),
-            "--worker",
-            str(w),
-            "--rate",
-            "150",
-            "--epochs",
-            "3",
-            *SHAPE_ARGS,
-        )  # fmt: skip
-        for w in range(workers)
-    ]
+    producers = das_processes.start_producers(bus, topic, workers, count, 150, "--epochs", "3", *SHAPE_ARGS)
     _wait_for_batches(das_processes, "replica", replica)
     stopped = False
     try:
@@ -122,27 +102,9 @@ def test_two_replicas_converge_after_one_is_killed_and_restarted(
         name: das_processes.start(name, *_replica_args(bus, topic, dlq, path, name))
         for name, path in paths.items()
     }
-    producers = [
-        das_processes.start(
-            f"producer-{w}",
-            "kafka",
-            "load",
-            "--bus",
-            bus,
-            "--topic",
-            topic,
-            "--count",
-            str(count),
-            "--worker",
-            str(w),
-            "--rate",
-            "150",
-            "--epochs",
-            str(epochs),
-            *SHAPE_ARGS,
-        )  # fmt: skip
-        for w in range(workers)
-    ]
+    producers = das_processes.start_producers(
+        bus, topic, workers, count, 150, "--epochs", str(epochs), *SHAPE_ARGS
+    )
     _wait_for_batches(das_processes, "node-b", procs["node-b"], random.randint(1, 4))
     time.sleep(random.uniform(0, 0.02))  # a few ms into the next batch, maybe inside its RocksDB write
     os.kill(procs["node-b"].pid, signal.SIGKILL)

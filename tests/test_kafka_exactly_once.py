@@ -63,25 +63,7 @@ def test_replica_killed_three_times_ends_with_every_record_exactly_once(
     )
     replica_args += ("--replica", "eo-replica", "--batch-records", "200", "--log-level", "debug")
     shape_args = ("--problems", "50", "--epochs", "3", "--prompt-tokens", "16", "--response-tokens", "40")
-    producers = [
-        das_processes.start(
-            f"producer-{w}",
-            "kafka",
-            "load",
-            "--bus",
-            bus,
-            "--topic",
-            topic,
-            "--count",
-            str(PER_PRODUCER),
-            "--worker",
-            str(w),
-            "--rate",
-            "250",
-            *shape_args,
-        )
-        for w in range(PRODUCERS)
-    ]
+    producers = das_processes.start_producers(bus, topic, PRODUCERS, PER_PRODUCER, 250, *shape_args)
     rng = random.Random(20261130)
     replica = das_processes.start("replica-0", *replica_args)
     total = PRODUCERS * PER_PRODUCER
