@@ -178,7 +178,7 @@ def register(cli) -> None:
     rollout.add_argument(
         "--bus", default="embedded", help="'embedded' (default) or kafka://host:port[,host:port]"
     )
-    from monitoring.server import add_metrics_arguments
+    from workers.cli_types import add_metrics_arguments
 
     add_metrics_arguments(rollout)
     rollout.add_argument(
