@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.cli_types import POSITIVE, SECONDS, add_metrics_arguments
-from workers.commands.kafka import add_bus_arguments, kafka_servers_from, kafka_settings
+from workers.commands.kafka import add_bus_arguments, kafka_client
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
@@ -77,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
             "the embedded bus lives inside the rollout process; its indexer runs there "
             "(workers.indexer.Indexer over pipeline.bus.embedded_bus().subscribe()). Pass --bus kafka://..."
         )
-    servers = kafka_servers_from(args)
-    settings = kafka_settings(args.kafka_setting)
+    servers, settings = kafka_client(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,8 +1,8 @@
 """`das kafka init|load|dlq`: create the bus topics (idempotent), publish synthetic load, read dead letters.
 
-The bus URL comes from `--bus kafka://host:port[,host:port]` or the environment variable DAS_BUS. Kafka client
-settings such as TLS and SASL pass through `--kafka-setting key=value` (kafka-python names, e.g.
-`security_protocol=SASL_SSL`, `sasl_mechanism=SCRAM-SHA-512`, `ssl_cafile=/etc/ca.pem`).
+The bus URL comes from `--bus kafka://host:port[,host:port][?key=value&...]` or the environment variable DAS_BUS.
+TLS and SASL come from URL parameters, DAS_KAFKA_* variables (`pipeline.kafka_config`) or
+`--kafka-setting key=value` (kafka-python names, e.g. `security_protocol=SASL_SSL`, `ssl_cafile=/etc/ca.pem`).
 """
 
 from __future__ import annotations
@@ -56,13 +56,17 @@ def kafka_settings(pairs: list[str]) -> dict[str, object]:
     return settings
 
 
-def kafka_servers_from(args: argparse.Namespace) -> list[str]:
-    """Broker addresses from `--bus`. Raises ValueError if it is missing or not a kafka:// URL."""
-    from pipeline.bus import kafka_servers
+def kafka_client(args: argparse.Namespace) -> tuple[list[str], dict[str, object]]:
+    """Broker addresses and client settings from `--bus` (URL parameters) and `--kafka-setting` (stronger).
+
+    Raises ValueError if the bus is missing or not a kafka:// URL, or a setting is malformed.
+    """
+    from pipeline.kafka_config import parse_bus_url
 
     if not args.bus:
         raise ValueError(f"no bus given: pass --bus kafka://host:port or set {BUS_ENV}")
-    return kafka_servers(args.bus)
+    servers, settings = parse_bus_url(args.bus)
+    return servers, {**settings, **kafka_settings(args.kafka_setting)}
 
 
 def register(cli: Any) -> None:
@@ -129,9 +133,8 @@ def dlq(args: argparse.Namespace) -> int:
 
     from pipeline.consumer import read_dead_letters
 
-    letters = read_dead_letters(
-        kafka_servers_from(args), args.dlq_topic, idle_s=args.idle_s, **kafka_settings(args.kafka_setting)
-    )
+    servers, settings = kafka_client(args)
+    letters = read_dead_letters(servers, args.dlq_topic, idle_s=args.idle_s, **settings)
     # Two replicas can dead-letter the same message; compaction merges them later, the summary at once.
     unique = {(d.topic, d.partition, d.offset): d for d in letters}
     reasons = Counter(d.reason for d in unique.values())
@@ -152,13 +155,14 @@ def dlq(args: argparse.Namespace) -> int:
 def init(args: argparse.Namespace) -> int:
     from pipeline.topics import ensure_topics
 
+    servers, settings = kafka_client(args)
     states = ensure_topics(
-        kafka_servers_from(args),
+        servers,
         topic=args.topic,
         dead_letter_topic=args.dlq_topic,
         partitions=args.partitions,
         replication_factor=args.replication_factor,
-        **kafka_settings(args.kafka_setting),
+        **settings,
     )
     if args.json:
         print(json.dumps({"topics": [dataclasses.asdict(s) for s in states]}))
@@ -182,7 +186,8 @@ def load(args: argparse.Namespace) -> int:
         response_tokens_median=args.response_tokens,
     )
     try:
-        bus = KafkaBus(kafka_servers_from(args), topic=args.topic, **kafka_settings(args.kafka_setting))
+        servers, settings = kafka_client(args)
+        bus = KafkaBus(servers, topic=args.topic, **settings)
     except (BusError, ValueError) as exc:
         print(f"das kafka load: {exc}", file=sys.stderr)
         return 1
