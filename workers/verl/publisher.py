@@ -16,15 +16,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pipeline.bus import (
-    DEFAULT_QUEUE_RECORDS,
-    EMBEDDED_URL,
-    Bus,
-    BusBackpressureError,
-    BusError,
-    kafka_servers,
-    open_bus,
-)
+from pipeline.bus import DEFAULT_QUEUE_RECORDS, EMBEDDED_URL, Bus, BusBackpressureError, BusError, open_bus
+from pipeline.kafka_config import parse_bus_url
 from pipeline.schemas import TrajectoryRecord
 
 logger = logging.getLogger(__name__)
@@ -37,7 +30,7 @@ MAX_RETRY_S = 60.0
 def check_bus_url(url: str) -> None:
     """Raises ValueError for a bus URL that no retry can fix (checked where the config is loaded)."""
     if url != EMBEDDED_URL:
-        kafka_servers(url)
+        parse_bus_url(url)
 
 
 class BackgroundPublisher:
