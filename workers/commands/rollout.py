@@ -11,6 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from workers.cli_types import POSITIVE, integer, number
+from workers.rollout import DTYPES, KV_CACHE_DTYPES
+
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="das", choices=["none", "ngram", "das"], help="drafting method")
@@ -23,9 +26,40 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL: 1.0)")
     parser.add_argument("--max-tokens", type=int, default=256, help="response length cap")
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="engine batch size")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--model-dir", type=Path, help="prepared model (default: das model prepare's folder)")
+    parser.add_argument(
+        "--max-num-seqs", type=POSITIVE, default=None, help="engine batch size (default: CPU 16, GPU 256)"
+    )
+    parser.add_argument("--max-model-len", type=integer(16), default=2048)
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="any Hugging Face checkpoint folder: config.json, safetensors (one file or shards), tokenizer "
+        "(default: das model prepare's folder)",
+    )
+    engine = parser.add_argument_group("engine (defaults: CPU exact and small, GPU vLLM's serving settings)")
+    engine.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="weights and compute (CPU float32, GPU auto)"
+    )
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=number(above=0, maximum=1),
+        default=0.9,
+        help="GPU share for weights and KV cache",
+    )
+    engine.add_argument(
+        "--kv-cache-bytes",
+        type=POSITIVE,
+        default=None,
+        help="KV cache size (CPU default 512 MiB; GPU: sized by utilization)",
+    )
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    engine.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no CUDA graphs (default: on for the CPU, off on a GPU)",
+    )
+    engine.add_argument("--tensor-parallel-size", type=POSITIVE, default=1)
     parser.add_argument(
         "--budget", default="on", choices=["on", "off"], help="DAS length-aware budget policy"
     )
@@ -33,45 +67,74 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("epochs", "samples", "num_problems", "max_tokens", "k", "max_num_seqs"):
+    for name in ("epochs", "samples", "num_problems", "max_tokens", "k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
 
 
-def _loop(args: argparse.Namespace, sink: Callable[[Any], None] | None) -> list[dict[str, Any]]:
-    """Builds the engine and runs the epochs; returns the per-epoch reports."""
-    from workers.rollout import (
-        EngineOptions,
-        build_engine,
-        shutdown_engine,
-    )
+def _problems(args: argparse.Namespace) -> list[Any]:
+    """The problem set, read before any engine is built: a missing or malformed --problems file, or an incomplete
+    model folder, fails in seconds rather than after the engine's start-up.
 
-    os.environ["DAS_BUDGET"] = args.budget
-    options = EngineOptions(
+    Raises:
+        ModelError: the model folder is incomplete.
+        ValueError: the problems file is missing or malformed.
+        OSError: the problems file cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    from workers.model import require_model
+    from workers.rollout import builtin_problems, load_problems
+
+    if args.problems is not None and not args.problems.is_file():
+        raise ValueError(f"--problems {args.problems}: no such file")
+    tokenizer = AutoTokenizer.from_pretrained(str(require_model(args.model_dir)))
+    if args.problems is not None:
+        return load_problems(args.problems, tokenizer)
+    return builtin_problems(tokenizer, args.num_problems)
+
+
+def engine_options(args: argparse.Namespace) -> Any:
+    """The engine the command's flags describe."""
+    from workers.rollout import EngineOptions
+
+    return EngineOptions(
         strategy=args.strategy,
         model_dir=args.model_dir,
         num_speculative_tokens=args.k,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+def _loop(
+    args: argparse.Namespace, problems: list[Any], sink: Callable[[Any], None] | None
+) -> list[dict[str, Any]]:
+    """Builds the engine and runs the epochs; returns the per-epoch reports."""
+    from workers.rollout import build_engine, shutdown_engine
+
+    options = engine_options(args)
+    os.environ["DAS_BUDGET"] = args.budget
     llm = build_engine(options)
     try:
-        return _epochs(args, llm, sink)
+        return _epochs(args, llm, problems, sink)
     finally:
         shutdown_engine(llm)
 
 
-def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | None) -> list[dict[str, Any]]:
-    from workers.rollout import RolloutWorker, builtin_problems, load_problems
+def _epochs(
+    args: argparse.Namespace, llm: Any, problems: list[Any], sink: Callable[[Any], None] | None
+) -> list[dict[str, Any]]:
+    from workers.rollout import RolloutWorker
 
-    tokenizer = llm.get_tokenizer()
-    problems = (
-        load_problems(args.problems, tokenizer)
-        if args.problems
-        else builtin_problems(tokenizer, args.num_problems)
-    )
     worker = RolloutWorker(llm, args.strategy, sink=sink)
     sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
     reports = []
@@ -104,6 +167,7 @@ def _rollout(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"das rollout: {exc}", file=sys.stderr)
         return 2
+    problems = _problems(args)
     # The proposer's metrics come from vLLM's engine process: they reach this server when
     # PROMETHEUS_MULTIPROC_DIR is set before `das` starts (as docker-compose.yml does).
     server = start_from_args(args)
@@ -121,7 +185,7 @@ def _rollout(args: argparse.Namespace) -> int:
         os.environ["DAS_HISTORY_DIR"] = str(Path(args.history_dir).resolve())
     bus = open_bus(args.bus)
     try:
-        reports = _loop(args, bus.publish)
+        reports = _loop(args, problems, bus.publish)
         bus.flush()
     finally:
         bus.close()
@@ -142,6 +206,7 @@ def _traces(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"das traces generate: {exc}", file=sys.stderr)
         return 2
+    problems = _problems(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
@@ -149,7 +214,7 @@ def _traces(args: argparse.Namespace) -> int:
         def write(record: Any) -> None:
             handle.write(record.model_dump_json(exclude_none=True) + "\n")
 
-        reports = _loop(args, write)
+        reports = _loop(args, problems, write)
     tmp.replace(args.out)
     if args.json:
         print(json.dumps({"strategy": args.strategy, "out": str(args.out), "epochs": reports}))
