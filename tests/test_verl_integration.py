@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -228,6 +229,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     from pipeline.bus import embedded_bus
     from workers.verl.identity import BatchAnnotator, PassLedger
     from workers.verl.manager_v1 import annotate_tq
+    from workers.verl.stats import _read_stats, _stats_path, _write_stats
 
     # The embedded bus: this test's process is the agent loop worker and subscribes like an in-process replica.
     config = _compose("das.bus=embedded", "data.max_response_length=24", "data.max_prompt_length=256")
@@ -272,7 +274,12 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
         async def run_all() -> tuple[list[Any], list[Any], list[dict], list[dict]]:
             first = await run_step(problem, 1)
             second = await run_step(problem, 2)
-            stats = await engine.collective_rpc("das_stats")
+            # What workers.verl.stats has verl's vLLMHttpServer.collective_rpc run in each worker (verl drops
+            # the RPC's results), read back as its __ray_call__ does inside the server actor.
+            path = _stats_path(None)
+            assert await engine.collective_rpc(_write_stats, args=(path,)) == [None]
+            stats = _read_stats(None, path)
+            assert stats[0]["steps"] == (await engine.collective_rpc("das_stats"))[0]["steps"]
             server.abort_after[f"test/train/{aborted}"] = 4
             await run_step(aborted, 3)
             return first, second, stats, await engine.collective_rpc("das_stats")
@@ -309,3 +316,22 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     # The proposer's own finish-time add took the complete sibling of the aborted problem, not the cut one
     # (a cut one alone would have added the problem too, with a 4-token response).
     assert after_abort[0]["history_problems"] == 2
+
+
+@pytest.mark.parametrize(
+    ("response", "max_tokens", "expected"),
+    [
+        ([5, 6, 2], 10, 3),  # ended on EOS (2)
+        ([5, 2, 7, 8], 10, 2),  # accepted drafts ran past EOS in the runner: cut after it
+        ([5, 6, 7, 8], 4, 4),  # reached max_tokens
+        ([5, 6, 7, 8, 2], 4, 4),  # drafts ran past max_tokens and then hit EOS: vLLM returned max_tokens
+        ([5, 6, 7], 10, None),  # left early: aborted, or a stop string matched in vLLM's front end
+    ],
+)
+def test_the_proposer_adds_only_requests_that_ended_by_themselves(response, max_tokens, expected) -> None:
+    from workers.proposer import _Live, _natural_end
+
+    prompt = [1, 1]
+    tokens = np.array(prompt + response, dtype=np.int32)
+    live = _Live("p", 0, 0, len(prompt), len(tokens), max_tokens, frozenset({2}))
+    assert _natural_end(live, tokens) == expected
