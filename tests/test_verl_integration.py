@@ -229,7 +229,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     from pipeline.bus import embedded_bus
     from workers.verl.identity import BatchAnnotator, PassLedger
     from workers.verl.manager_v1 import annotate_tq
-    from workers.verl.stats import _read_stats, _stats_path, _write_stats
+    from workers.verl.stats import _read_stats, _stats_path
 
     # The embedded bus: this test's process is the agent loop worker and subscribes like an in-process replica.
     config = _compose("das.bus=embedded", "data.max_response_length=24", "data.max_prompt_length=256")
@@ -277,7 +277,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             # What workers.verl.stats has verl's vLLMHttpServer.collective_rpc run in each worker (verl drops
             # the RPC's results), read back as its __ray_call__ does inside the server actor.
             path = _stats_path(None)
-            assert await engine.collective_rpc(_write_stats, args=(path,)) == [None]
+            await engine.collective_rpc("das_write_stats", args=(path,))
             stats = _read_stats(None, path)
             assert stats[0]["steps"] == (await engine.collective_rpc("das_stats"))[0]["steps"]
             server.abort_after[f"test/train/{aborted}"] = 4
