@@ -417,6 +417,20 @@ def test_brokers_load_the_jmx_agent_the_local_brokers_use() -> None:
         assert broker["depends_on"]["kafka-jmx-agent"]["condition"] == "service_completed_successfully"
 
 
+def trainer_config() -> Any:
+    """verl's config as the Ray head's trainer composes it (examples/verl plus the compose file's overrides)."""
+    from hydra import compose, initialize_config_dir
+
+    _flags, trainer = head_command()
+    assert trainer[:3] == ["python", "-m", "verl.trainer.main_ppo"]
+    config_dir = option(trainer, "--config-path")
+    assert config_dir.startswith(f"{IMAGE_ROOT}/")
+    overrides = [item for item in trainer[3:] if not item.startswith("--")]
+    local_dir = REPO / config_dir.removeprefix(f"{IMAGE_ROOT}/")
+    with initialize_config_dir(config_dir=str(local_dir), version_base=None):
+        return compose(config_name=option(trainer, "--config-name"), overrides=overrides)
+
+
 def test_each_gpu_node_reads_its_own_replica() -> None:
     by_volume = replica_by_volume()
     assert len(by_volume) >= 2
@@ -424,15 +438,18 @@ def test_each_gpu_node_reads_its_own_replica() -> None:
     assert len(set(names)) == len(names), f"replicas share a name (consumer group): {names}"
     for name, service in replicas().items():
         assert "deploy" not in service, f"{name}: a history replica needs no GPU"
+    # The path reaches every process of every node through Ray's job-wide runtime environment (verl merges
+    # ray_kwargs.ray_init into ray.init), so each node must have its own replica's folder at that path.
+    history_dir = trainer_config().ray_kwargs.ray_init.runtime_env.env_vars.DAS_HISTORY_DIR
     used_by: dict[str, str] = {}
     for name, service in ray_workers().items():
-        env = environment(service)
-        held = volume_holding(service, env["DAS_HISTORY_DIR"])
-        assert held is not None, f"{name}: DAS_HISTORY_DIR is not on a replica's volume"
+        assert "DAS_HISTORY_DIR" not in environment(service), f"{name}: the runtime environment overrides it"
+        held = volume_holding(service, history_dir)
+        assert held is not None, f"{name}: {history_dir} is not on a replica's volume"
         replica, data = by_volume[held[0]]
         # The same folder the replica writes, seen through the same mount point.
         replica_mount = next(t for t, s in mounts(SERVICES[replica]).items() if s == held[0])
-        assert (held[1], env["DAS_HISTORY_DIR"]) == (replica_mount, data), name
+        assert (held[1], history_dir) == (replica_mount, data), name
         assert held[0] not in used_by, f"{name} and {used_by.get(held[0])} read one replica"
         used_by[held[0]] = name
         assert service["depends_on"][replica] == {"condition": "service_healthy"}, name
@@ -500,19 +517,10 @@ def test_published_and_host_network_ports_do_not_collide() -> None:
 
 
 def test_trainer_command_composes_with_verls_config_and_passes_its_checks() -> None:
-    from hydra import compose, initialize_config_dir
     from verl.trainer.main_ppo import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    _flags, trainer = head_command()
-    assert trainer[:3] == ["python", "-m", "verl.trainer.main_ppo"]
-    config_dir = option(trainer, "--config-path")
-    assert config_dir.startswith(f"{IMAGE_ROOT}/")
-    overrides = [item for item in trainer[3:] if not item.startswith("--")]
-    with initialize_config_dir(
-        config_dir=str(REPO / config_dir.removeprefix(f"{IMAGE_ROOT}/")), version_base=None
-    ):
-        config = compose(config_name=option(trainer, "--config-name"), overrides=overrides)
+    config = trainer_config()
     validate_config(
         config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
     )
@@ -531,6 +539,8 @@ def test_trainer_command_composes_with_verls_config_and_passes_its_checks() -> N
                 path,
             )
     assert config.das.bus.startswith("kafka://")
+    router = config.actor_rollout_ref.rollout.router_config_path
+    assert (REPO / router.removeprefix(f"{IMAGE_ROOT}/")).is_file(), router
 
 
 def test_restart_policies_resume_but_never_loop_on_a_failure() -> None:
