@@ -415,6 +415,10 @@ def test_brokers_load_the_jmx_agent_the_local_brokers_use() -> None:
         assert held is not None and held[0] == agent_volume, f"{name}: agent jar not from kafka-jmx-agent"
         assert mounts(broker)[rules] == "./monitoring/prometheus/kafka-jmx.yml", name
         assert broker["depends_on"]["kafka-jmx-agent"]["condition"] == "service_completed_successfully"
+        # Kafka's tool scripts pass KAFKA_OPTS to their JVMs too: one in the health check would start a second
+        # agent on the broker's port and fail.
+        check = " ".join(broker["healthcheck"]["test"][1:])
+        assert re.search(r"(^|\s)KAFKA_OPTS= \S*kafka-broker-api-versions\.sh", check), check
 
 
 def trainer_config(replace: dict[str, str] | None = None) -> Any:
