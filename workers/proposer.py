@@ -125,6 +125,7 @@ class _Live:
     prompt_len: int
     fed: int  # tokens of prompt + output handed to the index so far
     max_tokens: int | None
+    slot: int  # the budget policy's name for it
     # Prompt and output, kept only when the request names its (epoch, sample): added to history when it ends.
     chunks: list[np.ndarray] | None = None
 
@@ -135,8 +136,6 @@ class _LastStep:
 
     keys: list[str] = field(default_factory=list)
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
-    classes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     ended_at: float | None = None
 
 
@@ -258,14 +257,14 @@ class DasProposer:
     def _add(self, problem_id: str, epoch: int, sample: int, prompt_ids: Any, response_ids: Any) -> int:
         new = self.index.add_trajectory(problem_id, epoch, sample, prompt_ids, response_ids)
         if new:
-            self.policy.lengths.observe(problem_id, len(response_ids))
+            self.policy.observe_length(problem_id, len(response_ids))
         return int(new)
 
     def evict(self, problem_id: str, min_epoch: int) -> int:
         """Drops a problem's history epochs below `min_epoch`; returns how many trajectories left."""
         evicted = self.index.evict_epochs_before(problem_id, min_epoch)
         if evicted:
-            self.policy.lengths.forget(problem_id)
+            self.policy.forget_problem(problem_id)
         return len(evicted)
 
     def _open_replica(self, path: Path) -> None:
@@ -365,16 +364,21 @@ class DasProposer:
             [min(self.k, self.max_model_len - int(num_tokens[i]) - 1) if sampled[i] else 0 for i in range(n)],
             dtype=np.int64,
         )
-        output_lens = np.array([self._live[k].fed - self._live[k].prompt_len for k in keys], dtype=np.int64)
+        lives = [self._live[k] for k in keys]
+        output_lens = np.array([live.fed - live.prompt_len for live in lives], dtype=np.int64)
         if self.settings.budget:
-            budgets, classes = self.policy.budgets(keys, output_lens, headroom)
+            slots = np.array([live.slot for live in lives], dtype=np.int64)
+            budgets = self.policy.budgets(slots, output_lens, headroom)
+            classes = self.policy.last_classes
         else:
             budgets, classes = np.maximum(headroom, 0).astype(np.int32), np.full(n, MEDIUM, dtype=np.int64)
         result = self.index.draft_batch(keys, budgets)
         lengths = np.minimum(np.asarray(result.lengths[:n], dtype=np.int32), budgets)
         probs = np.asarray(result.probs[:n], dtype=np.float32)
         if self.settings.budget:
-            lengths = self.policy.truncate(lengths, probs[:, : self.k], classes)
+            lengths = self.policy.truncate(
+                lengths, probs[:, : self.k], result.match_lens[:n], result.sources[:n]
+            )
         tokens = np.asarray(result.tokens)
 
         stats = self._stats
@@ -400,7 +404,7 @@ class DasProposer:
         for c, budget in zip(classes, lengths, strict=True):
             self._budget_by_class[c].observe(int(budget))
 
-        self._last = _LastStep(keys=keys, lengths=lengths, probs=probs[:, : self.k].copy(), classes=classes)
+        self._last = _LastStep(keys=keys, lengths=lengths)
         return [tokens[i, : lengths[i]].tolist() if lengths[i] else [] for i in range(n)]
 
     def _learn_from_last_step(
@@ -414,22 +418,25 @@ class DasProposer:
         rows, accepted = [], []
         for j, key in enumerate(last.keys):
             i = row_of.get(key)
-            if i is None or not last.lengths[j] or not sampled[i]:
+            if i is None or not sampled[i]:
                 continue
             rows.append(j)
             accepted.append(min(len(sampled[i]) - 1, int(last.lengths[j])))
         if rows:
             acc = np.asarray(accepted, dtype=np.int64)
             idx = np.asarray(rows)
+            drafted = last.lengths[idx] > 0
             total = int(acc.sum())
             self._stats["accepted_tokens"] += total
-            self._stats["verified_drafts"] += len(rows)
+            self._stats["verified_drafts"] += int(drafted.sum())
             ACCEPTED_TOKENS.inc(total)
             for j, count in enumerate(np.bincount(np.concatenate([np.arange(a) for a in acc]), minlength=1)):
                 if count and j < self.k:
                     self._accept_by_pos[j].inc(int(count))
                     self._stats["accepted_by_position"][j] += int(count)
-            self.policy.observe_acceptance(last.probs[idx], last.lengths[idx], last.classes[idx], acc)
+            if self.settings.budget:
+                # Every verified row teaches the policy, drafted or not (its drafted / accepted rates decay).
+                self.policy.observe_acceptance(idx, acc)
         # The interval from the previous return to this call is the verification step of the previous drafts
         # (an idle engine between batches always resumes with joining requests, so `clean` excludes it too).
         if clean and last.ended_at is not None:
@@ -446,8 +453,10 @@ class DasProposer:
             self._warn_once(f"malformed:{key}", f"request {key}: {problem}; drafting from its own context")
         prompt_len = int(request.num_prompt_tokens)
         self.index.start_request(key, problem_id, row_tokens[:prompt_len])
-        self.policy.start(key, problem_id)
-        live = _Live(problem_id, epoch, sample, prompt_len, prompt_len, getattr(sampling, "max_tokens", None))
+        slot = self.policy.start(problem_id)
+        live = _Live(
+            problem_id, epoch, sample, prompt_len, prompt_len, getattr(sampling, "max_tokens", None), slot
+        )
         if problem_id is not None and epoch is not None and sample is not None:
             live.chunks = [np.array(row_tokens[:prompt_len], dtype=np.int32)]
         self._live[key] = live
@@ -460,7 +469,7 @@ class DasProposer:
             # Accepted drafts can run past max_tokens in the runner; the scheduler trims them from the output.
             response_len = min(response_len, live.max_tokens)
         self.index.finish_request(key)
-        self.policy.finish(key, response_len if live.problem_id is not None else None)
+        self.policy.finish(live.slot)
         if live.chunks is not None and live.problem_id is not None:
             tokens = np.concatenate(live.chunks)
             prompt, response = (
