@@ -13,6 +13,8 @@ the value encodings in `codec.py`.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -35,7 +37,14 @@ from history_store.codec import (
     encode_trajectory,
     encode_window,
 )
-from history_store.errors import CorruptRecordError, StoreLockedError, StoreOpenError, StoreWriteError
+from history_store.errors import (
+    CorruptRecordError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+    StoreOpenError,
+    StoreWriteError,
+)
 from history_store.length_stats import LengthStats
 from monitoring.metrics import (
     BYTES_INGESTED,
@@ -204,6 +213,22 @@ def _disk_bytes(path: Path) -> int:
             except FileNotFoundError:
                 continue  # compaction removed it while we walked
     return total
+
+
+def _open_error(path: Path, exc: Exception) -> StoreError:
+    """The store error for a failed RocksDB open, told apart by RocksDB's own status words (never by the path,
+    which may contain any of them)."""
+    detail = str(exc)
+    if "While lock file" in detail:
+        return StoreLockedError(
+            f"history store {path} is locked by a process outside DAS (RocksDB LOCK held). Detail: {detail}"
+        )
+    if "Corruption:" in detail:
+        return StoreCorruptionError(
+            f"history store {path} is corrupt and cannot be opened: {detail}. Restore a backup "
+            "(das history restore) or let the replica rebuild it from the topic (move the folder away)"
+        )
+    return StoreOpenError(f"cannot open history store {path}: {detail}")
 
 
 class _StoreReader:
@@ -429,21 +454,18 @@ class HistoryStore(_StoreReader):
         self.path = Path(path)
         self._db = None
         self._hint_fd = -1
+        self._lock_fd = -1
         if not create and not (self.path / "CURRENT").exists():
             raise StoreOpenError(
                 f"{self.path} is not a history store (no RocksDB CURRENT file) and create=False"
             )
+        self._lock_folder()
         db_opts, families = _options(create)
         try:
             self._db = Rdict(str(self.path), db_opts, column_families=families)
         except Exception as exc:
-            if "lock" in str(exc).lower():
-                raise StoreLockedError(
-                    f"history store {self.path} is already open for writing (RocksDB LOCK held by another "
-                    f"process or handle). Only one writer per folder: stop it, or read with "
-                    f"HistoryStore.open_secondary. Detail: {exc}"
-                ) from exc
-            raise StoreOpenError(f"cannot open history store {self.path}: {exc}") from exc
+            self.close()
+            raise _open_error(self.path, exc) from exc
         self._bind_families()
         # Sync only matters for power loss: offsets live in the same atomic batch, so a lost WAL tail rewinds
         # the offsets with the records and the consumer re-reads it from the bus.
@@ -467,12 +489,33 @@ class HistoryStore(_StoreReader):
             # Readers fall back to their periodic full catch-up; the write itself is already durable.
             log.warning("history store %s: sequence hint not updated: %s", self.path, exc)
 
+    def _lock_folder(self) -> None:
+        """Takes an exclusive flock on the store folder itself, besides RocksDB's LOCK file: an operator may
+        delete LOCK (and a second writer would then corrupt the store), but not the folder it lives in."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreLockedError(
+                    f"history store {self.path} is already open for writing by another process or handle "
+                    "(it holds the folder's lock). Only one writer per folder: stop it, or read with "
+                    "HistoryStore.open_secondary"
+                ) from exc
+            raise StoreOpenError(f"cannot lock history store {self.path}: {exc.strerror}") from exc
+        self._lock_fd = fd
+
     def close(self) -> None:
         """Releases the folder. Idempotent; never raises (a RocksDB error on close is logged)."""
         if self._hint_fd >= 0:
             os.close(self._hint_fd)
             self._hint_fd = -1
         super().close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock, after RocksDB let go of the folder
+            self._lock_fd = -1
 
     @staticmethod
     def open_secondary(path: str | Path, secondary_dir: str | Path, max_idle_s: float = 5.0) -> HistoryReader:
@@ -752,7 +795,7 @@ class HistoryReader(_StoreReader):
                 access_type=AccessType.secondary(str(secondary_dir)),
             )
         except Exception as exc:
-            raise StoreOpenError(f"cannot open history store {self.path} as a secondary: {exc}") from exc
+            raise _open_error(self.path, exc) from exc
         self._bind_families()
         version = self._meta_int(layout.META_LAYOUT_VERSION)
         if version != layout.LAYOUT_VERSION:

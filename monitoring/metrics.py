@@ -27,7 +27,16 @@ LENGTH_CLASSES = ("short", "medium", "long")
 COST_COEFFICIENTS = ("c_base", "c_seq", "c_tok")
 # Why a message was dead-lettered (pipeline.wire.REASONS; a test keeps the two equal) and why a stored record was
 # quarantined (history_store's CorruptRecordError codes, plus "window" for a corrupt epoch window).
-DEAD_LETTER_REASONS = ("encoding", "truncated", "schema_version", "invalid", "oversize", "key_mismatch")
+DEAD_LETTER_REASONS = (
+    "encoding",
+    "truncated",
+    "schema_version",
+    "invalid",
+    "oversize",
+    "key_mismatch",
+    "epoch_ahead",
+    "sample_range",
+)
 QUARANTINE_REASONS = ("checksum", "header", "size", "window")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the
 # most a dashboard panel can show legibly.
@@ -141,6 +150,15 @@ RECORDS_INGESTED = Counter("das_records_ingested_total", "Trajectory records app
 BYTES_INGESTED = Counter(
     "das_ingested_bytes_total", "Bytes of trajectory records applied to the history store."
 )
+CONSUMER_UP = Gauge(
+    "das_consumer_up",
+    "1 while the history replica reaches its brokers, 0 while it waits out an outage (its store is kept).",
+    multiprocess_mode="livemin",
+)
+STALE_RECORDS = Counter(
+    "das_stale_records_total",
+    "Records not stored because their epoch was already below their problem's window (late or replayed).",
+)
 CONSUMER_LAG = Gauge(
     "das_consumer_lag_records",
     "Records on the topic not yet applied by this replica, summed over partitions.",
@@ -202,6 +220,8 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     QUARANTINED,
     RECORDS_INGESTED,
     BYTES_INGESTED,
+    CONSUMER_UP,
+    STALE_RECORDS,
     CONSUMER_LAG,
     FRESHNESS,
     STORE_SIZE,

@@ -2,12 +2,14 @@
 
 Two implementations behind one small interface:
 - `embedded` (the default, one machine): in-process queues; the indexer service in the same process subscribes.
-- `kafka://host:port[,host:port]`: Apache Kafka through kafka-python (`pipeline.producer.KafkaBus`), the
-  durable, replayable source of truth for many nodes. Kafka client settings (TLS, SASL, timeouts) pass through
-  `open_bus(url, **settings)` unchanged, e.g. `security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512"`.
+- `kafka://host:port[,host:port][?key=value&...]`: Apache Kafka through kafka-python
+  (`pipeline.producer.KafkaBus`), the durable, replayable source of truth for many nodes. TLS and SASL come
+  from URL parameters, `open_bus(url, **settings)` or DAS_KAFKA_* variables (`pipeline.kafka_config`).
 
-`publish` never blocks the decode loop: it only puts the record on a bounded queue, and raises
-`BusBackpressureError` when that queue is full (the brokers are away or too slow) instead of waiting.
+`publish` only puts the record on a bounded queue. While the Kafka bus's queue is full (the brokers are away
+or too slow) it waits, up to a bounded `publish_timeout_s`, then raises `BusBackpressureError`: backpressure
+slows the rollouts down for a while, and an outage longer than that fails loudly. The embedded bus, whose only
+consumer is in the same process, refuses at once.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from monitoring.metrics import PRODUCER_QUEUE_DEPTH, RECORDS_PUBLISHED
+from pipeline.kafka_config import KAFKA_SCHEME, parse_bus_url
 from pipeline.schemas import TrajectoryRecord
 
 EMBEDDED_URL = "embedded"
-KAFKA_SCHEME = "kafka://"
 EMBEDDED_TOPIC = "embedded"
 # Records a publisher may have waiting before `publish` refuses more: at ~10 KB a trajectory this is ~100 MB,
 # minutes of rollouts, which rides out a broker restart without holding unbounded memory.
@@ -35,19 +37,69 @@ class BusError(RuntimeError):
 
 
 class BusBackpressureError(BusError):
-    """The publish queue is full: the consumer side or the brokers do not keep up. The record was not taken."""
+    """The publish queue stayed full for the bus's bounded wait: the consumer side or the brokers do not keep
+    up. The record was not taken."""
+
+
+class BusUnavailableError(BusError):
+    """No broker answered: a transient condition (an outage, a restart); the caller may wait and try again."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryReport:
+    """What became of every record a producer took, counted exactly.
+
+    acknowledged: the brokers confirmed them (acks=all). refused: definitely not in the topic (the broker
+    refused them, or they could not be encoded). unknown: not confirmed when the report was made; they may or
+    may not be in the topic (sent before an outage whose answers never came, or still queued at close).
+    """
+
+    published: int
+    acknowledged: int
+    refused: int
+    unknown: int
+    first_refusal: str | None = None
+    last_error: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "published": self.published,
+            "acknowledged": self.acknowledged,
+            "refused": self.refused,
+            "unknown": self.unknown,
+        }
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.published} records published: {self.acknowledged} acknowledged, {self.refused} refused, "
+            f"{self.unknown} unknown (not confirmed; they may or may not be in the topic)"
+        )
+        if self.first_refusal:
+            text += f"; first refusal: {self.first_refusal}"
+        if self.unknown and self.last_error:
+            text += f"; last error: {self.last_error}"
+        return text
+
+
+class BusDeliveryError(BusError):
+    """Some published records are not acknowledged: `report` says exactly how many were refused or unknown."""
+
+    def __init__(self, message: str, report: DeliveryReport) -> None:
+        super().__init__(f"{message}: {report}")
+        self.report = report
 
 
 class Bus(Protocol):
     """What a rollout worker needs: publish finished trajectories, flush them, close."""
 
     def publish(self, record: TrajectoryRecord) -> None:
-        """Queues one record without blocking. Raises BusBackpressureError when the queue is full and
-        BusError when earlier records failed delivery (reported once) or the bus is closed."""
+        """Queues one record. Raises BusBackpressureError when the queue stays full for the bounded wait (the
+        record is not taken) and BusError when the bus is closed."""
         ...
 
     def flush(self, timeout_s: float = 30) -> None:
-        """Waits until every published record is delivered. Raises BusError on failures or timeout."""
+        """Waits until every published record is delivered. Raises BusError (BusDeliveryError with exact
+        counts from Kafka) when records were refused or are still unconfirmed at the timeout."""
         ...
 
     def close(self) -> None:
@@ -91,7 +143,8 @@ class TrajectorySource(Protocol):
         ...
 
     def lag(self) -> int | None:
-        """Messages not yet polled, summed over partitions; None when unknown."""
+        """Messages not yet polled, summed over partitions; None when unknown. Raises BusUnavailableError
+        when no broker answers (the replica's liveness probe)."""
         ...
 
     def partition_count(self) -> int:
@@ -221,26 +274,12 @@ def embedded_bus() -> EmbeddedBus:
         return _embedded
 
 
-def kafka_servers(url: str) -> list[str]:
-    """["host:port", ...] from "kafka://host:port[,host:port]". Raises ValueError on a malformed URL."""
-    if not url.startswith(KAFKA_SCHEME):
-        raise ValueError(f"not a Kafka bus URL (expected kafka://host:port[,host:port]): {url!r}")
-    servers = [s.strip() for s in url[len(KAFKA_SCHEME) :].split(",") if s.strip()]
-    for server in servers:
-        host, sep, port = server.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"bad broker address {server!r} in {url!r}: expected host:port")
-    if not servers:
-        raise ValueError(f"no broker in bus URL {url!r}")
-    return servers
-
-
 def open_bus(url: str = EMBEDDED_URL, **settings: object) -> Bus:
-    """Opens the bus named by `url`: "embedded" (in-process) or "kafka://host:port[,host:port]".
+    """Opens the bus named by `url`: "embedded" (in-process) or "kafka://host:port[,host:port][?key=value&...]".
 
-    Kafka settings: `topic` (default das.trajectories), `max_queue_records`, and any kafka-python
-    `KafkaProducer` setting (security_protocol, ssl_*, sasl_*, linger_ms, ...), which override the defaults
-    except that durability (acks=all, idempotence) cannot be turned off.
+    Kafka settings: `topic` (default das.trajectories), `max_queue_records`, `publish_timeout_s`, and any
+    kafka-python `KafkaProducer` setting (security_protocol, ssl_*, sasl_*, linger_ms, ...), which override the
+    URL's parameters and the DAS_KAFKA_* variables; durability (acks=all, idempotence) cannot be turned off.
     Raises ValueError for an unknown URL, BusError when Kafka or the topic cannot be reached.
     """
     if url == EMBEDDED_URL:
@@ -250,5 +289,6 @@ def open_bus(url: str = EMBEDDED_URL, **settings: object) -> Bus:
     if url.startswith(KAFKA_SCHEME):
         from pipeline.producer import KafkaBus
 
-        return KafkaBus(kafka_servers(url), **settings)
+        servers, url_settings = parse_bus_url(url)
+        return KafkaBus(servers, **{**url_settings, **settings})
     raise ValueError(f"unknown bus {url!r}: use 'embedded' or 'kafka://host:port[,host:port]'")

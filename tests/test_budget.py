@@ -23,20 +23,21 @@ from workers.budget import (
 def _weights(
     candidates: list[list[float]], outputs: list[float], speeds: list[float] | None = None
 ) -> np.ndarray:
+    """critical_weights over rows whose equally likely lengths are given (an empty list: unknown)."""
     width = max(len(c) for c in candidates)
-    cand = np.zeros((len(candidates), width))
-    mix = np.zeros((len(candidates), width))
+    quantiles = np.zeros((len(candidates), width))
     for i, c in enumerate(candidates):
-        cand[i, : len(c)] = c
-        mix[i, : len(c)] = 1.0 / len(c) if c else 0.0
+        if c:
+            # Repeat to the common width: the same distribution.
+            quantiles[i] = np.sort(np.resize(np.asarray(c, float), width))
     out = np.empty(len(candidates))
     speeds = np.ones(len(candidates)) if speeds is None else np.asarray(speeds, float)
-    critical_weights(cand, mix, np.asarray(outputs, float), speeds, 64, out)
+    critical_weights(quantiles, np.asarray(outputs, float), speeds, 64, out)
     return out
 
 
 def test_the_request_sure_to_run_longest_is_the_critical_one() -> None:
-    w = _weights([[100, 110], [400, 420], [90]], [0, 0, 0])
+    w = _weights([[100, 110], [400, 420], [90, 90]], [0, 0, 0])
     assert w[1] == pytest.approx(1.0) and w.sum() == pytest.approx(1.0)
 
 
@@ -198,9 +199,9 @@ def test_outliving_every_recent_length_counts_a_promotion_once() -> None:
     for output in (50, 130, 140):
         policy.budgets(np.array([slot]), np.array([output]), np.array([8]))
     assert CLASS_PROMOTIONS.labels(length_class="long")._value.get() == before + 1
-    assert policy.predicted_length("p") == (100, 120)
+    assert policy.lengths.predict("p") == (100, 120)
     policy.forget_problem("p")
-    assert policy.predicted_length("p") is None
+    assert policy.lengths.predict("p") is None
 
 
 @settings(max_examples=60, deadline=None)

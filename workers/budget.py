@@ -160,89 +160,83 @@ class CostModel:
 
 
 @njit(cache=True)
-def critical_weights(candidates, weights, outputs, speeds, n_bins, out):
+def critical_weights(quantiles, outputs, speeds, n_bins, out):
     """out[i] = P(row i is the last of the batch to finish), rows independent.
 
-    Row i's total length is candidates[i, c] with probability weights[i, c], conditioned on exceeding
-    outputs[i]; remaining steps = remaining tokens / speeds[i]. A row that outlived every candidate expects to
-    run as long again as it has (heavy tails: the longer it ran, the longer it runs). Rows without any
-    candidate share one unknown length: they tie, and ties split evenly.
+    Row i's total length is one of quantiles[i] (ascending, equally likely; all <= 0: unknown), conditioned
+    on exceeding outputs[i]; remaining steps = remaining tokens / speeds[i]. A row that outlived every
+    quantile expects to run as long again as it has (heavy tails: the longer it ran, the longer it runs).
+    Unknown rows share one length: they tie, and ties split evenly.
     """
-    n, m = candidates.shape
-    remaining = np.zeros((n, m + 1))
-    mass = np.zeros((n, m + 1))
+    n, q = quantiles.shape
+    remaining = np.empty((n, q))
     used = np.zeros(n, np.int64)
     horizon = 1.0
     for i in range(n):
-        o = outputs[i]
-        k = 0
-        total = 0.0
-        seen = False
-        for c in range(m):
-            if weights[i, c] <= 0.0:
-                continue
-            seen = True
-            if candidates[i, c] > o:
-                remaining[i, k] = (candidates[i, c] - o) / speeds[i]
-                mass[i, k] = weights[i, c]
-                total += weights[i, c]
-                k += 1
-        if k == 0 and seen:
-            remaining[i, 0] = max(o, 1.0) / speeds[i]
-            mass[i, 0] = 1.0
-            total = 1.0
-            k = 1
-        for c in range(k):
-            mass[i, c] /= total
-            horizon = max(horizon, remaining[i, c])
-        used[i] = k
-    cdf = np.zeros((n, n_bins))
-    for i in range(n):
-        if used[i] == 0:
-            cdf[i, n_bins - 1] = 1.0  # unknown: everyone unknown ties in the last bin
+        if quantiles[i, q - 1] <= 0.0:
             continue
-        for c in range(used[i]):
-            b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
-            cdf[i, b] += mass[i, c]
-        for b in range(1, n_bins):
-            cdf[i, b] += cdf[i, b - 1]
-    # P(i last) = sum_b P(i ends in bin b) x prod_{j != i} P(j ends before i), ties in a bin counted half.
+        k = 0
+        for c in range(q):
+            if quantiles[i, c] > outputs[i]:
+                remaining[i, k] = (quantiles[i, c] - outputs[i]) / speeds[i]
+                k += 1
+        if k == 0:
+            remaining[i, 0] = max(outputs[i], 1.0) / speeds[i]
+            k = 1
+        used[i] = k
+        horizon = max(horizon, remaining[i, k - 1])
+    # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
+    below = np.zeros((n, n_bins))  # P(row ends in an earlier bin) + half of P(it ends in this bin)
+    bins = np.empty((n, q), np.int64)
     for i in range(n):
-        out[i] = 0.0
-    for b in range(n_bins):
-        zeros = 0
-        log_sum = 0.0
-        for j in range(n):
-            f = cdf[j, b] - 0.5 * (cdf[j, b] - (cdf[j, b - 1] if b > 0 else 0.0))
-            if f <= 0.0:
-                zeros += 1
+        k = used[i]
+        if k == 0:
+            below[i, n_bins - 1] = 0.5
+            bins[i, 0] = n_bins - 1
+            continue
+        pmf = np.zeros(n_bins)
+        for c in range(k):
+            b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
+            bins[i, c] = b
+            pmf[b] += 1.0 / k
+        cum = 0.0
+        for b in range(n_bins):
+            below[i, b] = cum + 0.5 * pmf[b]
+            cum += pmf[b]
+    # P(i last) = sum over its outcomes of P(outcome) x prod_{j != i} P(j ends before), ties counted half.
+    log_sum = np.zeros(n_bins)
+    zeros = np.zeros(n_bins, np.int64)
+    for j in range(n):
+        for b in range(n_bins):
+            if below[j, b] <= 0.0:
+                zeros[b] += 1
             else:
-                log_sum += np.log(f)
-        for i in range(n):
-            mass = cdf[i, b] - (cdf[i, b - 1] if b > 0 else 0.0)
-            if mass <= 0.0:
-                continue
-            f = cdf[i, b] - 0.5 * mass
-            if f <= 0.0:
-                others = np.exp(log_sum) if zeros == 1 else 0.0
-            else:
-                others = np.exp(log_sum - np.log(f)) if zeros == 0 else 0.0
-            out[i] += mass * others
-    # The midpoint rule undercounts ties (n rows tied in one bin get 2^-(n-1) each instead of 1/n), and exactly
-    # one row is last: normalise. An underflowed total (hundreds of tied rows) means they all tie.
+                log_sum[b] += np.log(below[j, b])
     total = 0.0
     for i in range(n):
-        total += out[i]
+        k = max(used[i], 1)
+        acc = 0.0
+        for c in range(k):
+            b = bins[i, c]
+            own = below[i, b]  # > 0: the row has mass in bin b
+            if zeros[b] == 0:
+                acc += np.exp(log_sum[b] - np.log(own)) / k
+        out[i] = acc
+        total += acc
+    # The half-tie rule undercounts ties (n rows tied in one bin get 2^-(n-1) each instead of 1/n), and exactly
+    # one row is last: normalise. An underflowed total (hundreds of tied rows) means they all tie.
     for i in range(n):
         out[i] = out[i] / total if total > 0.0 else 1.0 / n
 
 
 @njit(cache=True)
-def token_features(probs, lengths, match_lens, sources, request_rate, problem_rate, out):
+def token_features(probs, lengths, match_lens, sources, request_gain, problem_gain, out):
     """Features of draft token j of row i (out[i, j]) for its acceptance given token j-1 was accepted:
-    bias, logit of the tree's conditional ratio p_j / p_(j-1), log match length, drafted by the problem's
-    history tree, drafted by the global tree, log position, logits of the request's and the problem's
-    recent conditional acceptance."""
+    which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
+    about another, e.g. siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional
+    ratio p_j / p_(j-1), log match length, log position, and how much better or worse than predicted the
+    request's and the problem's recent drafts did (`outcome_log_odds`: 0 without trials, so a request or
+    problem that stopped drafting is not held to its old failures forever)."""
     n, k = probs.shape
     for i in range(n):
         previous = 1.0
@@ -250,14 +244,14 @@ def token_features(probs, lengths, match_lens, sources, request_rate, problem_ra
             ratio = probs[i, j] / previous if previous > 0 else 0.0
             previous = probs[i, j]
             ratio = min(max(ratio, 0.02), 0.98)
-            out[i, j, 0] = 1.0
-            out[i, j, 1] = np.log(ratio / (1.0 - ratio))
-            out[i, j, 2] = np.log1p(match_lens[i]) / 4.0
-            out[i, j, 3] = 1.0 if sources[i] == SOURCE_PROBLEM else 0.0
-            out[i, j, 4] = 1.0 if sources[i] == SOURCE_GLOBAL else 0.0
+            out[i, j, 0] = 1.0 if sources[i] == SOURCE_PROBLEM else 0.0
+            out[i, j, 1] = 1.0 if sources[i] == SOURCE_LIVE else 0.0
+            out[i, j, 2] = 1.0 if sources[i] == SOURCE_GLOBAL else 0.0
+            out[i, j, 3] = np.log(ratio / (1.0 - ratio))
+            out[i, j, 4] = np.log1p(match_lens[i]) / 4.0
             out[i, j, 5] = np.log1p(j) / 2.0
-            out[i, j, 6] = np.log(request_rate[i] / (1.0 - request_rate[i]))
-            out[i, j, 7] = np.log(problem_rate[i] / (1.0 - problem_rate[i]))
+            out[i, j, 6] = request_gain[i]
+            out[i, j, 7] = problem_gain[i]
 
 
 @njit(cache=True)
@@ -278,26 +272,33 @@ def path_probabilities(features, lengths, weights, out):
 
 
 @njit(cache=True)
-def acceptance_statistics(features, lengths, accepted, weights, gradient, curvature, hits, trials):
+def acceptance_statistics(features, lengths, accepted, weights, gradient, curvature, outcomes):
     """Adds the log-likelihood gradient and curvature of the verified draft tokens: token j of row i is a
     trial of its conditional acceptance when tokens 0..j-1 were accepted (j <= accepted[i]), a success when
-    it was accepted too. Also counts hits and trials per row."""
+    it was accepted too. Also sums per row the accepted, predicted and tried tokens (outcomes[i])."""
     n, k, f = features.shape
     for i in range(n):
-        hits[i] = 0.0
-        trials[i] = 0.0
+        outcomes[i, :] = 0.0
         for j in range(min(lengths[i], accepted[i] + 1)):
             z = 0.0
             for c in range(f):
                 z += features[i, j, c] * weights[c]
             p = 1.0 / (1.0 + np.exp(-z))
             y = 1.0 if j < accepted[i] else 0.0
-            hits[i] += y
-            trials[i] += 1.0
+            outcomes[i, 0] += y
+            outcomes[i, 1] += p
+            outcomes[i, 2] += 1.0
             for a in range(f):
                 gradient[a] += (y - p) * features[i, j, a]
                 for b in range(f):
                     curvature[a, b] += p * (1.0 - p) * features[i, j, a] * features[i, j, b]
+
+
+def outcome_log_odds(outcomes: np.ndarray) -> np.ndarray:
+    """Log odds of the accepted against the predicted share of tried tokens, from rows of (accepted,
+    predicted, tried) sums; half a pseudo-token each side keeps it finite, and no trials give 0."""
+    accepted, predicted, tried = outcomes[:, 0] + 0.5, outcomes[:, 1] + 0.5, outcomes[:, 2] + 1.0
+    return np.log(accepted / (tried - accepted)) - np.log(predicted / (tried - predicted))
 
 
 class AcceptanceModel:
@@ -313,7 +314,7 @@ class AcceptanceModel:
         # Start near the tree's own ratio, slightly discounted: overconfident ratios were the rule on real
         # rollouts, and thin evidence should draft little until the verifier has spoken.
         self.weights = np.zeros(N_FEATURES)
-        self.weights[0], self.weights[1] = -0.5, 1.0
+        self.weights[:3], self.weights[3] = -0.5, 1.0
         self._curvature = np.zeros((N_FEATURES, N_FEATURES))
         self.trials = 0.0
 
@@ -324,22 +325,117 @@ class AcceptanceModel:
         return out
 
     def update(self, features: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> np.ndarray:
-        """Learns from one verified batch; returns (hits, trials) per row."""
+        """Learns from one verified batch; returns per row the accepted, predicted and tried tokens."""
         n = features.shape[0]
         gradient = np.zeros(N_FEATURES)
         curvature = np.zeros((N_FEATURES, N_FEATURES))
-        hits, trials = np.zeros(n), np.zeros(n)
-        acceptance_statistics(features, lengths, accepted, self.weights, gradient, curvature, hits, trials)
+        outcomes = np.zeros((n, 3))
+        acceptance_statistics(features, lengths, accepted, self.weights, gradient, curvature, outcomes)
         self._curvature = self._forgetting * self._curvature + curvature
         step = np.linalg.solve(self._curvature + self._ridge, gradient)
         # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
         # predictions is small): move at most one logit unit per feature per batch; more data keeps coming.
         self.weights = self.weights + step / max(1.0, float(np.abs(step).max()))
-        self.trials += float(trials.sum())
-        return np.stack([hits, trials])
+        self.trials += float(outcomes[:, 2].sum())
+        return outcomes
 
 
 # ---------------------------------------------------------------------------------------------- the policy
+
+
+class LengthModel:
+    """Each problem's response length distribution, as `QUANTILES` equally likely lengths per problem.
+
+    A problem's distribution mixes its recent lengths with, as if two more samples, its median times the
+    length / median ratios seen across all problems: a handful of samples understates how far the tail can
+    run, and problems vary alike relative to their own scale. Row 0 holds every problem's recent lengths, the
+    distribution of a problem without history. Quantiles are recomputed when a length arrives, so a decode
+    step only gathers rows.
+    """
+
+    QUANTILES = 16
+    # Weight of the shared shape in a problem's distribution, in samples.
+    _PSEUDO_SAMPLES = 2.0
+    # Length / problem-median ratios kept for that shape.
+    _RATIOS = 64
+
+    def __init__(self, per_problem: int) -> None:
+        self._ids: dict[str, int] = {}
+        self._lengths = np.zeros((1, per_problem))
+        self._count = np.zeros(1, np.int64)
+        self._next = np.zeros(1, np.int64)
+        self._ratios = np.zeros(self._RATIOS)
+        self._ratio_count = 0
+        self.quantiles = np.zeros((1, self.QUANTILES))
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated (problems + the pool); per-problem arrays elsewhere grow to match."""
+        return self._lengths.shape[0]
+
+    def problem(self, problem_id: str) -> int:
+        """The problem's dense row (1, 2, ...), allocated on first sight."""
+        p = self._ids.get(problem_id)
+        if p is None:
+            p = self._ids[problem_id] = len(self._ids) + 1
+            if p >= self.capacity:
+                grow = max(64, p)
+                self._lengths = np.concatenate([self._lengths, np.zeros((grow, self._lengths.shape[1]))])
+                self._count = np.concatenate([self._count, np.zeros(grow, np.int64)])
+                self._next = np.concatenate([self._next, np.zeros(grow, np.int64)])
+                self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
+        return p
+
+    def rows(self, problems: np.ndarray) -> np.ndarray:
+        """Rows of `quantiles` for these problems: their own, or the pool's for problems without history."""
+        return np.where(self._count[problems] > 0, problems, 0)
+
+    def window(self, problem: int) -> np.ndarray:
+        return self._lengths[problem, : self._count[problem]]
+
+    def observe(self, problem_id: str, length: int) -> None:
+        """Records a finished response of `problem_id`."""
+        p = self.problem(problem_id)
+        if self._count[p]:
+            self._ratios[self._ratio_count % self._RATIOS] = length / max(
+                float(np.median(self.window(p))), 1.0
+            )
+            self._ratio_count += 1
+        for row in (p, 0):
+            self._lengths[row, self._next[row]] = length
+            self._next[row] = (self._next[row] + 1) % self._lengths.shape[1]
+            self._count[row] = min(self._count[row] + 1, self._lengths.shape[1])
+        self._requantile(p, shared=True)
+        self._requantile(0, shared=False)
+
+    def forget(self, problem_id: str) -> None:
+        """Drops a problem's lengths (its history was evicted)."""
+        p = self._ids.get(problem_id)
+        if p is not None:
+            self._count[p] = self._next[p] = 0
+            self.quantiles[p] = 0.0
+
+    def predict(self, problem_id: str | None) -> tuple[int, int] | None:
+        """(p50, p90) of the problem's recent lengths, or None when it has none."""
+        p = self._ids.get(problem_id) if problem_id is not None else None
+        if p is None or not self._count[p]:
+            return None
+        p50, p90 = np.percentile(self.window(p), [50, 90], method="inverted_cdf")
+        return int(p50), int(p90)
+
+    def _requantile(self, row: int, shared: bool) -> None:
+        own = self.window(row)
+        n_ratios = min(self._ratio_count, self._RATIOS)
+        values, weights = own, np.full(own.shape[0], 1.0 / own.shape[0])
+        if shared and n_ratios:
+            alpha = self._PSEUDO_SAMPLES / (own.shape[0] + self._PSEUDO_SAMPLES)
+            values = np.concatenate([own, np.median(own) * self._ratios[:n_ratios]])
+            weights = np.concatenate([(1 - alpha) * weights, np.full(n_ratios, alpha / n_ratios)])
+        order = np.argsort(values)
+        cumulative = np.cumsum(weights[order])
+        levels = (np.arange(self.QUANTILES) + 0.5) / self.QUANTILES
+        picks = np.minimum(np.searchsorted(cumulative, levels * cumulative[-1]), values.shape[0] - 1)
+        self.quantiles[row] = values[order][picks]
 
 
 class BudgetPolicy:
@@ -350,36 +446,22 @@ class BudgetPolicy:
     """
 
     # Grid of the remaining-steps distributions in `critical_weights`.
-    _BINS = 64
-    # Weight of the shared shape in a problem's length distribution, in samples (see `budgets`).
-    _PSEUDO_SAMPLES = 2.0
-    # Length / problem-median ratios kept for that shape.
-    _RATIOS = 64
+    _BINS = 32
 
     def __init__(self, config: BudgetConfig | None = None) -> None:
         self.config = config or BudgetConfig()
         self.cost = CostModel(self.config)
         self.acceptance = AcceptanceModel(self.config)
-        m = self.config.lengths_per_problem
-        # Problems: row 0 pools every problem's lengths (for problems without history yet).
-        self._problem_of: dict[str, int] = {}
-        self._lengths = np.zeros((1, m), np.float64)
-        self._length_count = np.zeros(1, np.int64)
-        self._length_next = np.zeros(1, np.int64)
-        self._median = np.zeros(1)
-        self._ratios = np.zeros(self._RATIOS)
-        self._ratio_count = 0
-        self._problem_hits = np.zeros(1)
-        self._problem_trials = np.zeros(1)
+        self.lengths = LengthModel(self.config.lengths_per_problem)
+        # Recent acceptance per problem row (row 0: requests without a problem).
+        self._problem_outcomes = np.zeros((1, 3))
         # Requests, by slot.
         self._free: list[int] = []
         self._slot_problem = np.zeros(0, np.int64)
-        self._request_hits = np.zeros(0)
-        self._request_trials = np.zeros(0)
+        self._request_outcomes = np.zeros((0, 3))
         self._drafted_rate = np.zeros(0)
         self._accepted_rate = np.zeros(0)
         self._outlived = np.zeros(0, bool)
-        self._base_rate = 0.5  # recent conditional acceptance of all drafts, the prior of the rates
         # The last budgets / truncate call, for truncation and learning.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
@@ -390,45 +472,13 @@ class BudgetPolicy:
 
     # ---- problems and requests
 
-    def _problem(self, problem_id: str) -> int:
-        p = self._problem_of.get(problem_id)
-        if p is None:
-            p = self._problem_of[problem_id] = len(self._problem_of) + 1
-            if p >= self._lengths.shape[0]:
-                grow = max(64, p)
-                self._lengths = np.concatenate([self._lengths, np.zeros((grow, self._lengths.shape[1]))])
-                for name in ("_length_count", "_length_next"):
-                    setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, np.int64)]))
-                for name in ("_problem_hits", "_problem_trials", "_median"):
-                    setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
-        return p
-
     def observe_length(self, problem_id: str, length: int) -> None:
         """Records a finished response of `problem_id` (history or a sibling that just ended)."""
-        problem = self._problem(problem_id)
-        if self._length_count[problem]:
-            self._ratios[self._ratio_count % self._RATIOS] = length / max(self._median[problem], 1.0)
-            self._ratio_count += 1
-        for p in (problem, 0):
-            self._lengths[p, self._length_next[p]] = length
-            self._length_next[p] = (self._length_next[p] + 1) % self._lengths.shape[1]
-            self._length_count[p] = min(self._length_count[p] + 1, self._lengths.shape[1])
-            self._median[p] = np.median(self._lengths[p, : self._length_count[p]])
+        self.lengths.observe(problem_id, length)
 
     def forget_problem(self, problem_id: str) -> None:
         """Drops a problem's lengths (its history was evicted)."""
-        p = self._problem_of.get(problem_id)
-        if p is not None:
-            self._length_count[p] = self._length_next[p] = 0
-
-    def predicted_length(self, problem_id: str | None) -> tuple[int, int] | None:
-        """(p50, p90) of the problem's recent lengths, or None when it has none."""
-        p = self._problem_of.get(problem_id) if problem_id is not None else None
-        if p is None or not self._length_count[p]:
-            return None
-        window = self._lengths[p, : self._length_count[p]]
-        p50, p90 = np.percentile(window, [50, 90], method="inverted_cdf")
-        return int(p50), int(p90)
+        self.lengths.forget(problem_id)
 
     def start(self, problem_id: str | None) -> int:
         """Registers a new request; returns its slot, which names it in every later call."""
@@ -438,13 +488,17 @@ class BudgetPolicy:
             slot = self._slot_problem.shape[0]
             grow = max(64, slot)
             self._slot_problem = np.concatenate([self._slot_problem, np.zeros(grow, np.int64)])
-            for name in ("_request_hits", "_request_trials", "_drafted_rate", "_accepted_rate"):
+            self._request_outcomes = np.concatenate([self._request_outcomes, np.zeros((grow, 3))])
+            for name in ("_drafted_rate", "_accepted_rate"):
                 setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
             self._outlived = np.concatenate([self._outlived, np.zeros(grow, bool)])
             self._free.extend(range(slot + grow - 1, slot, -1))
         # Problem row 0 (the pool) stands for requests without a problem.
-        self._slot_problem[slot] = self._problem(problem_id) if problem_id is not None else 0
-        self._request_hits[slot] = self._request_trials[slot] = 0.0
+        self._slot_problem[slot] = self.lengths.problem(problem_id) if problem_id is not None else 0
+        grow = self.lengths.capacity - self._problem_outcomes.shape[0]
+        if grow > 0:
+            self._problem_outcomes = np.concatenate([self._problem_outcomes, np.zeros((grow, 3))])
+        self._request_outcomes[slot] = 0.0
         self._drafted_rate[slot] = self._accepted_rate[slot] = 0.0
         self._outlived[slot] = False
         return slot
@@ -467,38 +521,13 @@ class BudgetPolicy:
         slots = np.asarray(slots, np.int64)
         c_base, c_seq, c_tok = self.cost.coefficients
         problems = self._slot_problem[slots]
-        count = self._length_count[problems]
-        n, m = slots.shape[0], self._lengths.shape[1]
-        # A problem's length distribution: its few recent lengths, plus (as if two more samples) its median
-        # times the length / median ratios seen across problems: a handful of samples understates how far
-        # the tail can run, and problems vary alike relative to their own scale. A cold problem takes every
-        # problem's recent lengths.
-        cold = count == 0
-        n_ratios = min(self._ratio_count, self._RATIOS)
-        shared = np.where(cold | (n_ratios == 0), 0.0, self._PSEUDO_SAMPLES / (count + self._PSEUDO_SAMPLES))
-        column = np.arange(m)[None, :]
-        own = np.where(column < count[:, None], ((1.0 - shared) / np.maximum(count, 1))[:, None], 0.0)
-        ratio_mix = np.broadcast_to((shared / max(n_ratios, 1))[:, None], (n, self._RATIOS)) * (
-            np.arange(self._RATIOS)[None, :] < n_ratios
-        )
-        pool = np.where(
-            cold[:, None] & (column < self._length_count[0]), 1.0 / max(self._length_count[0], 1), 0.0
-        )
-        candidates = np.concatenate(
-            [
-                self._lengths[problems],
-                self._median[problems][:, None] * self._ratios[None, :],
-                np.broadcast_to(self._lengths[0], (n, m)),
-            ],
-            axis=1,
-        )
-        mix = np.concatenate([own, ratio_mix, pool], axis=1)
-        weights = np.empty(n)
+        rows = self.lengths.rows(problems)
+        quantiles = self.lengths.quantiles[rows]
         outputs = np.asarray(output_lens, np.float64)
-        critical_weights(candidates, mix, outputs, 1.0 + self._accepted_rate[slots], self._BINS, weights)
-        # Outliving every recent length of one's problem is the old "promotion" of a length class.
-        known = count > 0
-        outlived = known & (outputs > self._lengths[problems].max(axis=1)) & ~self._outlived[slots]
+        weights = np.empty(slots.shape[0])
+        critical_weights(quantiles, outputs, 1.0 + self._accepted_rate[slots], self._BINS, weights)
+        # Outliving nearly every length expected of one's problem is the old "promotion" of a length class.
+        outlived = (rows > 0) & (outputs > quantiles[:, -1]) & ~self._outlived[slots]
         if outlived.any():
             self._outlived[slots[outlived]] = True
             CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG]).inc(int(outlived.sum()))
@@ -527,17 +556,14 @@ class BudgetPolicy:
         if n != self._slots.shape[0]:
             raise ValueError(f"truncate got {n} rows but the last budgets call had {self._slots.shape[0]}")
         features = np.zeros((n, k, N_FEATURES))
+        problems = self._slot_problem[self._slots]
         token_features(
             np.asarray(probs, np.float64)[:, :k],
             lengths,
             np.asarray(match_lens, np.float64),
             np.asarray(sources, np.int64),
-            self._rate(self._request_hits[self._slots], self._request_trials[self._slots], 2.0),
-            self._rate(
-                self._problem_hits[self._slot_problem[self._slots]],
-                self._problem_trials[self._slot_problem[self._slots]],
-                8.0,
-            ),
+            outcome_log_odds(self._request_outcomes[self._slots]),
+            outcome_log_odds(self._problem_outcomes[problems]),
             features,
         )
         predicted = self.acceptance.predict(features, lengths)
@@ -547,10 +573,6 @@ class BudgetPolicy:
         self._features, self._kept = features, kept
         self.last_predicted = predicted
         return kept
-
-    def _rate(self, hits: np.ndarray, trials: np.ndarray, prior: float) -> np.ndarray:
-        rate = (hits + prior * self._base_rate) / (trials + prior)
-        return np.clip(rate, 0.02, 0.98)
 
     def observe_acceptance(self, rows: np.ndarray, accepted: np.ndarray) -> None:
         """Verification outcomes of the last `truncate`: row rows[i] had its first accepted[i] tokens accepted.
@@ -567,17 +589,10 @@ class BudgetPolicy:
         if not drafted.any():
             return
         rows, slots, kept, accepted = rows[drafted], slots[drafted], kept[drafted], accepted[drafted]
-        hits, trials = self.acceptance.update(self._features[rows], kept, accepted)
-        d = self.config.request_decay
-        self._request_hits[slots] = d * self._request_hits[slots] + hits
-        self._request_trials[slots] = d * self._request_trials[slots] + trials
-        self._problem_hits *= self.config.problem_decay
-        self._problem_trials *= self.config.problem_decay
-        problems = self._slot_problem[slots]
-        np.add.at(self._problem_hits, problems, hits)
-        np.add.at(self._problem_trials, problems, trials)
-        step_rate = hits.sum() / trials.sum()
-        self._base_rate = 0.95 * self._base_rate + 0.05 * step_rate
+        outcomes = self.acceptance.update(self._features[rows], kept, accepted)
+        self._request_outcomes[slots] = self.config.request_decay * self._request_outcomes[slots] + outcomes
+        self._problem_outcomes *= self.config.problem_decay
+        np.add.at(self._problem_outcomes, self._slot_problem[slots], outcomes)
 
     def observe_step(self, active: int, tokens: int, seconds: float) -> None:
         """Feeds one measured verification step into the cost model."""

@@ -26,6 +26,7 @@ Strategies:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -70,9 +71,10 @@ def cost_models(default: CostModel) -> dict[str, CostModel]:
 
 
 def load_traces(path: str | Path) -> list[TrajectoryRecord]:
-    """Reads a JSON Lines trace. Raises ValueError naming the first malformed line; never skips data."""
+    """Reads a JSON Lines trace (gzip if the name ends in .gz). Raises ValueError naming the first malformed
+    line; never skips data."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -242,23 +244,23 @@ def simulate(
             n = active.size
             remaining = lengths[active] - pos[active]
             act_keys = [keys[i] for i in active]
+            # As in the engine, the first token comes from the prefill, before anything was drafted.
+            room = np.where(pos[active] > 0, k, 0)
             if strategy in ("none", "ngram"):
                 drafts = np.zeros((n, k), np.int32)
                 kept = np.zeros(n, np.int64)
                 if strategy == "ngram":
-                    for row, i in enumerate(active):
+                    for row in np.nonzero(room)[0]:
+                        i = active[row]
                         context = np.concatenate([prompts[i], responses[starts[i] : starts[i] + pos[i]]])
                         draft = ngram_draft(context, ngram_range[0], ngram_range[1], k)
                         drafts[row, : draft.shape[0]] = draft
                         kept[row] = draft.shape[0]
             else:
-                if policy is not None:
-                    budgets = policy.budgets(slots[active], pos[active], np.full(n, k))
-                else:
-                    budgets = np.full(n, k, np.int32)
+                budgets = policy.budgets(slots[active], pos[active], room) if policy is not None else room
                 result = index.draft_batch(act_keys, budgets)
                 drafts = result.tokens
-                kept = result.lengths.astype(np.int64)
+                kept = np.minimum(result.lengths, budgets).astype(np.int64)
                 if policy is not None:
                     kept = policy.truncate(kept, result.probs, result.match_lens, result.sources)
                     kept = kept.astype(np.int64)
@@ -314,6 +316,18 @@ def simulate(
     return sim
 
 
+def replay(
+    records: list[TrajectoryRecord],
+    strategy: str,
+    config: DraftConfig,
+    window: int = 3,
+    cost: CostModel | None = None,
+) -> dict:
+    """One strategy's summary under one cost model (`simulate`, then `summarize`)."""
+    cost = cost or CostModel()
+    return summarize(simulate(records, strategy, config, window, cost), cost)
+
+
 def makespan(steps: np.ndarray, cost: CostModel) -> float:
     """Projected seconds of one epoch's steps (active, verified) under `cost`."""
     return float(
@@ -325,16 +339,22 @@ def summarize(sim: Simulation, cost: CostModel) -> dict:
     """Totals, per-epoch and per-length-quartile rows, wasted tokens and calibration of one simulation."""
     arr = sim.per_request
     tokens, steps, drafted, accepted = (int(x) for x in arr.sum(axis=0))
+    bounds = np.cumsum([0, *sim.requests])
     per_epoch = [
         {
             "epoch": epoch,
             "requests": n_req,
             "tokens": n_tok,
+            "steps": int(s[:, 0].sum()),
+            "draft_tokens": int(arr[bounds[e] : bounds[e + 1], 2].sum()),
+            "accepted_tokens": int(arr[bounds[e] : bounds[e + 1], 3].sum()),
             "batch_steps": int(s.shape[0]),
             "mean_accepted_per_step": n_tok / max(int(s[:, 0].sum()), 1),
             "projected_makespan_s": makespan(s, cost),
         }
-        for epoch, n_req, n_tok, s in zip(sim.epochs, sim.requests, sim.tokens, sim.steps, strict=True)
+        for e, (epoch, n_req, n_tok, s) in enumerate(
+            zip(sim.epochs, sim.requests, sim.tokens, sim.steps, strict=True)
+        )
     ]
     quartiles = []
     order = np.argsort(arr[:, 0], kind="stable")

@@ -1,8 +1,8 @@
 """`das kafka init|load|dlq`: create the bus topics (idempotent), publish synthetic load, read dead letters.
 
-The bus URL comes from `--bus kafka://host:port[,host:port]` or the environment variable DAS_BUS. Kafka client
-settings such as TLS and SASL pass through `--kafka-setting key=value` (kafka-python names, e.g.
-`security_protocol=SASL_SSL`, `sasl_mechanism=SCRAM-SHA-512`, `ssl_cafile=/etc/ca.pem`).
+The bus URL comes from `--bus kafka://host:port[,host:port][?key=value&...]` or the environment variable DAS_BUS.
+TLS and SASL come from URL parameters, DAS_KAFKA_* variables (`pipeline.kafka_config`) or
+`--kafka-setting key=value` (kafka-python names, e.g. `security_protocol=SASL_SSL`, `ssl_cafile=/etc/ca.pem`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -56,13 +56,17 @@ def kafka_settings(pairs: list[str]) -> dict[str, object]:
     return settings
 
 
-def kafka_servers_from(args: argparse.Namespace) -> list[str]:
-    """Broker addresses from `--bus`. Raises ValueError if it is missing or not a kafka:// URL."""
-    from pipeline.bus import kafka_servers
+def kafka_client(args: argparse.Namespace) -> tuple[list[str], dict[str, object]]:
+    """Broker addresses and client settings from `--bus` (URL parameters) and `--kafka-setting` (stronger).
+
+    Raises ValueError if the bus is missing or not a kafka:// URL, or a setting is malformed.
+    """
+    from pipeline.kafka_config import parse_bus_url
 
     if not args.bus:
         raise ValueError(f"no bus given: pass --bus kafka://host:port or set {BUS_ENV}")
-    return kafka_servers(args.bus)
+    servers, settings = parse_bus_url(args.bus)
+    return servers, {**settings, **kafka_settings(args.kafka_setting)}
 
 
 def register(cli: Any) -> None:
@@ -122,6 +126,18 @@ def register(cli: Any) -> None:
     p.add_argument(
         "--response-tokens", type=POSITIVE, default=1000, help="median response length (log-normal)"
     )
+    p.add_argument(
+        "--publish-timeout-s",
+        type=number(0),
+        default=60.0,
+        help="how long a publish waits for room while the brokers are away before the load stops (default 60)",
+    )
+    p.add_argument(
+        "--close-timeout-s",
+        type=number(0),
+        default=60.0,
+        help="how long the end waits for acknowledgements; unconfirmed records are counted unknown (default 60)",
+    )
 
 
 def dlq(args: argparse.Namespace) -> int:
@@ -129,9 +145,8 @@ def dlq(args: argparse.Namespace) -> int:
 
     from pipeline.consumer import read_dead_letters
 
-    letters = read_dead_letters(
-        kafka_servers_from(args), args.dlq_topic, idle_s=args.idle_s, **kafka_settings(args.kafka_setting)
-    )
+    servers, settings = kafka_client(args)
+    letters = read_dead_letters(servers, args.dlq_topic, idle_s=args.idle_s, **settings)
     # Two replicas can dead-letter the same message; compaction merges them later, the summary at once.
     unique = {(d.topic, d.partition, d.offset): d for d in letters}
     reasons = Counter(d.reason for d in unique.values())
@@ -152,13 +167,14 @@ def dlq(args: argparse.Namespace) -> int:
 def init(args: argparse.Namespace) -> int:
     from pipeline.topics import ensure_topics
 
+    servers, settings = kafka_client(args)
     states = ensure_topics(
-        kafka_servers_from(args),
+        servers,
         topic=args.topic,
         dead_letter_topic=args.dlq_topic,
         partitions=args.partitions,
         replication_factor=args.replication_factor,
-        **kafka_settings(args.kafka_setting),
+        **settings,
     )
     if args.json:
         print(json.dumps({"topics": [dataclasses.asdict(s) for s in states]}))
@@ -171,7 +187,9 @@ def init(args: argparse.Namespace) -> int:
 
 
 def load(args: argparse.Namespace) -> int:
-    from pipeline.bus import BusBackpressureError, BusError
+    """Publishes, then prints one JSON summary whose counts are exact: acknowledged + refused + unknown equals
+    published, and `not_taken` counts the record refused by backpressure (publishing stops there)."""
+    from pipeline.bus import BusBackpressureError, BusDeliveryError
     from pipeline.producer import KafkaBus
     from pipeline.synthetic import SyntheticShape, synthetic_records
 
@@ -181,42 +199,36 @@ def load(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_tokens,
         response_tokens_median=args.response_tokens,
     )
-    try:
-        bus = KafkaBus(kafka_servers_from(args), topic=args.topic, **kafka_settings(args.kafka_setting))
-    except (BusError, ValueError) as exc:
-        print(f"das kafka load: {exc}", file=sys.stderr)
-        return 1
-    published = backpressured = 0
+    # The bus says when brokers stop answering and when they are back; kafka-python itself stays quiet.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    servers, settings = kafka_client(args)
+    bus = KafkaBus(servers, topic=args.topic, publish_timeout_s=args.publish_timeout_s, **settings)
+    error: Exception | None = None
+    not_taken = 0
     started = time.perf_counter()
     try:
-        for record in synthetic_records(args.worker, args.count, shape, args.seed):
+        for n, record in enumerate(synthetic_records(args.worker, args.count, shape, args.seed)):
             if args.rate > 0:
-                delay = started + published / args.rate - time.perf_counter()
+                delay = started + n / args.rate - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-            while True:
-                try:
-                    bus.publish(record)
-                    break
-                except BusBackpressureError:
-                    # A load generator may wait; a rollout worker would drop or count the record instead.
-                    backpressured += 1
-                    time.sleep(0.01)
-            published += 1
-        bus.close()
-    except BusError as exc:
-        print(f"das kafka load: {exc}", file=sys.stderr)
-        return 1
+            bus.publish(record)
+    except BusBackpressureError as exc:
+        error, not_taken = exc, 1
+    try:
+        report = bus.close(args.close_timeout_s)
+    except BusDeliveryError as exc:
+        error, report = error or exc, exc.report
     seconds = time.perf_counter() - started
-    print(
-        json.dumps(
-            {
-                "published": published,
-                "seconds": round(seconds, 3),
-                "records_per_s": round(published / seconds, 1),
-                "wire_bytes": bus.wire_bytes,
-                "backpressure_waits": backpressured,
-            }
-        )
-    )
+    summary = {
+        **report.to_json(),
+        "not_taken": not_taken,
+        "seconds": round(seconds, 3),
+        "records_per_s": round(report.published / seconds, 1),
+        "wire_bytes": bus.wire_bytes,
+    }
+    print(json.dumps(summary), flush=True)
+    if error is not None:
+        raise error
     return 0
