@@ -1,7 +1,7 @@
 """Serves `/metrics` for one DAS process, aggregating child processes when `PROMETHEUS_MULTIPROC_DIR` is set.
 
-Every long-running command (`das indexer run`, `das rollout ...`) calls `add_metrics_arguments` on its parser and
-`start_from_args` once at start. The server binds to loopback unless told otherwise: a metrics port open to the
+Every long-running command (`das indexer run`, `das rollout ...`) adds `--metrics-host/--metrics-port`
+(`workers.cli_types.add_metrics_arguments`) and calls `start_from_args` once at start. The server binds to loopback unless told otherwise: a metrics port open to the
 network is a choice the operator makes (docker compose sets `DAS_METRICS_HOST=0.0.0.0` inside its network).
 
 Multi-process mode (vLLM workers, where the proposer runs in spawned processes): the launching process calls
@@ -50,7 +50,10 @@ def start_metrics_server(port: int, host: str = DEFAULT_HOST) -> tuple[WSGIServe
 
     Raises OSError when the address is taken, so a misconfigured port fails at start, not silently.
     """
-    return start_http_server(port, addr=host, registry=metrics_registry())
+    try:
+        return start_http_server(port, addr=host, registry=metrics_registry())
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}") from exc
 
 
 def mark_process_dead(pid: int) -> None:
@@ -60,23 +63,8 @@ def mark_process_dead(pid: int) -> None:
         multiprocess.mark_process_dead(pid, path=directory)
 
 
-def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds `--metrics-host` and `--metrics-port` (defaults from DAS_METRICS_HOST / DAS_METRICS_PORT)."""
-    parser.add_argument(
-        "--metrics-host",
-        default=os.environ.get(HOST_ENV, DEFAULT_HOST),
-        help=f"address to serve /metrics on (env {HOST_ENV}; default {DEFAULT_HOST}, loopback only)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(os.environ.get(PORT_ENV, "-1")),
-        help=f"port to serve /metrics on (env {PORT_ENV}); -1 (default) serves nothing, 0 picks a free port",
-    )
-
-
 def start_from_args(args: argparse.Namespace) -> WSGIServer | None:
-    """Starts the server the arguments from `add_metrics_arguments` ask for; None when the port is -1."""
+    """Starts the server `--metrics-host/--metrics-port` ask for; None when the port is negative (-1)."""
     if args.metrics_port < 0:
         return None
     server, _thread = start_metrics_server(args.metrics_port, args.metrics_host)

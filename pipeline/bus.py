@@ -2,9 +2,9 @@
 
 Two implementations behind one small interface:
 - `embedded` (the default, one machine): in-process queues; the indexer service in the same process subscribes.
-- `kafka://host:port[,host:port]`: Apache Kafka through kafka-python (`pipeline.producer.KafkaBus`), the
-  durable, replayable source of truth for many nodes. Kafka client settings (TLS, SASL, timeouts) pass through
-  `open_bus(url, **settings)` unchanged, e.g. `security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512"`.
+- `kafka://host:port[,host:port][?key=value&...]`: Apache Kafka through kafka-python
+  (`pipeline.producer.KafkaBus`), the durable, replayable source of truth for many nodes. TLS and SASL come
+  from URL parameters, `open_bus(url, **settings)` or DAS_KAFKA_* variables (`pipeline.kafka_config`).
 
 `publish` never blocks the decode loop: it only puts the record on a bounded queue, and raises
 `BusBackpressureError` when that queue is full (the brokers are away or too slow) instead of waiting.
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from monitoring.metrics import PRODUCER_QUEUE_DEPTH, RECORDS_PUBLISHED
+from pipeline.kafka_config import KAFKA_SCHEME, parse_bus_url
 from pipeline.schemas import TrajectoryRecord
 
 EMBEDDED_URL = "embedded"
-KAFKA_SCHEME = "kafka://"
 EMBEDDED_TOPIC = "embedded"
 # Records a publisher may have waiting before `publish` refuses more: at ~10 KB a trajectory this is ~100 MB,
 # minutes of rollouts, which rides out a broker restart without holding unbounded memory.
@@ -221,26 +221,12 @@ def embedded_bus() -> EmbeddedBus:
         return _embedded
 
 
-def kafka_servers(url: str) -> list[str]:
-    """["host:port", ...] from "kafka://host:port[,host:port]". Raises ValueError on a malformed URL."""
-    if not url.startswith(KAFKA_SCHEME):
-        raise ValueError(f"not a Kafka bus URL (expected kafka://host:port[,host:port]): {url!r}")
-    servers = [s.strip() for s in url[len(KAFKA_SCHEME) :].split(",") if s.strip()]
-    for server in servers:
-        host, sep, port = server.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"bad broker address {server!r} in {url!r}: expected host:port")
-    if not servers:
-        raise ValueError(f"no broker in bus URL {url!r}")
-    return servers
-
-
 def open_bus(url: str = EMBEDDED_URL, **settings: object) -> Bus:
-    """Opens the bus named by `url`: "embedded" (in-process) or "kafka://host:port[,host:port]".
+    """Opens the bus named by `url`: "embedded" (in-process) or "kafka://host:port[,host:port][?key=value&...]".
 
-    Kafka settings: `topic` (default das.trajectories), `max_queue_records`, and any kafka-python
-    `KafkaProducer` setting (security_protocol, ssl_*, sasl_*, linger_ms, ...), which override the defaults
-    except that durability (acks=all, idempotence) cannot be turned off.
+    Kafka settings: `topic` (default das.trajectories), `max_queue_records`, `publish_timeout_s`, and any
+    kafka-python `KafkaProducer` setting (security_protocol, ssl_*, sasl_*, linger_ms, ...), which override the
+    URL's parameters and the DAS_KAFKA_* variables; durability (acks=all, idempotence) cannot be turned off.
     Raises ValueError for an unknown URL, BusError when Kafka or the topic cannot be reached.
     """
     if url == EMBEDDED_URL:
@@ -250,5 +236,6 @@ def open_bus(url: str = EMBEDDED_URL, **settings: object) -> Bus:
     if url.startswith(KAFKA_SCHEME):
         from pipeline.producer import KafkaBus
 
-        return KafkaBus(kafka_servers(url), **settings)
+        servers, url_settings = parse_bus_url(url)
+        return KafkaBus(servers, **{**url_settings, **settings})
     raise ValueError(f"unknown bus {url!r}: use 'embedded' or 'kafka://host:port[,host:port]'")

@@ -22,6 +22,7 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.bus import BusError, BusMessage
+from pipeline.kafka_config import client_settings
 from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, shared_settings
 from pipeline.wire import partition_for, record_key
 
@@ -71,7 +72,7 @@ class KafkaTrajectorySource:
                 bootstrap_servers=self.servers,
                 group_id=group_id,
                 client_id=group_id,
-                **{**CONSUMER_DEFAULTS, **settings},
+                **{**CONSUMER_DEFAULTS, **client_settings(settings)},
             )
         except KafkaError as exc:
             raise BusError(f"cannot reach {self._where}: {exc}") from exc
@@ -172,7 +173,7 @@ class ReplicaPublisher:
                 linger_ms=5,
                 max_request_size=MAX_MESSAGE_BYTES,
                 client_id=f"{replica}-publisher",
-                **shared_settings(settings),
+                **shared_settings(client_settings(settings)),
             )
         except KafkaError as exc:
             raise BusError(f"cannot reach {self._where}: {exc}") from exc
@@ -265,7 +266,7 @@ def read_dead_letters(
             enable_auto_commit=False,
             consumer_timeout_ms=int(idle_s * 1000),
             max_partition_fetch_bytes=1024 * 1024,
-            **shared_settings(settings),
+            **shared_settings(client_settings(settings)),
         )
     except KafkaError as exc:
         raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc

@@ -23,6 +23,7 @@ from kafka.errors import KafkaError, KafkaTimeoutError, MessageSizeTooLargeError
 
 from monitoring.metrics import PRODUCER_QUEUE_DEPTH, PRODUCER_SEND_ERRORS, RECORDS_PUBLISHED
 from pipeline.bus import DEFAULT_QUEUE_RECORDS, BusBackpressureError, BusError
+from pipeline.kafka_config import client_settings
 from pipeline.schemas import TrajectoryRecord
 from pipeline.topics import MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, topic_partitions
 from pipeline.wire import encode_record, partition_for, record_key
@@ -64,6 +65,7 @@ class KafkaBus:
     ) -> None:
         if max_queue_records < 1:
             raise ValueError(f"max_queue_records must be >= 1, got {max_queue_records}")
+        settings = client_settings(settings)
         for key, required in _DURABILITY.items():
             if key in settings and settings[key] != required:
                 raise ValueError(

@@ -23,6 +23,7 @@ from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from pipeline.bus import BusError
+from pipeline.kafka_config import client_settings
 
 TRAJECTORY_TOPIC = "das.trajectories"
 DEAD_LETTER_TOPIC = "das.trajectories.dlq"
@@ -95,7 +96,9 @@ class TopicState:
 def admin_client(servers: list[str], **settings: object) -> KafkaAdminClient:
     """An admin client; raises BusError with the addresses when no broker answers."""
     try:
-        return KafkaAdminClient(bootstrap_servers=servers, client_id="das-admin", **shared_settings(settings))
+        return KafkaAdminClient(
+            bootstrap_servers=servers, client_id="das-admin", **shared_settings(client_settings(settings))
+        )
     except KafkaError as exc:
         raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc
 

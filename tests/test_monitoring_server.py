@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import metrics
 from monitoring.multiproc import prepare_multiprocess_dir
-from monitoring.server import add_metrics_arguments, metrics_registry, start_from_args, start_metrics_server
+from monitoring.server import metrics_registry, start_from_args, start_metrics_server
+from workers.cli_types import add_metrics_arguments
 
 
 def _samples(exposition: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -9,7 +9,8 @@ import pytest
 
 from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore
-from pipeline.bus import BusBackpressureError, BusError, EmbeddedBus, embedded_bus, kafka_servers, open_bus
+from pipeline.bus import BusBackpressureError, BusError, EmbeddedBus, embedded_bus, open_bus
+from pipeline.kafka_config import parse_bus_url
 from pipeline.schemas import TrajectoryRecord
 from pipeline.synthetic import SyntheticShape, synthetic_records
 from workers.indexer import Indexer, ProblemIndexListener
@@ -73,7 +74,7 @@ def test_open_bus_names_the_embedded_bus_and_refuses_unknown_urls():
     with pytest.raises(ValueError, match="unknown bus"):
         open_bus("redis://x")
     with pytest.raises(ValueError, match="host:port"):
-        kafka_servers("kafka://nohost")
+        parse_bus_url("kafka://nohost")
     with pytest.raises(ValueError, match="no settings"):
         open_bus("embedded", topic="x")
     with pytest.raises(TypeError):

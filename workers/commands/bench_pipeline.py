@@ -36,7 +36,8 @@ def register(cli: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.bus import BusError, kafka_servers
+    from pipeline.bus import BusError
+    from pipeline.kafka_config import parse_bus_url
     from pipeline.synthetic import SyntheticShape
     from workers.bench import pipeline
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         result = pipeline.run(
-            kafka_servers(args.bus),
+            parse_bus_url(args.bus)[0],
             producers=args.producers,
             records=args.records,
             freshness_rate=args.rate,

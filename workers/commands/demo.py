@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(cli: Any) -> argparse.ArgumentParser:
-    from monitoring.server import PORT_ENV, add_metrics_arguments
+    from workers.cli_types import add_metrics_arguments
     from workers.demo import DEFAULT_HISTORY_DIR, DEFAULT_REPORT_DIR, DemoConfig
 
     defaults = DemoConfig()
@@ -98,7 +97,6 @@ def register(cli: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="engine seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_metrics_arguments(parser)
     # The demo shows its metrics by default: a free loopback port, printed at start.
-    parser.set_defaults(metrics_port=int(os.environ.get(PORT_ENV, "0")))
+    add_metrics_arguments(parser, default_port=0)
     return parser

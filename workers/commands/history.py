@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
+
+from workers.cli_types import POSITIVE
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
@@ -30,7 +31,7 @@ def register(cli: Any) -> None:
         "history", "checkpoint", help="Write a checkpoint of the history store into DIR.", run=checkpoint
     )
     p.add_argument("dir", help="checkpoint root folder (checkpoints are ckpt-* folders inside)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep in DIR (oldest deleted)")
+    p.add_argument("--keep", type=POSITIVE, default=3, help="checkpoints to keep in DIR (oldest deleted)")
     _data_arg(p)
     p = cli.command("history", "restore", help="Restore a checkpoint into an empty DATA_DIR.", run=restore)
     p.add_argument("checkpoint", help="a ckpt-* folder, or a checkpoint root (its newest is used)")
@@ -52,16 +53,9 @@ def register(cli: Any) -> None:
 
 
 def _guarded(fn: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
-    from history_store.errors import StoreError
-
     if hasattr(args, "data") and not args.data:
-        print(f"das history: no store folder: pass --data or set {DATA_ENV}", file=sys.stderr)
-        return 2
-    try:
-        result = fn(args)
-    except (StoreError, ValueError, OSError) as exc:
-        print(f"das history {args.history_command}: {exc}", file=sys.stderr)
-        return 1
+        raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
+    result = fn(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -17,14 +17,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from workers.commands.kafka import add_bus_arguments, kafka_servers_from, kafka_settings
+from workers.cli_types import POSITIVE, SECONDS, add_metrics_arguments
+from workers.commands.kafka import add_bus_arguments, kafka_client
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
 
 def register(cli: Any) -> None:
-    from monitoring.server import add_metrics_arguments
-
     p = cli.command(
         "indexer", "run", help="Run the history replica: consume the bus into a history store.", run=run
     )
@@ -39,7 +38,7 @@ def register(cli: Any) -> None:
         default=f"das-replica-{socket.gethostname()}",
         help="this replica's name: its Kafka consumer group (lag monitoring) and dead-letter origin header",
     )
-    p.add_argument("--window-epochs", type=int, default=None, help="epochs of history kept per problem")
+    p.add_argument("--window-epochs", type=POSITIVE, default=None, help="epochs of history kept per problem")
     p.add_argument(
         "--checkpoint-dir",
         type=Path,
@@ -47,20 +46,20 @@ def register(cli: Any) -> None:
         help="write RocksDB checkpoints here at epoch boundaries and every --checkpoint-every seconds "
         "(same file system as --data: checkpoints are hard links)",
     )
-    p.add_argument("--checkpoint-every", type=float, default=600.0, help="seconds between checkpoints")
-    p.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept")
-    p.add_argument("--max-record-tokens", type=int, default=None, help="larger records are dead-lettered")
-    p.add_argument("--batch-records", type=int, default=None, help="records applied per RocksDB write")
+    p.add_argument("--checkpoint-every", type=SECONDS, default=600.0, help="seconds between checkpoints")
+    p.add_argument("--checkpoint-keep", type=POSITIVE, default=3, help="checkpoints kept")
+    p.add_argument(
+        "--max-record-tokens", type=POSITIVE, default=None, help="larger records are dead-lettered"
+    )
+    p.add_argument("--batch-records", type=POSITIVE, default=None, help="records applied per RocksDB write")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_metrics_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from history_store.checkpoints import Checkpointer
-    from history_store.errors import StoreError
     from history_store.store import HistoryStore
     from monitoring.server import start_from_args
-    from pipeline.bus import BusError
     from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
     from workers.indexer import DEFAULT_BATCH_RECORDS, DEFAULT_MAX_RECORD_TOKENS, Indexer
 
@@ -72,21 +71,13 @@ def run(args: argparse.Namespace) -> int:
     # kafka-python narrates every connection at INFO and DEBUG; its warnings and errors still show.
     logging.getLogger("kafka").setLevel(logging.WARNING)
     if not args.data:
-        print(f"das indexer run: no store folder: pass --data or set {DATA_ENV}", file=sys.stderr)
-        return 2
+        raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
     if args.bus == "embedded":
-        print(
-            "das indexer run: the embedded bus lives inside the rollout process; its indexer runs there "
-            "(workers.indexer.Indexer over pipeline.bus.embedded_bus().subscribe()). Pass --bus kafka://...",
-            file=sys.stderr,
+        raise ValueError(
+            "the embedded bus lives inside the rollout process; its indexer runs there "
+            "(workers.indexer.Indexer over pipeline.bus.embedded_bus().subscribe()). Pass --bus kafka://..."
         )
-        return 2
-    try:
-        servers = kafka_servers_from(args)
-        settings = kafka_settings(args.kafka_setting)
-    except ValueError as exc:
-        print(f"das indexer run: {exc}", file=sys.stderr)
-        return 2
+    servers, settings = kafka_client(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -95,34 +86,30 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("das.indexer").info(
             "metrics on http://%s:%d/metrics", args.metrics_host, server.server_port
         )
-    try:
-        with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
-            source = KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings)
-            publisher = ReplicaPublisher(
-                servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings
-            )
-            checkpointer = (
-                Checkpointer(store, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
-                if args.checkpoint_dir is not None
-                else None
-            )
-            indexer = Indexer(
-                source,
-                store,
-                publisher=publisher,
-                max_record_tokens=args.max_record_tokens or DEFAULT_MAX_RECORD_TOKENS,
-                batch_records=args.batch_records or DEFAULT_BATCH_RECORDS,
-                checkpointer=checkpointer,
-            )
-            logging.getLogger("das.indexer").info(
-                "replica %s: %s -> %s (window %d epochs)",
-                args.replica,
-                args.bus,
-                args.data,
-                store.window_epochs,
-            )
-            indexer.run(stop)
-    except (StoreError, BusError) as exc:
-        print(f"das indexer run: {exc}", file=sys.stderr)
-        return 1
+    with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
+        source = KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings)
+        publisher = ReplicaPublisher(
+            servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings
+        )
+        checkpointer = (
+            Checkpointer(store, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
+            if args.checkpoint_dir is not None
+            else None
+        )
+        indexer = Indexer(
+            source,
+            store,
+            publisher=publisher,
+            max_record_tokens=args.max_record_tokens or DEFAULT_MAX_RECORD_TOKENS,
+            batch_records=args.batch_records or DEFAULT_BATCH_RECORDS,
+            checkpointer=checkpointer,
+        )
+        logging.getLogger("das.indexer").info(
+            "replica %s: %s -> %s (window %d epochs)",
+            args.replica,
+            args.bus,
+            args.data,
+            store.window_epochs,
+        )
+        indexer.run(stop)
     return 0

