@@ -24,6 +24,15 @@ from history_store.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_
 SOURCE_NONE, SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL = 0, 1, 2, 3
 
 
+def eviction_bounds(keys: Iterable[tuple[str, int, int]]) -> dict[str, int]:
+    """The store evicts whole epochs from the bottom of a problem's window: for evicted keys (problem, epoch,
+    sample), the first epoch each problem keeps (its newest evicted epoch + 1)."""
+    bounds: dict[str, int] = {}
+    for problem_id, epoch, _sample in keys:
+        bounds[problem_id] = max(bounds.get(problem_id, 0), epoch + 1)
+    return bounds
+
+
 @dataclass(frozen=True)
 class BatchDrafts:
     """Drafts for a batch, row-aligned with the request keys. `probs` are path probabilities; `support` is
@@ -234,11 +243,54 @@ class ProblemIndex:
             self._drop_global((problem_id, e, s) for e, s in gone)
         return gone
 
+    def evict_keys(self, keys: Iterable[tuple[str, int, int]]) -> dict[str, int]:
+        """Follows a store's evictions: drops every epoch up to the newest evicted one of each problem.
+        Returns the bounds applied (see `eviction_bounds`)."""
+        bounds = eviction_bounds(keys)
+        for problem_id, min_epoch in bounds.items():
+            self.evict_epochs_before(problem_id, min_epoch)
+        return bounds
+
+    def remove_trajectory(self, problem_id: str, epoch: int, sample: int) -> bool:
+        """Drops one rollout (a store quarantined it) from its problem's tree and the global tree; the rest
+        of its epoch stays. Returns False when it was not indexed."""
+        problem = self._problems.get(problem_id)
+        if problem is None or (epoch, sample) not in problem.seq_of:
+            return False
+        seq_id = problem.seq_of.pop((epoch, sample))
+        del problem.lengths[(epoch, sample)]
+        if self.use_history:
+            problem.tree.remove(seq_id)
+        self._drop_global([(problem_id, epoch, sample)])
+        return True
+
+    def clear_history(self) -> None:
+        """Forgets every rollout (problem and global trees), keeping live requests: before reloading a store
+        whose change log a reader can no longer follow."""
+        for problem in self._problems.values():
+            if self.use_history:
+                problem.tree.remove_many(list(problem.tree.seq_ids))
+            problem.seq_of.clear()
+            problem.lengths.clear()
+            problem.newest_epoch = -1
+        if self._global is not None:
+            self._global.remove_many(list(self._global.seq_ids))
+        self._global_seq.clear()
+        self._global_fifo.clear()
+        self._global_newest = -1
+
+    def global_keys(self) -> list[tuple[str, int, int]]:
+        """Trajectory keys in the global tree, oldest first (the order its token cap drops them in)."""
+        return [key for key, _ in self._global_fifo if key in self._global_seq]
+
     def _add_global(self, key: tuple[str, int, int], tokens: np.ndarray) -> None:
         seq_id = self._global_next
         self._global_next += 1
+        # No re-match for requests drafting from the global tree: every finished rollout lands here, so a
+        # re-match would cost every row of the batch a full re-match whenever any request finishes, and on
+        # real rollouts it found nothing the request's held match and its live tree did not (replay, same
+        # figures). Additions never invalidate a held match (see advance_match); only rebuilds do.
         self._global.extend(seq_id, tokens)
-        self._global.invalidate_matches()
         self._global_seq[key] = seq_id
         self._global_fifo.append((key, tokens.shape[0]))
         if self._global.num_tokens > self.global_tokens:
@@ -322,6 +374,11 @@ class ProblemIndex:
     def committed(self, slots: np.ndarray) -> np.ndarray:
         """Tokens (prompt and output) each slot's request has committed so far."""
         return self.forest.seqs[self.slots[slots, K.R_SEQ], K.Q_LEN]
+
+    def request_tokens(self, request_key: str) -> np.ndarray:
+        """A copy of the prompt and output a live request committed. Raises KeyError for an unknown request."""
+        req = self._requests[request_key]
+        return self.forest.seq_tokens(self._live[req.live_key].tree.seq_row(req.seq_id)).copy()
 
     def append_request(self, request_key: str, tokens: Sequence[int] | np.ndarray) -> None:
         """Adds tokens committed this step to a live request. Raises KeyError for an unknown request."""
