@@ -173,3 +173,32 @@ def test_the_global_tree_follows_the_writers_apply_order_not_key_order(tmp_path,
         proposer.catch_up()
     applied = [(r.problem_id, r.epoch, r.sample) for r in first + later]
     assert proposer.index.global_keys() == applied
+
+
+def test_metrics_of_a_step_are_tallied_once_per_step_and_match_per_row_observations() -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, cls: str) -> float:
+        return REGISTRY.get_sample_value(name, {"length_class": cls}) or 0.0
+
+    classes = ("short", "medium", "long")
+    before = {
+        c: (sample("das_speculation_budget_tokens_count", c), sample("das_speculation_budget_tokens_sum", c))
+        for c in classes
+    }
+    drafted_before = REGISTRY.get_sample_value("das_draft_tokens_total") or 0.0
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    history = list(range(200, 260))
+    proposer.add_trajectories(
+        [{"problem_id": "m", "epoch": 0, "sample": 0, "prompt_ids": [4, 5], "response_ids": history}]
+    )
+    runner = StandInRunner(proposer)
+    for row in range(3):
+        runner.add(row, f"m{row}", [4, 5], "m")
+        runner.commit(row, history[: row + 1])
+    drafts = runner.draft([history[:1]] * 3)
+    rows_counted = sum(sample("das_speculation_budget_tokens_count", c) - before[c][0] for c in classes)
+    tokens_counted = sum(sample("das_speculation_budget_tokens_sum", c) - before[c][1] for c in classes)
+    assert rows_counted == 3
+    assert tokens_counted == sum(map(len, drafts)) > 0
+    assert (REGISTRY.get_sample_value("das_draft_tokens_total") or 0.0) - drafted_before == tokens_counted

@@ -67,6 +67,7 @@ from monitoring.metrics import (
     position_label,
 )
 from workers.budget import MEDIUM, BudgetConfig, BudgetPolicy
+from workers.step_book import StepBook
 
 logger = logging.getLogger(__name__)
 
@@ -141,24 +142,6 @@ class _Live:
     max_tokens: int | None
 
 
-class _SlotTable:
-    """Per-request state of the step, indexed by the index's dense request slots: what the previous step
-    drafted for each request (to learn acceptance when it commits) and its prompt length."""
-
-    def __init__(self, size: int, k: int) -> None:
-        self.prompt_len = np.zeros(size, np.int64)
-        self.drafted_at = np.full(size, -2, np.int64)  # the step that last drafted for the slot
-        self.length = np.zeros(size, np.int32)
-        self.probs = np.zeros((size, k), np.float32)
-        self.length_class = np.zeros(size, np.int64)
-
-    def grown(self, size: int) -> _SlotTable:
-        new = _SlotTable(size, self.probs.shape[1])
-        for name, arr in vars(self).items():
-            getattr(new, name)[: arr.shape[0]] = arr
-        return new
-
-
 def parse_extra_args(extra_args: Any) -> tuple[str | None, int | None, int | None, str | None]:
     """(problem_id, epoch, sample, problem) from `SamplingParams.extra_args`; the last item is a warning text
     when they are malformed (then everything is None and the request drafts from its own context)."""
@@ -205,7 +188,6 @@ class DasProposer:
         self.runner: Any = None
         self._live: dict[str, _Live] = {}
         self._slot_of: dict[str, int] = {}
-        self._slots = _SlotTable(64, self.k)
         self._step_no = 0
         self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
         self._last_tokens = 0
@@ -223,7 +205,7 @@ class DasProposer:
             ACCEPTED_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(self.k)
         ]
         self._budget_by_class = [SPEC_BUDGET.labels(length_class=c) for c in LENGTH_CLASSES]
-        self._budget_bounds = np.asarray(self._budget_by_class[0]._upper_bounds, np.float64)
+        self._book = StepBook(64, self.k, self._budget_by_class[0]._upper_bounds)
         self.reset_stats()
         # Compile the index's native kernels now, so the first real decode step is not slow.
         self.index.start_request("__warmup__", None, np.arange(8, dtype=np.int32))
@@ -414,7 +396,7 @@ class DasProposer:
             slots[i] = self._start(key, requests[key], token_ids[i])
         if self._replica is not None and started >= self._next_catch_up:
             self.catch_up()
-        table = self._slots
+        book = self._book
         have = self.index.committed(slots)
         end = np.maximum(num_tokens[:n], have)
         new = end - have
@@ -423,7 +405,7 @@ class DasProposer:
         # Rows that committed nothing (partial prefills) must not draft.
         headroom = np.where(new > 0, np.minimum(self.k, self.max_model_len - end - 1), 0)
         if self.settings.budget:
-            budgets, classes = self.policy.budgets(req_ids, end - table.prompt_len[slots], headroom)
+            budgets, classes = self.policy.budgets(req_ids, end - book.prompt_len[slots], headroom)
         else:
             budgets, classes = np.maximum(headroom, 0).astype(np.int32), np.full(n, MEDIUM, dtype=np.int64)
         # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
@@ -437,22 +419,17 @@ class DasProposer:
         if self.settings.budget:
             lengths = self.policy.truncate(lengths, result.probs, classes)
 
-        table.drafted_at[slots] = self._step_no
-        table.length[slots] = lengths
-        table.probs[slots] = result.probs
-        table.length_class[slots] = classes
+        book.record(slots, lengths, result.probs, classes, result.sources, self._step_no)
         self._step_no += 1
-        self._count_step(n, lengths, budgets, classes, result.sources)
+        self._count_step(n, lengths, budgets)
         rows = result.tokens.tolist()
         return [row[:m] for row, m in zip(rows, lengths.tolist(), strict=True)]
 
-    def _count_step(
-        self, n: int, lengths: np.ndarray, budgets: np.ndarray, classes: np.ndarray, sources: np.ndarray
-    ) -> None:
-        """Statistics and metrics of a step, added once per step (never per request)."""
-        stats = self._stats
-        drafted = int(np.count_nonzero(lengths))
-        total = int(lengths.sum())
+    def _count_step(self, n: int, lengths: np.ndarray, budgets: np.ndarray) -> None:
+        """Statistics and metrics of a step from the book's tallies, added once per step."""
+        stats, book = self._stats, self._book
+        total = int(book.sum_by_class.sum())
+        drafted = int(book.by_source.sum())
         self._last_rows, self._last_tokens = n, total
         stats["steps"] += 1
         stats["rows"] += n
@@ -462,41 +439,39 @@ class DasProposer:
         if drafted:
             DRAFTS.inc(drafted)
             DRAFT_TOKENS.inc(total)
-            for source, count in enumerate(np.bincount(sources[lengths > 0], minlength=len(SOURCE_NAMES))):
+            for source, count in enumerate(book.by_source.tolist()):
                 if count:
-                    stats["sources"][SOURCE_NAMES[source]] += int(count)
-            at_least = _rows_reaching_each_position(lengths, self.k)
-            for j in np.flatnonzero(at_least).tolist():
-                self._draft_by_pos[j].inc(int(at_least[j]))
-                stats["drafted_by_position"][j] += int(at_least[j])
-        # The budget histogram by class, one bucket increment per (class, bucket) that received rows.
-        bucket = np.searchsorted(self._budget_bounds, lengths, side="left")
-        cells = np.bincount(classes * len(self._budget_bounds) + bucket)
-        sums = np.bincount(classes, weights=lengths)
-        for cell in np.flatnonzero(cells).tolist():
-            c, b = divmod(cell, len(self._budget_bounds))
-            self._budget_by_class[c]._buckets[b].inc(int(cells[cell]))
-        for c in np.flatnonzero(np.bincount(classes)).tolist():
-            self._budget_by_class[c]._sum.inc(float(sums[c]))
+                    stats["sources"][SOURCE_NAMES[source]] += count
+            for j, count in enumerate(book.drafted_by_position.tolist()):
+                if count:
+                    self._draft_by_pos[j].inc(count)
+                    stats["drafted_by_position"][j] += count
+        # The budget histogram by class: prometheus_client has no bulk observe, so the step's tallies go
+        # straight into the buckets observe() would have counted (and the sum), one increment each.
+        for c, buckets in enumerate(book.by_bucket.tolist()):
+            child = self._budget_by_class[c]
+            for b, count in enumerate(buckets):
+                if count:
+                    child._buckets[b].inc(count)
+            if any(buckets):
+                child._sum.inc(float(book.sum_by_class[c]))
 
     def _learn_from_last_step(self, slots: np.ndarray, new: np.ndarray, now: float, clean: bool) -> None:
         """Acceptance of the previous step's drafts (a row commits accepted + 1 tokens) and the step's cost."""
-        table = self._slots
-        verified = (table.drafted_at[slots] == self._step_no - 1) & (new > 0)
-        verified &= table.length[slots] > 0
-        if verified.any():
-            rows = slots[verified]
-            lengths = table.length[rows]
-            accepted = np.minimum(new[verified] - 1, lengths)
+        book = self._book
+        rows, accepted = book.verified(slots, new, self._step_no)
+        if rows.shape[0]:
             total = int(accepted.sum())
             self._stats["accepted_tokens"] += total
             self._stats["verified_drafts"] += int(rows.shape[0])
             ACCEPTED_TOKENS.inc(total)
-            at_least = _rows_reaching_each_position(accepted, self.k)
-            for j in np.flatnonzero(at_least).tolist():
-                self._accept_by_pos[j].inc(int(at_least[j]))
-                self._stats["accepted_by_position"][j] += int(at_least[j])
-            self.policy.observe_acceptance(table.probs[rows], lengths, table.length_class[rows], accepted)
+            for j, count in enumerate(book.accepted_by_position.tolist()):
+                if count:
+                    self._accept_by_pos[j].inc(count)
+                    self._stats["accepted_by_position"][j] += count
+            self.policy.observe_acceptance(
+                book.probs[rows], book.length[rows], book.length_class[rows], accepted
+            )
         # The interval from the previous return to this call is the verification step of the previous drafts
         # (an idle engine between batches always resumes with joining requests, so `clean` excludes it too).
         if clean and self._last_rows and self._last_ended_at is not None:
@@ -517,10 +492,7 @@ class DasProposer:
             slot, problem_id, epoch, sample, prompt_len, getattr(sampling, "max_tokens", None)
         )
         self._slot_of[key] = slot
-        if slot >= self._slots.prompt_len.shape[0]:
-            self._slots = self._slots.grown(max(2 * self._slots.prompt_len.shape[0], slot + 1))
-        self._slots.prompt_len[slot] = prompt_len
-        self._slots.drafted_at[slot] = -2
+        self._book.start(slot, prompt_len)
         return slot
 
     def _finish(self, key: str) -> None:
@@ -549,12 +521,6 @@ class DasProposer:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
-
-
-def _rows_reaching_each_position(lengths: np.ndarray, k: int) -> np.ndarray:
-    """How many rows have a length above j, for each position j < k."""
-    counts = np.bincount(lengths, minlength=k + 1)
-    return counts[::-1].cumsum()[::-1][1 : k + 1]
 
 
 def unwrap_proposer(drafter: Any) -> DasProposer | None:
