@@ -291,10 +291,11 @@ def advance_match(states, edges, hashes, root, state, length, tokens, lo, hi, ma
 
 
 @njit(cache=True)
-def _draft_path(states, edges, state, cap, min_prob, escape, out_tok, out_prob, out_sup):
+def _draft_path(states, edges, state, cap, min_prob, escape, floor, out_tok, out_prob, out_sup):
     """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
-    the smaller token id. out_sup gets each token's count (its support). Returns (tokens, score)."""
+    the smaller token id. out_sup gets each token's count (its support). Returns (tokens, score), or (0, 0.0)
+    as soon as the score cannot beat `floor` (path probabilities never grow, so at most p per token left)."""
     prob = 1.0
     score = 0.0
     n = 0
@@ -315,6 +316,8 @@ def _draft_path(states, edges, state, cap, min_prob, escape, out_tok, out_prob, 
         p = prob * best_c / (total + escape)
         if p < min_prob:
             break
+        if score + p * (cap - n) <= floor:
+            return 0, 0.0
         prob = p
         out_tok[n] = edges[best_e, TOK]
         out_prob[n] = p
@@ -361,7 +364,9 @@ def draft_best(
             cap = min(budget, np.int64(spec_factor * length + spec_offset), k)
             if cap <= best:  # a score never exceeds the draft length, and shorter matches cap lower
                 break
-            n, score = _draft_path(states, edges, state, cap, min_prob, escape, tmp_tok, tmp_prob, tmp_sup)
+            n, score = _draft_path(
+                states, edges, state, cap, min_prob, escape, best, tmp_tok, tmp_prob, tmp_sup
+            )
             if n > 0 and score > best:
                 out_tok[:n] = tmp_tok[:n]
                 out_prob[:n] = tmp_prob[:n]
