@@ -54,25 +54,11 @@ import numpy as np
 from history_store.indexed import follow, load_index
 from history_store.problem_index import ProblemIndex
 from history_store.suffix_tree import DraftConfig
-from monitoring.metrics import (
-    ACCEPTED_TOKENS,
-    ACCEPTED_TOKENS_BY_POSITION,
-    DRAFT_LATENCY,
-    DRAFT_TOKENS,
-    DRAFT_TOKENS_BY_POSITION,
-    DRAFTS,
-    LENGTH_CLASSES,
-    SPEC_BUDGET,
-    STEP_DURATION,
-    position_label,
-)
 from workers.budget import MEDIUM, BudgetConfig, BudgetPolicy
-from workers.step_book import StepBook
+from workers.step_book import MetricsFlush, StepBook
 
 logger = logging.getLogger(__name__)
 
-# Sources reported by ProblemIndex.draft_batch, in its numbering.
-SOURCE_NAMES = ("none", "problem", "live", "global")
 MAX_PROBLEM_ID_LEN = 512
 # Frames searched above `propose` for the model runner: vLLM calls it from the runner's draft method, two or
 # three frames up depending on the version and wrapper.
@@ -192,20 +178,14 @@ class DasProposer:
         self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
         self._last_tokens = 0
         self._last_ended_at: float | None = None
+        self._verify_seconds: float | None = None
         self._row_base = np.zeros(0, np.int64)
         self._row_width = 0
         self._warned: set[str] = set()
         self._replica: Any = None
         self._next_catch_up = 0.0
-        # Label children resolved once: `labels()` costs a dict lookup and a lock per call.
-        self._draft_by_pos = [
-            DRAFT_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(self.k)
-        ]
-        self._accept_by_pos = [
-            ACCEPTED_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(self.k)
-        ]
-        self._budget_by_class = [SPEC_BUDGET.labels(length_class=c) for c in LENGTH_CLASSES]
-        self._book = StepBook(64, self.k, self._budget_by_class[0]._upper_bounds)
+        self._book = StepBook(64, self.k)
+        self._metrics = MetricsFlush(self._book)
         self.reset_stats()
         # Compile the index's native kernels now, so the first real decode step is not slow.
         self.index.start_request("__warmup__", None, np.arange(8, dtype=np.int32))
@@ -230,25 +210,18 @@ class DasProposer:
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
         """Zeroes the counters `stats` reports (not the Prometheus metrics, which only grow)."""
-        self._stats = {
-            "steps": 0,
-            "rows": 0,
-            "drafts": 0,
-            "draft_tokens": 0,
-            "accepted_tokens": 0,
-            "verified_drafts": 0,
-            "draft_seconds": 0.0,
-            "budget_tokens": 0,
-            "errors": 0,
-            "malformed_requests": 0,
-            "sources": dict.fromkeys(SOURCE_NAMES, 0),
-            "accepted_by_position": [0] * self.k,
-            "drafted_by_position": [0] * self.k,
-        }
+        self._base = self._book.snapshot()
+        self._errors = 0
+        self._malformed = 0
+        self._draft_seconds = 0.0
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset, the live request count, and the budget policy's state."""
-        out = dict(self._stats)
+        self._metrics.flush()
+        out = self._book.since(self._base)
+        out["draft_seconds"] = self._draft_seconds
+        out["errors"] = self._errors
+        out["malformed_requests"] = self._malformed
         out["live_requests"] = len(self._live)
         out["budget_enabled"] = self.settings.budget
         out["policy"] = self.policy.snapshot()
@@ -367,14 +340,14 @@ class DasProposer:
         except Exception:
             # The engine must survive whatever a request or the history holds; the error is logged and counted
             # (tests assert none happen) and this step simply drafts nothing.
-            self._stats["errors"] += 1
+            self._errors += 1
             logger.exception("DAS drafting failed; this step drafts nothing")
             self._last_rows = 0
             self._last_ended_at = time.perf_counter()
             return [[] for _ in range(n)]
         ended = time.perf_counter()
-        self._stats["draft_seconds"] += ended - started
-        DRAFT_LATENCY.observe(ended - started)
+        self._draft_seconds += ended - started
+        self._metrics.step_done(ended - started, self._verify_seconds, ended)
         self._last_ended_at = ended
         return drafts
 
@@ -419,71 +392,36 @@ class DasProposer:
         if self.settings.budget:
             lengths = self.policy.truncate(lengths, result.probs, classes)
 
-        book.record(slots, lengths, result.probs, classes, result.sources, self._step_no)
+        self._last_tokens = book.record(
+            slots, lengths, result.probs, classes, result.sources, budgets, self._step_no
+        )
+        self._last_rows = n
         self._step_no += 1
-        self._count_step(n, lengths, budgets)
         rows = result.tokens.tolist()
         return [row[:m] for row, m in zip(rows, lengths.tolist(), strict=True)]
-
-    def _count_step(self, n: int, lengths: np.ndarray, budgets: np.ndarray) -> None:
-        """Statistics and metrics of a step from the book's tallies, added once per step."""
-        stats, book = self._stats, self._book
-        total = int(book.sum_by_class.sum())
-        drafted = int(book.by_source.sum())
-        self._last_rows, self._last_tokens = n, total
-        stats["steps"] += 1
-        stats["rows"] += n
-        stats["budget_tokens"] += int(budgets.sum())
-        stats["drafts"] += drafted
-        stats["draft_tokens"] += total
-        if drafted:
-            DRAFTS.inc(drafted)
-            DRAFT_TOKENS.inc(total)
-            for source, count in enumerate(book.by_source.tolist()):
-                if count:
-                    stats["sources"][SOURCE_NAMES[source]] += count
-            for j, count in enumerate(book.drafted_by_position.tolist()):
-                if count:
-                    self._draft_by_pos[j].inc(count)
-                    stats["drafted_by_position"][j] += count
-        # The budget histogram by class: prometheus_client has no bulk observe, so the step's tallies go
-        # straight into the buckets observe() would have counted (and the sum), one increment each.
-        for c, buckets in enumerate(book.by_bucket.tolist()):
-            child = self._budget_by_class[c]
-            for b, count in enumerate(buckets):
-                if count:
-                    child._buckets[b].inc(count)
-            if any(buckets):
-                child._sum.inc(float(book.sum_by_class[c]))
 
     def _learn_from_last_step(self, slots: np.ndarray, new: np.ndarray, now: float, clean: bool) -> None:
         """Acceptance of the previous step's drafts (a row commits accepted + 1 tokens) and the step's cost."""
         book = self._book
         rows, accepted = book.verified(slots, new, self._step_no)
         if rows.shape[0]:
-            total = int(accepted.sum())
-            self._stats["accepted_tokens"] += total
-            self._stats["verified_drafts"] += int(rows.shape[0])
-            ACCEPTED_TOKENS.inc(total)
-            for j, count in enumerate(book.accepted_by_position.tolist()):
-                if count:
-                    self._accept_by_pos[j].inc(count)
-                    self._stats["accepted_by_position"][j] += count
             self.policy.observe_acceptance(
                 book.probs[rows], book.length[rows], book.length_class[rows], accepted
             )
         # The interval from the previous return to this call is the verification step of the previous drafts
         # (an idle engine between batches always resumes with joining requests, so `clean` excludes it too).
+        self._verify_seconds = None
         if clean and self._last_rows and self._last_ended_at is not None:
-            seconds = now - self._last_ended_at
-            STEP_DURATION.observe(seconds)
-            self.policy.observe_step(self._last_rows, self._last_rows + self._last_tokens, seconds)
+            self._verify_seconds = now - self._last_ended_at
+            self.policy.observe_step(
+                self._last_rows, self._last_rows + self._last_tokens, self._verify_seconds
+            )
 
     def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
         sampling = request.sampling_params
         problem_id, epoch, sample, problem = parse_extra_args(getattr(sampling, "extra_args", None))
         if problem is not None:
-            self._stats["malformed_requests"] += 1
+            self._malformed += 1
             self._warn_once(f"malformed:{key}", f"request {key}: {problem}; drafting from its own context")
         prompt_len = int(request.num_prompt_tokens)
         slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len])
