@@ -11,6 +11,13 @@ class StoreLockedError(StoreError):
     """Another process (or another open store in this process) holds the folder's write lock."""
 
 
+class StoreCorruptionError(StoreError):
+    """RocksDB found a block or file that fails its checksum: part of the store cannot be read.
+
+    `das history verify` lists what is unreadable; the replica rebuilds the store from the topic.
+    """
+
+
 class StoreWriteError(StoreError):
     """A write to RocksDB failed (full or read-only disk, I/O error); nothing of the failed batch was applied."""
 

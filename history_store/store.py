@@ -13,10 +13,14 @@ the value encodings in `codec.py`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from rocksdict import AccessType, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from history_store import layout
 from history_store.codec import (
@@ -35,7 +39,14 @@ from history_store.codec import (
     encode_trajectory,
     encode_window,
 )
-from history_store.errors import CorruptRecordError, StoreLockedError, StoreOpenError, StoreWriteError
+from history_store.errors import (
+    CorruptRecordError,
+    StoreCorruptionError,
+    StoreError,
+    StoreLockedError,
+    StoreOpenError,
+    StoreWriteError,
+)
 from history_store.length_stats import LengthStats
 from monitoring.metrics import (
     BYTES_INGESTED,
@@ -163,6 +174,53 @@ class StoreStats:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class DamagedRange:
+    """Part of a column family RocksDB cannot read: from after `after_key` (None: from the start), in `file`."""
+
+    family: str
+    after_key: str | None
+    file: str | None
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `verify` found: entries read per column family, the ranges and files RocksDB cannot read, and
+    the trajectory records (listed by the windows) that are unreadable, missing, or fail their own checksum."""
+
+    path: str
+    entries: dict[str, int]
+    damaged: list[DamagedRange]
+    unreadable_records: list[TrajectoryKey]
+    missing_records: list[TrajectoryKey]
+    corrupt_records: list[TrajectoryKey]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.damaged or self.unreadable_records or self.missing_records or self.corrupt_records)
+
+    @property
+    def files(self) -> list[str]:
+        """The damaged files RocksDB named, each once."""
+        return sorted({d.file for d in self.damaged if d.file})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "entries": self.entries,
+            "damaged_files": self.files,
+            "damaged": [
+                {"family": d.family, "after_key": d.after_key, "file": d.file, "error": d.error}
+                for d in self.damaged
+            ],
+            "unreadable_records": [list(k) for k in self.unreadable_records],
+            "missing_records": [list(k) for k in self.missing_records],
+            "corrupt_records": [list(k) for k in self.corrupt_records],
+        }
+
+
 def _options(create: bool) -> tuple[Options, dict[str, Options]]:
     # raw_mode must be identical on every open, or rocksdict flips the stored configuration.
     db_opts = Options(raw_mode=True)
@@ -177,22 +235,43 @@ def _options(create: bool) -> tuple[Options, dict[str, Options]]:
     return db_opts, families
 
 
-def _range(family: Rdict, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """Items with start <= key < end.
+_SST_FILE = re.compile(r"\S+\.(?:sst|blob)\b")
 
-    Stops by comparing keys rather than with ReadOptions.set_iterate_upper_bound: rocksdict does not keep
-    the bound alive, so a ReadOptions that is garbage-collected mid-iteration leaves a dangling bound (seen
-    here: scans returning too few or too many keys).
+
+def _is_corruption(exc: Exception) -> bool:
+    return "Corruption:" in str(exc)
+
+
+def _scan(
+    family: Rdict, start: bytes | None = None, end: bytes | None = None
+) -> Iterator[tuple[bytes, bytes]]:
+    """Items with start <= key < end, every block's checksum verified; raises RocksDB's error at the end.
+
+    rocksdict's own `items()` ends quietly at a block that fails its checksum (the rest of the range simply
+    seems absent), so this walks a raw iterator and checks its status when it stops. Stops by comparing keys
+    rather than with ReadOptions.set_iterate_upper_bound: rocksdict does not keep the bound alive, so a
+    ReadOptions garbage-collected mid-iteration leaves a dangling bound (seen here: wrong scans).
     """
-    for key, value in family.items(from_key=start):
-        if key >= end:
+    options = ReadOptions()
+    options.set_verify_checksums(True)
+    it = family.iter(options)
+    if start is None:
+        it.seek_to_first()
+    else:
+        it.seek(start)
+    while it.valid():
+        key = it.key()
+        if end is not None and key >= end:
             return
-        yield key, value
+        yield key, it.value()
+        it.next()
+    it.status()  # raises if the iterator stopped on an error rather than at the end
 
 
 def _keys(family: Rdict) -> Iterator[bytes]:
-    """Keys of a column family in order (an Rdict is not iterable over its keys the way a dict is)."""
-    yield from family.keys()
+    """Keys of a column family in order, checksums verified."""
+    for key, _ in _scan(family):
+        yield key
 
 
 def _disk_bytes(path: Path) -> int:
@@ -204,6 +283,22 @@ def _disk_bytes(path: Path) -> int:
             except FileNotFoundError:
                 continue  # compaction removed it while we walked
     return total
+
+
+def _open_error(path: Path, exc: Exception) -> StoreError:
+    """The store error for a failed RocksDB open, told apart by RocksDB's own status words (never by the path,
+    which may contain any of them)."""
+    detail = str(exc)
+    if "While lock file" in detail:
+        return StoreLockedError(
+            f"history store {path} is locked by a process outside DAS (RocksDB LOCK held). Detail: {detail}"
+        )
+    if "Corruption:" in detail:
+        return StoreCorruptionError(
+            f"history store {path} is corrupt and cannot be opened: {detail}. Restore a backup "
+            "(das history restore) or let the replica rebuild it from the topic (move the folder away)"
+        )
+    return StoreOpenError(f"cannot open history store {path}: {detail}")
 
 
 class _StoreReader:
@@ -222,8 +317,47 @@ class _StoreReader:
             raise StoreOpenError(f"history store {self.path} is closed")
         return self._cf[name]
 
+    def _get(self, name: str, key: bytes) -> bytes | None:
+        """One value, its block's checksum verified. Raises StoreCorruptionError on a damaged block."""
+        try:
+            return self._family(name).get(key)
+        except StoreError:
+            raise
+        except Exception as exc:
+            if _is_corruption(exc):
+                raise self._corruption(name, key, exc) from exc
+            raise
+
+    def _items(
+        self, name: str, start: bytes | None = None, end: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """`_scan` over one column family; raises StoreCorruptionError on a damaged block, naming the family,
+        the last key read before it and the file RocksDB reports."""
+        last = start
+        try:
+            for key, value in _scan(self._family(name), start, end):
+                last = key
+                yield key, value
+        except StoreError:
+            raise
+        except Exception as exc:
+            if _is_corruption(exc):
+                raise self._corruption(name, last, exc) from exc
+            raise
+
+    def _keys(self, name: str) -> Iterator[bytes]:
+        for key, _ in self._items(name):
+            yield key
+
+    def _corruption(self, name: str, key: bytes | None, exc: Exception) -> StoreCorruptionError:
+        where = f"after key {key!r}" if key is not None else "from its start"
+        return StoreCorruptionError(
+            f"history store {self.path}: column family {name} unreadable {where}: {exc}. "
+            "Run `das history verify` for every damaged key and file; the replica rebuilds from the topic"
+        )
+
     def _meta_int(self, key: bytes) -> int | None:
-        raw = self._family(layout.CF_META).get(key)
+        raw = self._get(layout.CF_META, key)
         return None if raw is None else int(raw.decode("ascii"))
 
     @property
@@ -258,7 +392,7 @@ class _StoreReader:
     def get(self, problem_id: str, epoch: int, sample: int) -> StoredTrajectory | None:
         """The stored record, or None if absent, evicted or quarantined. Raises ValueError on a bad key."""
         key = layout.trajectory_key(problem_id, epoch, sample)
-        raw = self._family(layout.CF_TRAJECTORIES).get(key)
+        raw = self._get(layout.CF_TRAJECTORIES, key)
         return None if raw is None else self._decode(key, raw)
 
     def iter_trajectories(self, problem_id: str | None = None) -> Iterator[StoredTrajectory]:
@@ -267,12 +401,13 @@ class _StoreReader:
 
         Exhaust or close the iterator before `close()`: a live RocksDB iterator keeps the folder locked.
         """
-        family = self._family(layout.CF_TRAJECTORIES)
         if problem_id is None:
-            items = family.items()
+            items = self._items(layout.CF_TRAJECTORIES)
         else:
             prefix = layout.problem_prefix(problem_id)
-            items = _range(family, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
+            items = self._items(
+                layout.CF_TRAJECTORIES, layout.epoch_bound(prefix, 0), layout.problem_end(prefix)
+            )
         for key, raw in items:
             record = self._decode(key, raw)
             if record is not None:
@@ -280,14 +415,14 @@ class _StoreReader:
 
     def problem_ids(self) -> list[str]:
         """Ids of every problem with records in the store, sorted by key (length, then bytes)."""
-        return [layout.decode_problem_prefix(k) for k in _keys(self._family(layout.CF_WINDOWS))]
+        return [layout.decode_problem_prefix(k) for k in self._keys(layout.CF_WINDOWS)]
 
     def window(self, problem_id: str) -> np.ndarray:
         """The problem's window entries (epoch, sample, prompt_len, response_len), sorted; empty if none."""
         return self._window_entries(layout.problem_prefix(problem_id))
 
     def _window_entries(self, prefix: bytes) -> np.ndarray:
-        raw = self._family(layout.CF_WINDOWS).get(prefix)
+        raw = self._get(layout.CF_WINDOWS, prefix)
         if raw is None:
             return np.zeros(0, dtype=WINDOW_ENTRY)
         try:
@@ -302,8 +437,7 @@ class _StoreReader:
     def _scan_window(self, prefix: bytes) -> np.ndarray:
         """Window entries recomputed from the stored records (when the stored window value is corrupt)."""
         rows = []
-        family = self._family(layout.CF_TRAJECTORIES)
-        items = _range(family, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
+        items = self._items(layout.CF_TRAJECTORIES, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
         for key, raw in items:
             try:
                 decoded = decode_trajectory(raw)
@@ -319,15 +453,12 @@ class _StoreReader:
 
     def offsets(self) -> dict[tuple[str, int], int]:
         """Bus offsets stored with the records: (topic, partition) -> next offset to read."""
-        return {
-            layout.decode_offset_key(k): layout.decode_u64(v)
-            for k, v in self._family(layout.CF_OFFSETS).items()
-        }
+        return {layout.decode_offset_key(k): layout.decode_u64(v) for k, v in self._items(layout.CF_OFFSETS)}
 
     def quarantined(self) -> list[QuarantinedRecord]:
         """Records set aside because they failed their checks, with the reason."""
         out = []
-        for key, raw in self._family(layout.CF_QUARANTINE).items():
+        for key, raw in self._items(layout.CF_QUARANTINE):
             head, _, body = raw.partition(b"\n")
             info = json.loads(head)
             out.append(
@@ -340,6 +471,54 @@ class _StoreReader:
                 )
             )
         return out
+
+    def verify(self) -> VerifyReport:
+        """Reads every entry of every column family with checksums verified, then every record the windows
+        list, one by one, so a damaged block is reported with exactly the records it held. Never repairs."""
+        entries: dict[str, int] = {}
+        damaged: list[DamagedRange] = []
+        for name in layout.COLUMN_FAMILIES:
+            count, last = 0, None
+            try:
+                for key, _ in _scan(self._family(name)):
+                    count, last = count + 1, key
+            except Exception as exc:
+                if not _is_corruption(exc):
+                    raise
+                found = _SST_FILE.search(str(exc))
+                damaged.append(
+                    DamagedRange(
+                        name, None if last is None else repr(last), found and found.group(0), str(exc)
+                    )
+                )
+            entries[name] = count
+        unreadable: list[TrajectoryKey] = []
+        missing: list[TrajectoryKey] = []
+        corrupt: list[TrajectoryKey] = []
+        prefixes = []
+        with contextlib.suppress(StoreCorruptionError):  # already listed above; check what can be read
+            prefixes.extend(self._keys(layout.CF_WINDOWS))
+        for prefix in prefixes:
+            try:
+                window = self._window_entries(prefix)
+            except StoreCorruptionError:
+                continue  # its block is listed in `damaged`
+            problem_id = layout.decode_problem_prefix(prefix)
+            for epoch, sample in zip(window["epoch"].tolist(), window["sample"].tolist(), strict=True):
+                key = (problem_id, int(epoch), int(sample))
+                try:
+                    raw = self._get(layout.CF_TRAJECTORIES, layout.trajectory_key(*key))
+                except StoreCorruptionError:
+                    unreadable.append(key)
+                    continue
+                if raw is None:
+                    missing.append(key)
+                    continue
+                try:
+                    decode_trajectory(raw)
+                except CorruptRecordError:
+                    corrupt.append(key)
+        return VerifyReport(str(self.path), entries, damaged, unreadable, missing, corrupt)
 
     def content_digest(self) -> str:
         """Order-independent SHA-256 digest of all stored records (keys and tokens, not sequence numbers).
@@ -359,7 +538,7 @@ class _StoreReader:
         """Totals of the store, from the window entries (one read per problem)."""
         problems = trajectories = prompt_tokens = response_tokens = 0
         max_epoch = -1
-        for prefix in _keys(self._family(layout.CF_WINDOWS)):
+        for prefix in self._keys(layout.CF_WINDOWS):
             entries = self._window_entries(prefix)
             problems += 1
             trajectories += len(entries)
@@ -372,7 +551,7 @@ class _StoreReader:
             trajectories=trajectories,
             prompt_tokens=prompt_tokens,
             response_tokens=response_tokens,
-            quarantined=sum(1 for _ in _keys(self._family(layout.CF_QUARANTINE))),
+            quarantined=sum(1 for _ in self._keys(layout.CF_QUARANTINE)),
             window_epochs=self.window_epochs,
             next_sequence=self.next_sequence,
             max_epoch=max_epoch,
@@ -429,21 +608,18 @@ class HistoryStore(_StoreReader):
         self.path = Path(path)
         self._db = None
         self._hint_fd = -1
+        self._lock_fd = -1
         if not create and not (self.path / "CURRENT").exists():
             raise StoreOpenError(
                 f"{self.path} is not a history store (no RocksDB CURRENT file) and create=False"
             )
+        self._lock_folder()
         db_opts, families = _options(create)
         try:
             self._db = Rdict(str(self.path), db_opts, column_families=families)
         except Exception as exc:
-            if "lock" in str(exc).lower():
-                raise StoreLockedError(
-                    f"history store {self.path} is already open for writing (RocksDB LOCK held by another "
-                    f"process or handle). Only one writer per folder: stop it, or read with "
-                    f"HistoryStore.open_secondary. Detail: {exc}"
-                ) from exc
-            raise StoreOpenError(f"cannot open history store {self.path}: {exc}") from exc
+            self.close()
+            raise _open_error(self.path, exc) from exc
         self._bind_families()
         # Sync only matters for power loss: offsets live in the same atomic batch, so a lost WAL tail rewinds
         # the offsets with the records and the consumer re-reads it from the bus.
@@ -467,12 +643,33 @@ class HistoryStore(_StoreReader):
             # Readers fall back to their periodic full catch-up; the write itself is already durable.
             log.warning("history store %s: sequence hint not updated: %s", self.path, exc)
 
+    def _lock_folder(self) -> None:
+        """Takes an exclusive flock on the store folder itself, besides RocksDB's LOCK file: an operator may
+        delete LOCK (and a second writer would then corrupt the store), but not the folder it lives in."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreLockedError(
+                    f"history store {self.path} is already open for writing by another process or handle "
+                    "(it holds the folder's lock). Only one writer per folder: stop it, or read with "
+                    "HistoryStore.open_secondary"
+                ) from exc
+            raise StoreOpenError(f"cannot lock history store {self.path}: {exc.strerror}") from exc
+        self._lock_fd = fd
+
     def close(self) -> None:
         """Releases the folder. Idempotent; never raises (a RocksDB error on close is logged)."""
         if self._hint_fd >= 0:
             os.close(self._hint_fd)
             self._hint_fd = -1
         super().close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock, after RocksDB let go of the folder
+            self._lock_fd = -1
 
     @staticmethod
     def open_secondary(path: str | Path, secondary_dir: str | Path, max_idle_s: float = 5.0) -> HistoryReader:
@@ -483,7 +680,7 @@ class HistoryStore(_StoreReader):
         version = self._meta_int(layout.META_LAYOUT_VERSION)
         if version is None:
             window_epochs = window_epochs or DEFAULT_WINDOW_EPOCHS
-            if next(iter(self._family(layout.CF_TRAJECTORIES).keys()), None) is not None:
+            if next(self._keys(layout.CF_TRAJECTORIES), None) is not None:
                 raise StoreOpenError(f"{self.path} holds records but no layout version: not a history store")
             batch = WriteBatch(raw_mode=True)
             handle = self._handles[layout.CF_META]
@@ -501,7 +698,7 @@ class HistoryStore(_StoreReader):
             self._change_window(window_epochs)
 
     def _first_sequence(self) -> int:
-        first = next(iter(self._family(layout.CF_SEQUENCE).keys()), None)
+        first = next(self._keys(layout.CF_SEQUENCE), None)
         return self._next_sequence if first is None else layout.decode_u64(first)
 
     def _write(self, batch: WriteBatch, what: str) -> None:
@@ -606,7 +803,7 @@ class HistoryStore(_StoreReader):
         batch = WriteBatch(raw_mode=True)
         batch.put(layout.META_WINDOW_EPOCHS, str(window).encode(), self._handles[layout.CF_META])
         sequence = self.next_sequence
-        for prefix in list(_keys(self._family(layout.CF_WINDOWS))):
+        for prefix in list(self._keys(layout.CF_WINDOWS)):
             pending = _PendingWindow(self._window_entries(prefix))
             min_epoch = pending.newest - window + 1
             if pending.oldest >= min_epoch:
@@ -752,7 +949,7 @@ class HistoryReader(_StoreReader):
                 access_type=AccessType.secondary(str(secondary_dir)),
             )
         except Exception as exc:
-            raise StoreOpenError(f"cannot open history store {self.path} as a secondary: {exc}") from exc
+            raise _open_error(self.path, exc) from exc
         self._bind_families()
         version = self._meta_int(layout.META_LAYOUT_VERSION)
         if version != layout.LAYOUT_VERSION:
@@ -790,13 +987,14 @@ class HistoryReader(_StoreReader):
         end = self.next_sequence
         if end == self._seen:
             return CatchUp([], reset=False)
-        family = self._family(layout.CF_SEQUENCE)
-        first = next(iter(family.keys()), None)
+        first = next(self._keys(layout.CF_SEQUENCE), None)
         if first is None or layout.decode_u64(first) > self._seen:
             self._seen = end
             return CatchUp([], reset=True)
         changes = []
-        for raw_seq, value in _range(family, layout.encode_u64(self._seen), layout.encode_u64(end)):
+        for raw_seq, value in self._items(
+            layout.CF_SEQUENCE, layout.encode_u64(self._seen), layout.encode_u64(end)
+        ):
             op = layout.OP_NAMES[value[:1]]
             changes.append(Change(layout.decode_u64(raw_seq), op, layout.decode_trajectory_key(value[1:])))
         self._seen = end

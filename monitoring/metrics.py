@@ -19,15 +19,28 @@ Usage::
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+
+from monitoring.server import multiprocess_dir
 
 # Fixed label values. Parts must use these; `position_label` bounds the draft position.
 LENGTH_CLASSES = ("short", "medium", "long")
 COST_COEFFICIENTS = ("c_base", "c_seq", "c_tok")
 # Why a message was dead-lettered (pipeline.wire.REASONS; a test keeps the two equal) and why a stored record was
 # quarantined (history_store's CorruptRecordError codes, plus "window" for a corrupt epoch window).
-DEAD_LETTER_REASONS = ("encoding", "truncated", "schema_version", "invalid", "oversize", "key_mismatch")
+DEAD_LETTER_REASONS = (
+    "encoding",
+    "truncated",
+    "schema_version",
+    "invalid",
+    "oversize",
+    "key_mismatch",
+    "epoch_ahead",
+    "sample_range",
+)
 QUARANTINE_REASONS = ("checksum", "header", "size", "window")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the
 # most a dashboard panel can show legibly.
@@ -141,6 +154,15 @@ RECORDS_INGESTED = Counter("das_records_ingested_total", "Trajectory records app
 BYTES_INGESTED = Counter(
     "das_ingested_bytes_total", "Bytes of trajectory records applied to the history store."
 )
+CONSUMER_UP = Gauge(
+    "das_consumer_up",
+    "1 while the history replica reaches its brokers, 0 while it waits out an outage (its store is kept).",
+    multiprocess_mode="livemin",
+)
+STALE_RECORDS = Counter(
+    "das_stale_records_total",
+    "Records not stored because their epoch was already below their problem's window (late or replayed).",
+)
 CONSUMER_LAG = Gauge(
     "das_consumer_lag_records",
     "Records on the topic not yet applied by this replica, summed over partitions.",
@@ -171,9 +193,14 @@ CHECKPOINT_DURATION = Histogram(
 )
 LAST_CHECKPOINT = Gauge(
     "das_last_checkpoint_timestamp_seconds",
-    "Unix time of the last successful checkpoint (alert on its age).",
+    "Unix time of the last successful checkpoint (alert on its age); NaN until the first one.",
     multiprocess_mode="max",
 )
+# Not 0: a replica that has not checkpointed yet would look 56 years stale (DASCheckpointStale at every start).
+# Only in single-process mode, where the history replica (the process that checkpoints) runs: the multi-process
+# collector's `max` keeps the first value it reads, so a NaN from one process would hide another's timestamp.
+if multiprocess_dir() is None:
+    LAST_CHECKPOINT.set(math.nan)
 RESTORE_DURATION = Gauge(
     "das_restore_duration_seconds",
     "Time the last start took to restore the store and trees (from RocksDB or by replaying the topic).",
@@ -202,6 +229,8 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     QUARANTINED,
     RECORDS_INGESTED,
     BYTES_INGESTED,
+    CONSUMER_UP,
+    STALE_RECORDS,
     CONSUMER_LAG,
     FRESHNESS,
     STORE_SIZE,

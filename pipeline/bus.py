@@ -6,8 +6,10 @@ Two implementations behind one small interface:
   (`pipeline.producer.KafkaBus`), the durable, replayable source of truth for many nodes. TLS and SASL come
   from URL parameters, `open_bus(url, **settings)` or DAS_KAFKA_* variables (`pipeline.kafka_config`).
 
-`publish` never blocks the decode loop: it only puts the record on a bounded queue, and raises
-`BusBackpressureError` when that queue is full (the brokers are away or too slow) instead of waiting.
+`publish` only puts the record on a bounded queue. While the Kafka bus's queue is full (the brokers are away
+or too slow) it waits, up to a bounded `publish_timeout_s`, then raises `BusBackpressureError`: backpressure
+slows the rollouts down for a while, and an outage longer than that fails loudly. The embedded bus, whose only
+consumer is in the same process, refuses at once.
 """
 
 from __future__ import annotations
@@ -35,19 +37,69 @@ class BusError(RuntimeError):
 
 
 class BusBackpressureError(BusError):
-    """The publish queue is full: the consumer side or the brokers do not keep up. The record was not taken."""
+    """The publish queue stayed full for the bus's bounded wait: the consumer side or the brokers do not keep
+    up. The record was not taken."""
+
+
+class BusUnavailableError(BusError):
+    """No broker answered: a transient condition (an outage, a restart); the caller may wait and try again."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryReport:
+    """What became of every record a producer took, counted exactly.
+
+    acknowledged: the brokers confirmed them (acks=all). refused: definitely not in the topic (the broker
+    refused them, or they could not be encoded). unknown: not confirmed when the report was made; they may or
+    may not be in the topic (sent before an outage whose answers never came, or still queued at close).
+    """
+
+    published: int
+    acknowledged: int
+    refused: int
+    unknown: int
+    first_refusal: str | None = None
+    last_error: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "published": self.published,
+            "acknowledged": self.acknowledged,
+            "refused": self.refused,
+            "unknown": self.unknown,
+        }
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.published} records published: {self.acknowledged} acknowledged, {self.refused} refused, "
+            f"{self.unknown} unknown (not confirmed; they may or may not be in the topic)"
+        )
+        if self.first_refusal:
+            text += f"; first refusal: {self.first_refusal}"
+        if self.unknown and self.last_error:
+            text += f"; last error: {self.last_error}"
+        return text
+
+
+class BusDeliveryError(BusError):
+    """Some published records are not acknowledged: `report` says exactly how many were refused or unknown."""
+
+    def __init__(self, message: str, report: DeliveryReport) -> None:
+        super().__init__(f"{message}: {report}")
+        self.report = report
 
 
 class Bus(Protocol):
     """What a rollout worker needs: publish finished trajectories, flush them, close."""
 
     def publish(self, record: TrajectoryRecord) -> None:
-        """Queues one record without blocking. Raises BusBackpressureError when the queue is full and
-        BusError when earlier records failed delivery (reported once) or the bus is closed."""
+        """Queues one record. Raises BusBackpressureError when the queue stays full for the bounded wait (the
+        record is not taken) and BusError when the bus is closed."""
         ...
 
     def flush(self, timeout_s: float = 30) -> None:
-        """Waits until every published record is delivered. Raises BusError on failures or timeout."""
+        """Waits until every published record is delivered. Raises BusError (BusDeliveryError with exact
+        counts from Kafka) when records were refused or are still unconfirmed at the timeout."""
         ...
 
     def close(self) -> None:
@@ -91,7 +143,8 @@ class TrajectorySource(Protocol):
         ...
 
     def lag(self) -> int | None:
-        """Messages not yet polled, summed over partitions; None when unknown."""
+        """Messages not yet polled, summed over partitions; None when unknown. Raises BusUnavailableError
+        when no broker answers (the replica's liveness probe)."""
         ...
 
     def partition_count(self) -> int:

@@ -21,7 +21,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.bus import BusError, BusMessage
+from pipeline.bus import BusError, BusMessage, BusUnavailableError
 from pipeline.kafka_config import client_settings
 from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, shared_settings
 from pipeline.wire import partition_for, record_key
@@ -54,11 +54,18 @@ _MAX_DETAIL = 1000
 _MAX_DEAD_LETTER_VALUE = MAX_MESSAGE_BYTES - 64 * 1024
 
 
+def _bus_error(message: str, exc: BaseException) -> BusError:
+    """A BusUnavailableError for what waiting cures (no broker answers, a leader moves), else a BusError."""
+    kind = BusUnavailableError if getattr(exc, "retriable", False) else BusError
+    return kind(f"{message}: {type(exc).__name__}: {exc}")
+
+
 class KafkaTrajectorySource:
     """Reads every partition of `topic` from the offsets the replica stored.
 
     `group_id` names this replica for Kafka's committed offsets (lag dashboards); it never joins a group
-    rebalance. Raises BusError if no broker answers.
+    rebalance. Raises BusUnavailableError if no broker answers (transient: try again later), BusError for
+    what waiting does not cure (refused credentials, bad settings).
     """
 
     def __init__(
@@ -75,7 +82,7 @@ class KafkaTrajectorySource:
                 **{**CONSUMER_DEFAULTS, **client_settings(settings)},
             )
         except KafkaError as exc:
-            raise BusError(f"cannot reach {self._where}: {exc}") from exc
+            raise _bus_error(f"cannot reach {self._where}", exc) from exc
         self._partitions: list[TopicPartition] = []
 
     def start(self, stored_offsets: Mapping[tuple[str, int], int], timeout_s: float = 30) -> None:
@@ -107,9 +114,25 @@ class KafkaTrajectorySource:
             {tp.partition: stored_offsets.get((tp.topic, tp.partition), 0) for tp in self._partitions},
         )
 
+    def rewind(self, stored_offsets: Mapping[tuple[str, int], int]) -> None:
+        """Seeks every assigned partition back to the offset the replica stored (after a failed batch, whose
+        polled messages were never applied); needs no broker."""
+        for tp in self._partitions:
+            stored = stored_offsets.get((tp.topic, tp.partition))
+            if stored is None:
+                self._consumer.seek_to_beginning(tp)
+            else:
+                self._consumer.seek(tp, stored)
+
     def poll(self, max_records: int, timeout_s: float) -> list[BusMessage]:
-        """Up to `max_records` messages, in offset order within each partition."""
-        batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        """Up to `max_records` messages, in offset order within each partition.
+
+        Raises BusUnavailableError while no broker answers (the position is unchanged: poll again later).
+        """
+        try:
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except KafkaError as exc:
+            raise _bus_error(f"reading {self._where}", exc) from exc
         return [
             BusMessage(
                 r.topic,
@@ -135,11 +158,18 @@ class KafkaTrajectorySource:
             log.warning("committing offsets to %s failed (the store keeps them): %s", self._where, exc)
 
     def lag(self) -> int | None:
-        """Messages between this replica's positions and the partitions' ends; None if Kafka did not answer."""
+        """Messages between this replica's positions and the partitions' ends.
+
+        It asks the partition leaders, so it doubles as the replica's liveness probe (an idle poll returns
+        nothing whether or not a broker answers): raises BusUnavailableError when none answers, and returns
+        None for other Kafka errors.
+        """
         try:
             ends = self._consumer.end_offsets(self._partitions, timeout_ms=5000)
             return sum(max(0, ends[tp] - self._consumer.position(tp)) for tp in self._partitions)
-        except KafkaError:
+        except KafkaError as exc:
+            if getattr(exc, "retriable", False):
+                raise _bus_error(f"no answer from {self._where}", exc) from exc
             return None
 
     def partition_count(self) -> int:
@@ -176,8 +206,8 @@ class ReplicaPublisher:
                 **shared_settings(client_settings(settings)),
             )
         except KafkaError as exc:
-            raise BusError(f"cannot reach {self._where}: {exc}") from exc
-        self._failures: list[str] = []
+            raise _bus_error(f"cannot reach {self._where}", exc) from exc
+        self._failures: list[BaseException] = []
 
     def dead_letter(self, message: BusMessage, reason: str, detail: str) -> None:
         """Sends the original message bytes to the dead-letter topic with reason and origin headers.
@@ -212,16 +242,16 @@ class ReplicaPublisher:
             self._send(topic, record_key(problem_id, epoch, sample), None, partition, [])
 
     def flush(self, timeout_s: float = 30) -> None:
-        """Waits until everything sent is acknowledged. Raises BusError if a send failed or timed out."""
+        """Waits until everything sent is acknowledged. Raises BusUnavailableError if sends timed out or no
+        broker answered (transient), BusError if a send was refused."""
         try:
             self._producer.flush(timeout=timeout_s)
         except KafkaError as exc:
-            raise BusError(f"dead letters/tombstones not acknowledged by {self._where}: {exc}") from exc
+            raise _bus_error(f"dead letters/tombstones not acknowledged by {self._where}", exc) from exc
         if self._failures:
             failures, self._failures = self._failures, []
-            raise BusError(
-                f"{len(failures)} dead letters/tombstones failed on {self._where}; first: {failures[0]}"
-            )
+            first = next((f for f in failures if not getattr(f, "retriable", False)), failures[0])
+            raise _bus_error(f"{len(failures)} dead letters/tombstones failed on {self._where}", first)
 
     def close(self) -> None:
         self._producer.close(timeout=10)
@@ -237,8 +267,8 @@ class ReplicaPublisher:
         try:
             future = self._producer.send(topic, key=key, value=value, partition=partition, headers=headers)
         except KafkaError as exc:
-            raise BusError(f"cannot send to {topic} on {self._where}: {exc}") from exc
-        future.add_errback(lambda exc: self._failures.append(f"{topic}: {type(exc).__name__}: {exc}"))
+            raise _bus_error(f"cannot send to {topic} on {self._where}", exc) from exc
+        future.add_errback(self._failures.append)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import numpy as np
 from kafka.partitioner.default import murmur2
 from pydantic import ValidationError
 
-from pipeline.schemas import MAX_TOKEN_ID, SCHEMA_VERSION, TrajectoryRecord
+from pipeline.schemas import MAX_EPOCH, MAX_TOKEN_ID, SCHEMA_VERSION, TrajectoryRecord
 
 MAGIC = b"DR"
 _HEAD = struct.Struct("<2sBBIII")
@@ -45,6 +45,16 @@ REASON_SCHEMA_VERSION = "schema_version"  # a version this build does not read
 REASON_INVALID = "invalid"  # decoded, but the model rejects it (types, token id range, required fields)
 REASON_OVERSIZE = "oversize"  # more tokens than the replica accepts
 REASON_KEY_MISMATCH = "key_mismatch"  # the message key is not the record's identity
+REASON_EPOCH_AHEAD = "epoch_ahead"  # an epoch too far beyond the newest the replica holds (it would evict)
+REASON_SAMPLE_RANGE = "sample_range"  # a sample id beyond the replica's limit
+# Limits a replica checks against its own state (workers.indexer). Training moves one epoch at a time; a
+# record this far beyond the newest stored epoch would evict the history of the problem it names, so it is
+# dead-lettered. A replica that was down for more epochs than this rebuilds from the topic (an empty folder)
+# or runs with a larger --max-epochs-ahead.
+DEFAULT_MAX_EPOCHS_AHEAD = 8
+# Sample ids need only be unique within a problem and epoch (synthetic load numbers them worker * 10**6 + i),
+# so by default the key's u32 range is the limit; a deployment that knows its RL n can set a tighter one.
+DEFAULT_MAX_SAMPLE = MAX_EPOCH
 REASONS = (
     REASON_ENCODING,
     REASON_TRUNCATED,
@@ -52,6 +62,8 @@ REASONS = (
     REASON_INVALID,
     REASON_OVERSIZE,
     REASON_KEY_MISMATCH,
+    REASON_EPOCH_AHEAD,
+    REASON_SAMPLE_RANGE,
 )
 
 

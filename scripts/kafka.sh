@@ -9,7 +9,10 @@
 #   bash scripts/kafka.sh stop-broker N    stop cluster broker N (1..3) gracefully; start-broker N brings it back
 #   bash scripts/kafka.sh status           which nodes run
 #   bash scripts/kafka.sh clean            down, then delete the brokers' data (the resolved jars stay)
-# Kafka and its runtime dependencies come from Maven Central through scripts/kafka/pom.xml into .kafka/lib.
+# Kafka and its runtime dependencies come from Maven Central through scripts/kafka/pom.xml into .kafka/lib, and the
+# Prometheus JMX exporter agent into .kafka/agent: every node serves broker metrics (rules in
+# monitoring/prometheus/kafka-jmx.yml) on 127.0.0.1:19099 (single) and 29095-29097 (cluster), listed in
+# DAS_KAFKA_JMX_TARGETS of .kafka/env.sh.
 # Env: DAS_KAFKA_HEAP (JVM -Xmx per node, default 320m: the machine has 2 cores and other work runs beside it),
 #      PYTHON (interpreter with kafka-python for the readiness check; default .venv/bin/python).
 set -euo pipefail
@@ -17,6 +20,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 KDIR=$ROOT/.kafka
 LIB=$KDIR/lib
+AGENT=$KDIR/agent
+JMX_RULES=$ROOT/monitoring/prometheus/kafka-jmx.yml
 RUN=$KDIR/run
 PY=${PYTHON:-$ROOT/${VENV:-.venv}/bin/python}
 HEAP=${DAS_KAFKA_HEAP:-320m}
@@ -25,6 +30,7 @@ READY_TIMEOUT_S=${DAS_KAFKA_READY_TIMEOUT_S:-120}
 SINGLE_BOOTSTRAP=127.0.0.1:19092
 CLUSTER_BOOTSTRAP=127.0.0.1:29092,127.0.0.1:29093,127.0.0.1:29094
 CLUSTER_VOTERS=1@127.0.0.1:29192,2@127.0.0.1:29193,3@127.0.0.1:29194
+JMX_TARGETS=127.0.0.1:19099,127.0.0.1:29095,127.0.0.1:29096,127.0.0.1:29097
 
 die() { echo "kafka.sh: $*" >&2; exit 1; }
 
@@ -35,26 +41,42 @@ resolve() {
   echo "kafka.sh: resolving Kafka from Maven Central into $LIB" >&2
   rm -rf "$LIB.tmp"
   mvn -q -B -Dstyle.color=never -f scripts/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
-    -DoutputDirectory="$LIB.tmp" || die "resolving Kafka with Maven failed (see above)"
+    -DexcludeArtifactIds=jmx_prometheus_javaagent -DoutputDirectory="$LIB.tmp" ||
+    die "resolving Kafka with Maven failed (see above)"
   rm -rf "$LIB"
   mv "$LIB.tmp" "$LIB"
   touch "$LIB/.complete"
 }
 
-# node NAME -> "node_id port controller_port voters replication_factor min_isr"
+# The agent stays off the broker's classpath (it bundles its own Prometheus client): a folder of its own.
+resolve_agent() {
+  [ -f "$AGENT/.complete" ] && return 0
+  command -v mvn >/dev/null || die "mvn not found: install Maven (apt-get install maven) to resolve the JMX exporter"
+  echo "kafka.sh: resolving the Prometheus JMX exporter agent from Maven Central into $AGENT" >&2
+  rm -rf "$AGENT.tmp"
+  mvn -q -B -Dstyle.color=never -f scripts/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
+    -DincludeArtifactIds=jmx_prometheus_javaagent -Dmdep.stripVersion=true -DoutputDirectory="$AGENT.tmp" ||
+    die "resolving the JMX exporter agent with Maven failed (see above)"
+  [ -f "$AGENT.tmp/jmx_prometheus_javaagent.jar" ] || die "Maven did not produce jmx_prometheus_javaagent.jar"
+  rm -rf "$AGENT"
+  mv "$AGENT.tmp" "$AGENT"
+  touch "$AGENT/.complete"
+}
+
+# node NAME -> "node_id port controller_port voters replication_factor min_isr jmx_exporter_port"
 node() {
   case "$1" in
-    single) echo "1 19092 19093 1@127.0.0.1:19093 1 1" ;;
-    c1) echo "1 29092 29192 $CLUSTER_VOTERS 3 2" ;;
-    c2) echo "2 29093 29193 $CLUSTER_VOTERS 3 2" ;;
-    c3) echo "3 29094 29194 $CLUSTER_VOTERS 3 2" ;;
+    single) echo "1 19092 19093 1@127.0.0.1:19093 1 1 19099" ;;
+    c1) echo "1 29092 29192 $CLUSTER_VOTERS 3 2 29095" ;;
+    c2) echo "2 29093 29193 $CLUSTER_VOTERS 3 2 29096" ;;
+    c3) echo "3 29094 29194 $CLUSTER_VOTERS 3 2 29097" ;;
     *) die "unknown node $1" ;;
   esac
 }
 
 write_config() {
-  local name=$1 id port cport voters rf isr
-  read -r id port cport voters rf isr <<<"$(node "$name")"
+  local name=$1 id port cport voters rf isr _jmx
+  read -r id port cport voters rf isr _jmx <<<"$(node "$name")"
   mkdir -p "$KDIR/config" "$KDIR/data/$name" "$KDIR/logs"
   # Small thread pools and buffers: four nodes share two cores and a few GiB with the test suite.
   cat >"$KDIR/config/$name.properties" <<EOF
@@ -115,11 +137,13 @@ running() {
 }
 
 start_node() {
-  local name=$1
+  local name=$1 jmx
   running "$name" && return 0
   mkdir -p "$RUN"
+  jmx=$(node "$name" | cut -d' ' -f7)
   # setsid: the broker outlives this script and is not hit by a Ctrl-C meant for the caller.
   setsid nohup java -Xms64m -Xmx"$HEAP" -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+    -javaagent:"$AGENT/jmx_prometheus_javaagent.jar=127.0.0.1:$jmx:$JMX_RULES" \
     -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.log.file="$KDIR/logs/$name.log" \
     -cp "$LIB/*" kafka.Kafka "$KDIR/config/$name.properties" >"$KDIR/logs/$name.out" 2>&1 </dev/null &
   echo $! >"$RUN/$name.pid"
@@ -181,12 +205,14 @@ write_env() {
 # Written by scripts/kafka.sh up: the local brokers the tests and benchmarks use.
 export DAS_KAFKA_BOOTSTRAP=$SINGLE_BOOTSTRAP
 export DAS_KAFKA_CLUSTER_BOOTSTRAP=$CLUSTER_BOOTSTRAP
+export DAS_KAFKA_JMX_TARGETS=$JMX_TARGETS
 EOF
 }
 
 up() {
   [ -x "$PY" ] || die "python with kafka-python not found at $PY (build the venv first, or set PYTHON)"
   resolve
+  resolve_agent
   local name
   for name in single c1 c2 c3; do write_config "$name"; done
   # Formatting starts one JVM per node: in parallel it takes the time of one.
@@ -220,6 +246,7 @@ case "${1:-}" in
   start-broker)
     name=$(broker_name "${2:-}")
     [ -f "$KDIR/config/$name.properties" ] || die "run 'bash scripts/kafka.sh up' first"
+    resolve_agent
     start_node "$name"
     # Ready when this broker is back in the cluster's metadata; others may still be down on purpose.
     wait_ready "${CLUSTER_BOOTSTRAP}" 1 "${2}" "$name"

@@ -3,8 +3,8 @@
 - A broker stopped and restarted mid-stream: producers retry, nothing is lost, the replica catches up.
 - Two replicas (two nodes) and several publishers, all separate processes; one replica is killed and
   restarted; both end with identical stores, equal to a clean store fed the same records.
-- While the brokers refuse writes, `publish` raises BusBackpressureError instead of blocking, and everything
-  it accepted is delivered once they are back.
+- While the brokers refuse writes, `publish` waits a bounded time, then raises BusBackpressureError, and
+  everything it accepted is delivered once they are back.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_publish_reports_backpressure_while_brokers_refuse_writes_and_delivers_a
     admin.close()
     bus = open_bus(
         f"kafka://{','.join(kafka_cluster_servers)}", topic=topic, max_queue_records=200,
-        delivery_timeout_ms=240_000,
+        delivery_timeout_ms=240_000, publish_timeout_s=0.5,
     )  # fmt: skip
     records = synthetic_records(
         5, 5_000, SyntheticShape(problems=10, prompt_tokens=16, response_tokens_median=400)

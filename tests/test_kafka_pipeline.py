@@ -231,9 +231,11 @@ def test_malformed_messages_go_to_the_dead_letter_topic_and_valid_ones_apply(
     assert summary["by_reason"] == dict(collections.Counter(expected.values()))
 
 
-def test_publish_reports_backpressure_instead_of_blocking(kafka_servers, kafka_topics):
+def test_publish_reports_backpressure_when_its_bounded_wait_runs_out(kafka_servers, kafka_topics):
     topic, _ = kafka_topics
-    bus = open_bus(f"kafka://{','.join(kafka_servers)}", topic=topic, max_queue_records=2)
+    bus = open_bus(
+        f"kafka://{','.join(kafka_servers)}", topic=topic, max_queue_records=2, publish_timeout_s=0
+    )
     refused = 0
     for record in synthetic_records(2, 300, SMALL):
         try:

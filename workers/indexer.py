@@ -2,9 +2,10 @@
 
 One loop, one batch at a time:
 1. poll up to `batch_records` messages from every partition (`TrajectorySource`);
-2. decode and validate each through the record model; a message that fails goes to the dead-letter topic
-   with its reason, and the dead letters are flushed (acknowledged by Kafka) before step 3, so a crash can
-   repeat a dead letter but never lose one;
+2. decode and validate each through the record model and against the replica's state (an epoch more than
+   `max_epochs_ahead` beyond the newest one stored would evict whole problems' history; a sample id beyond
+   `max_sample`); a message that fails goes to the dead-letter topic with its reason, and the dead letters
+   are flushed (acknowledged by Kafka) before step 3, so a crash can repeat a dead letter but never lose one;
 3. `HistoryStore.apply(records, offsets)`: records, length statistics, eviction and the next offsets in one
    RocksDB WriteBatch; the store, not Kafka, decides where a restart resumes, so nothing is lost or applied
    twice across a crash;
@@ -12,26 +13,40 @@ One loop, one batch at a time:
    are draftable from here, which is where freshness is measured;
 5. tombstones for evicted records go to the topic (compaction then drops them), and the offsets are copied
    to Kafka's committed offsets for lag monitoring.
-A store write failure stops the service with the store's error and commits nothing.
+A store write failure stops the service with the store's error and commits nothing. A broker outage does not:
+`run` keeps the store, reports `das_consumer_up 0`, backs off, and resumes from the stored offsets when the
+brokers answer again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, TypeVar
 
 from history_store.checkpoints import Checkpointer
 from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore, TrajectoryLike
-from monitoring.metrics import CONSUMER_LAG, DEAD_LETTERED, FRESHNESS
-from pipeline.bus import EMBEDDED_TOPIC, BusError, BusMessage, TrajectorySource
+from monitoring.metrics import CONSUMER_LAG, CONSUMER_UP, DEAD_LETTERED, FRESHNESS, STALE_RECORDS
+from pipeline.bus import EMBEDDED_TOPIC, BusMessage, BusUnavailableError, TrajectorySource
 from pipeline.consumer import ReplicaPublisher
-from pipeline.wire import DEFAULT_MAX_RECORD_TOKENS, WireError, check_key, decode
+from pipeline.wire import (
+    DEFAULT_MAX_EPOCHS_AHEAD,
+    DEFAULT_MAX_RECORD_TOKENS,
+    DEFAULT_MAX_SAMPLE,
+    REASON_EPOCH_AHEAD,
+    REASON_SAMPLE_RANGE,
+    WireError,
+    check_key,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +59,66 @@ DEFAULT_BATCH_RECORDS = 500
 POLL_TIMEOUT_S = 0.2
 # Lag needs a round trip to every partition leader: once every few seconds is plenty for a dashboard.
 LAG_INTERVAL_S = 5.0
+# Waiting out an outage: first retry after this, doubling up to the maximum.
+OUTAGE_BACKOFF_S = (0.5, 10.0)
+
+
+T = TypeVar("T")
+
+
+def connect_waiting(connect: Callable[[], T], stop: threading.Event) -> T | None:
+    """`connect()`'s result, calling it again while no broker answers (BusUnavailableError), with backoff and
+    `das_consumer_up` 0 meanwhile; None if `stop` is set first. Other errors propagate."""
+    backoff = OUTAGE_BACKOFF_S[0]
+    while not stop.is_set():
+        try:
+            return connect()
+        except BusUnavailableError as exc:
+            CONSUMER_UP.set(0)
+            log.warning("brokers unreachable at start; waiting %.1f s: %s", backoff, exc)
+            stop.wait(backoff)
+            backoff = min(2 * backoff, OUTAGE_BACKOFF_S[1])
+    return None
+
+
+def rebuild_store(
+    path: Path,
+    window_epochs: int | None,
+    connect: Callable[[], tuple[TrajectorySource, ReplicaPublisher]],
+    stop: threading.Event,
+    **indexer_options: object,
+) -> Path | None:
+    """Rebuilds the (closed, damaged) store at `path` from the topic, which is the source of truth: replays it
+    from the beginning into a fresh sibling folder until caught up, then swaps that folder in. The damaged one
+    is kept beside it as `<name>.corrupt-<unix time>` for inspection. Returns the kept folder, or None if
+    `stop` came first (the damaged store is then left in place)."""
+    fresh = path.with_name(f".{path.name}.rebuild")
+    shutil.rmtree(fresh, ignore_errors=True)
+    clients = connect_waiting(connect, stop)
+    if clients is None:
+        return None
+    source, publisher = clients
+    started = time.monotonic()
+    with HistoryStore(fresh, window_epochs=window_epochs) as store:
+        # The topic's own tombstones already cover what this replay evicts: publish none.
+        indexer = Indexer(source, store, publisher=publisher, publish_tombstones=False, **indexer_options)  # type: ignore[arg-type]
+        indexer.run(stop, until_caught_up=True)
+        if stop.is_set():
+            return None
+        records = store.stats().trajectories
+    kept = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+    os.replace(path, kept)
+    os.replace(fresh, path)
+    log.warning(
+        "rebuilt history store %s from topic %s: %d records in %.1f s, swapped in; the damaged store is kept at "
+        "%s (delete it once inspected)",
+        path,
+        source.topic,
+        records,
+        time.monotonic() - started,
+        kept,
+    )
+    return kept
 
 
 class ReplicaListener(Protocol):
@@ -100,9 +175,15 @@ class Indexer:
         poll_timeout_s: float = POLL_TIMEOUT_S,
         publish_tombstones: bool = True,
         checkpointer: Checkpointer | None = None,
+        max_epochs_ahead: int = DEFAULT_MAX_EPOCHS_AHEAD,
+        max_sample: int = DEFAULT_MAX_SAMPLE,
     ) -> None:
         if batch_records < 1:
             raise ValueError(f"batch_records must be >= 1, got {batch_records}")
+        if max_epochs_ahead < 0 or max_sample < 0:
+            raise ValueError(
+                f"max_epochs_ahead and max_sample must be >= 0, got {max_epochs_ahead}, {max_sample}"
+            )
         self.source = source
         self.store = store
         self.publisher = publisher
@@ -112,6 +193,9 @@ class Indexer:
         self.poll_timeout_s = poll_timeout_s
         self.publish_tombstones = publish_tombstones
         self.checkpointer = checkpointer
+        self.max_epochs_ahead = max_epochs_ahead
+        self.max_sample = max_sample
+        self._newest_epoch = store.stats().max_epoch  # -1 for an empty store
         self._next_lag = 0.0
 
     def start(self) -> None:
@@ -120,7 +204,7 @@ class Indexer:
 
     def step(self) -> BatchReport:
         """Polls and applies one batch. Raises StoreWriteError (nothing advanced) or BusError (dead letters
-        not acknowledged; nothing advanced)."""
+        not acknowledged; nothing advanced; BusUnavailableError when no broker answers)."""
         report = BatchReport()
         messages = self.source.poll(self.batch_records, self.poll_timeout_s)
         self._update_lag()
@@ -130,6 +214,7 @@ class Indexer:
         records: list[TrajectoryLike] = []
         published_ms: dict[Key, int] = {}
         offsets: dict[tuple[str, int], int] = {}
+        candidates: list[tuple[BusMessage, TrajectoryLike]] = []
         for message in messages:
             if message.topic != EMBEDDED_TOPIC:
                 offsets[(message.topic, message.partition)] = message.offset + 1
@@ -147,11 +232,24 @@ class Indexer:
                     self._dead_letter(message, exc)
                     report.dead_lettered[exc.reason] += 1
                     continue
+            candidates.append((message, record))
+        # An empty replica has no newest epoch yet: the batch's lowest epoch stands in (a replica rebuilding a
+        # compacted topic starts at whatever epochs the topic still holds).
+        reference = self._newest_epoch
+        if reference < 0 and candidates:
+            reference = min(record.epoch for _, record in candidates)
+        for message, record in candidates:
+            try:
+                self._check_identity(record, reference)
+            except WireError as exc:
+                self._dead_letter(message, exc)
+                report.dead_lettered[exc.reason] += 1
+                continue
             records.append(record)
             published_ms.setdefault((record.problem_id, record.epoch, record.sample), message.timestamp_ms)
         if report.dead_lettered:
-            assert self.publisher is not None  # _dead_letter raised otherwise
-            self.publisher.flush()
+            if self.publisher is not None:
+                self.publisher.flush()
             log.warning(
                 "dead-lettered %d messages: %s",
                 sum(report.dead_lettered.values()),
@@ -160,6 +258,15 @@ class Indexer:
         result = self.store.apply(records, offsets)
         report.applied, report.duplicates = len(result.applied), result.duplicates
         report.stale, report.evicted = len(result.stale), len(result.evicted)
+        if result.applied:
+            self._newest_epoch = max(self._newest_epoch, max(key[1] for key in result.applied))
+        if result.stale:
+            STALE_RECORDS.inc(len(result.stale))
+            log.info(
+                "dropped %d stale records (their epoch is below their problem's window), e.g. %s",
+                len(result.stale),
+                result.stale[0],
+            )
         if result.applied and self.listeners:
             pending = set(result.applied)
             fresh = []
@@ -196,13 +303,43 @@ class Indexer:
         )
         return report
 
-    def run(self, stop: threading.Event) -> None:
-        """Starts, then applies batches until `stop` is set; always closes the source and publisher."""
+    def run(self, stop: threading.Event, until_caught_up: bool = False) -> None:
+        """Starts, then applies batches until `stop` is set (or, with `until_caught_up`, until the source has
+        nothing more); always closes the source and publisher.
+
+        While no broker answers, it keeps the store, sets `das_consumer_up` to 0, backs off, and then resumes
+        from the offsets stored with the data (a batch polled but not applied is read again).
+        """
         try:
             self.start()
+            CONSUMER_UP.set(1)
+            backoff, down_since = OUTAGE_BACKOFF_S[0], None
             while not stop.is_set():
-                self.step()
+                try:
+                    self.step()
+                    if down_since is not None:
+                        self.source.lag()  # an idle poll succeeds without brokers: ask them directly
+                    # Close enough: the store holds its offsets, so whoever opens it next reads the rest.
+                    if until_caught_up and (self.source.lag() or 0) < self.batch_records:
+                        return
+                except BusUnavailableError as exc:
+                    if down_since is None:
+                        down_since = time.monotonic()
+                        CONSUMER_UP.set(0)
+                        log.warning("brokers unreachable; keeping the store and waiting: %s", exc)
+                    stop.wait(backoff)
+                    backoff = min(2 * backoff, OUTAGE_BACKOFF_S[1])
+                    self.source.rewind(self.store.offsets())
+                    continue
+                if down_since is not None:
+                    log.warning(
+                        "brokers reachable again after %.1f s; resumed from the stored offsets",
+                        time.monotonic() - down_since,
+                    )
+                    CONSUMER_UP.set(1)
+                    backoff, down_since = OUTAGE_BACKOFF_S[0], None
         finally:
+            CONSUMER_UP.set(0)
             self.close()
 
     def close(self) -> None:
@@ -214,14 +351,29 @@ class Indexer:
         finally:
             self.source.close()
 
-    def _dead_letter(self, message: BusMessage, error: WireError) -> None:
-        if self.publisher is None:
-            raise BusError(
-                f"message {message.topic}/{message.partition}/{message.offset} is invalid ({error}) and this "
-                "replica has no dead-letter publisher"
+    def _check_identity(self, record: TrajectoryLike, reference_epoch: int) -> None:
+        """Raises WireError if the record's identity would harm the replica's history."""
+        if record.sample > self.max_sample:
+            raise WireError(
+                REASON_SAMPLE_RANGE,
+                f"sample {record.sample} is beyond this replica's limit {self.max_sample}",
             )
-        self.publisher.dead_letter(message, error.reason, error.detail)
+        if record.epoch > reference_epoch + self.max_epochs_ahead:
+            raise WireError(
+                REASON_EPOCH_AHEAD,
+                f"epoch {record.epoch} is {record.epoch - reference_epoch} beyond the newest epoch "
+                f"{reference_epoch} of this replica (limit {self.max_epochs_ahead}, --max-epochs-ahead): "
+                "storing it would evict its problem's history",
+            )
+
+    def _dead_letter(self, message: BusMessage, error: WireError) -> None:
         DEAD_LETTERED.labels(reason=error.reason).inc()
+        if self.publisher is None:
+            # The embedded bus: records come from this process, already validated; one that would harm the
+            # history is dropped here, loudly, as there is no dead-letter topic to keep it.
+            log.error("record at embedded offset %d dropped: %s", message.offset, error)
+            return
+        self.publisher.dead_letter(message, error.reason, error.detail)
         log.debug(
             "dead letter %s/%d/%d: %s", message.topic, message.partition, message.offset, str(error)[:200]
         )

@@ -126,6 +126,8 @@ class _Live:
     sample: int | None
     prompt_len: int
     max_tokens: int | None
+    stop_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
 
 
 def parse_extra_args(extra_args: Any) -> tuple[str | None, int | None, int | None, str | None]:
@@ -154,6 +156,32 @@ def parse_extra_args(extra_args: Any) -> tuple[str | None, int | None, int | Non
     return problem_id, numbers[0], numbers[1], None
 
 
+def _is_output_rank() -> bool:
+    """True on the tensor-parallel rank whose drafts vLLM's executor uses (rank 0; also outside a
+    distributed setup)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().rank_in_group == 0
+    except (ImportError, AssertionError):  # no vLLM, or no process group (a proposer built outside an engine)
+        return True
+
+
+def _natural_end(live: _Live, tokens: np.ndarray) -> int | None:
+    """The response length vLLM returned if the request ended by itself: through its first stop token at or
+    after min_tokens (accepted drafts may have run past it in the runner), or at max_tokens. None when it ended
+    otherwise (aborted, or a stop string). `tokens` is the request's prompt and committed output."""
+    fed = tokens.shape[0] - live.prompt_len
+    if live.stop_ids:
+        response = tokens[live.prompt_len :]
+        stops = np.flatnonzero(np.isin(response[live.min_tokens :], list(live.stop_ids)))
+        if stops.size:
+            return live.min_tokens + int(stops[0]) + 1
+    if live.max_tokens is not None and fed >= live.max_tokens:
+        return live.max_tokens
+    return None
+
+
 class DasProposer:
     """vLLM `custom_class` proposer: per-problem history drafts with a length-aware budget."""
 
@@ -162,6 +190,11 @@ class DasProposer:
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.settings = ProposerSettings.from_env()
+        # With tensor parallelism every rank builds a proposer, but vLLM's executor takes drafts only from the
+        # first rank of the last pipeline stage and sends them to every rank with the next schedule; the other
+        # ranks neither draft nor load the history (asynchronous scheduling, which would use local drafts, is
+        # off for custom_class).
+        self.drafting = _is_output_rank()
         self.draft_config = DraftConfig(
             max_depth=self.settings.max_depth,
             max_spec_tokens=self.k,
@@ -204,7 +237,7 @@ class DasProposer:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
-        if self.settings.history_dir:
+        if self.settings.history_dir and self.drafting:
             self._open_replica(Path(self.settings.history_dir))
 
     # ------------------------------------------------------------------ statistics
@@ -224,6 +257,7 @@ class DasProposer:
         out["malformed_requests"] = self._malformed
         out["live_requests"] = len(self._live)
         out["budget_enabled"] = self.settings.budget
+        out["drafting_rank"] = self.drafting
         out["policy"] = self.policy.snapshot()
         out["history_problems"] = len(self.index.problem_ids())
         return out
@@ -313,6 +347,8 @@ class DasProposer:
     ) -> list[list[int]]:
         """Draft tokens per batch row (each at most K and within max_model_len), or [] where none."""
         n = len(sampled_token_ids)
+        if not self.drafting:
+            return [[] for _ in range(n)]
         if self.runner is None and self._find_runner() is None:
             self._warn_once("runner", "DasProposer could not find the model runner: drafting disabled")
             return [[] for _ in range(n)]
@@ -427,7 +463,14 @@ class DasProposer:
         slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len])
         self.policy.start(key, problem_id)
         self._live[key] = _Live(
-            slot, problem_id, epoch, sample, prompt_len, getattr(sampling, "max_tokens", None)
+            slot,
+            problem_id,
+            epoch,
+            sample,
+            prompt_len,
+            getattr(sampling, "max_tokens", None),
+            frozenset(getattr(sampling, "all_stop_token_ids", None) or ()),
+            int(getattr(sampling, "min_tokens", 0) or 0),
         )
         self._slot_of[key] = slot
         self._book.start(slot, prompt_len)
@@ -437,13 +480,13 @@ class DasProposer:
         live = self._live.pop(key)
         del self._slot_of[key]
         tokens = self.index.request_tokens(key)
-        response_len = tokens.shape[0] - live.prompt_len
-        if live.max_tokens is not None:
-            # Accepted drafts can run past max_tokens in the runner; the scheduler trims them from the output.
-            response_len = min(response_len, live.max_tokens)
+        response_len = _natural_end(live, tokens) if live.problem_id is not None else None
         self.index.finish_request(key)
-        self.policy.finish(key, response_len if live.problem_id is not None else None)
-        if live.problem_id is not None and live.epoch is not None and live.sample is not None:
+        # Aborted requests (verl's partial rollouts, a client gone) and stop strings (matched in vLLM's front
+        # end, which then aborts the request here) end early for reasons the runner does not show: they must
+        # neither feed short lengths to the budget nor enter the history under a real key.
+        self.policy.finish(key, response_len)
+        if response_len is not None and live.epoch is not None and live.sample is not None:
             prompt, response = (
                 tokens[: live.prompt_len],
                 tokens[live.prompt_len : live.prompt_len + response_len],

@@ -15,6 +15,7 @@ H100-class GPU at decode batch sizes).
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -46,9 +47,10 @@ class CostModel:
 
 
 def load_traces(path: str | Path) -> list[TrajectoryRecord]:
-    """Reads a JSON Lines trace. Raises ValueError naming the first malformed line; never skips data."""
+    """Reads a JSON Lines trace (gzip if the name ends in .gz). Raises ValueError naming the first malformed
+    line; never skips data."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -158,19 +160,21 @@ def replay(
         n_steps = 0
         while active:
             keys = [q.key for q in active]
+            pos = np.array([q.pos for q in active], np.int64)
+            # As in the engine, the first token comes from the prefill, before anything was drafted.
+            room = np.where(pos > 0, k, 0)
             if policy is not None:
-                pos = np.array([q.pos for q in active], np.int64)
-                budgets, classes = policy.budgets(keys, pos, np.full(len(active), k))
+                budgets, classes = policy.budgets(keys, pos, room)
                 drafts = index.draft_batch(keys, budgets)
                 kept = policy.truncate(drafts.lengths, drafts.probs, classes)
                 accepted_now = np.zeros(len(active), np.int32)
             elif index is not None:
-                drafts = index.draft_batch(keys, np.full(len(active), k, np.int32))
-                kept = drafts.lengths
+                drafts = index.draft_batch(keys, room.astype(np.int32))
+                kept = np.minimum(drafts.lengths, room)
             verified = 0
             committed = []
             for row, q in enumerate(active):
-                if strategy == "ngram":
+                if strategy == "ngram" and q.pos > 0:
                     draft = ngram_draft(q.context[: q.ctx_len], ngram_range[0], ngram_range[1], k)
                 elif index is not None:
                     draft = drafts.tokens[row, : kept[row]]
@@ -223,6 +227,9 @@ def replay(
                 "epoch": epoch,
                 "requests": len(reqs),
                 "tokens": tokens,
+                "steps": e_steps,
+                "draft_tokens": sum(steps[q.key][1] for q in reqs),
+                "accepted_tokens": sum(steps[q.key][2] for q in reqs),
                 "batch_steps": n_steps,
                 "mean_accepted_per_step": tokens / max(e_steps, 1),
                 "projected_makespan_s": makespan,

@@ -1,8 +1,9 @@
 """`das indexer run`: the node's history replica, consuming the Kafka bus into a RocksDB history store.
 
 Runs until SIGTERM or SIGINT, then finishes the batch in hand and exits 0. A store write failure or a dead
-letter Kafka does not acknowledge stops it with exit code 1 and a clear message; nothing past the last
-durable batch is committed, so a restart resumes exactly there. Serves /metrics with --metrics-port.
+letter Kafka refuses stops it with exit code 1 and a clear message; nothing past the last durable batch is
+committed, so a restart resumes exactly there. A broker outage, at start or later, is waited out
+(`das_consumer_up` 0 meanwhile). Serves /metrics with --metrics-port.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from workers.cli_types import POSITIVE, SECONDS, add_metrics_arguments
+from workers.cli_types import NON_NEGATIVE, POSITIVE, SECONDS, add_metrics_arguments
 from workers.commands.kafka import add_bus_arguments, kafka_client
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
 
 def register(cli: Any) -> None:
+    from pipeline.wire import DEFAULT_MAX_EPOCHS_AHEAD, DEFAULT_MAX_RECORD_TOKENS, DEFAULT_MAX_SAMPLE
+
     p = cli.command(
         "indexer", "run", help="Run the history replica: consume the bus into a history store.", run=run
     )
@@ -49,19 +52,39 @@ def register(cli: Any) -> None:
     p.add_argument("--checkpoint-every", type=SECONDS, default=600.0, help="seconds between checkpoints")
     p.add_argument("--checkpoint-keep", type=POSITIVE, default=3, help="checkpoints kept")
     p.add_argument(
-        "--max-record-tokens", type=POSITIVE, default=None, help="larger records are dead-lettered"
+        "--max-record-tokens",
+        type=POSITIVE,
+        default=DEFAULT_MAX_RECORD_TOKENS,
+        help=f"larger records are dead-lettered (default {DEFAULT_MAX_RECORD_TOKENS})",
     )
-    p.add_argument("--batch-records", type=POSITIVE, default=None, help="records applied per RocksDB write")
+    p.add_argument(
+        "--batch-records",
+        type=POSITIVE,
+        default=None,
+        help="records applied per RocksDB write (default: workers.indexer.DEFAULT_BATCH_RECORDS, 500)",
+    )
+    p.add_argument(
+        "--max-epochs-ahead",
+        type=NON_NEGATIVE,
+        default=DEFAULT_MAX_EPOCHS_AHEAD,
+        help="records more epochs than this beyond the newest stored epoch are dead-lettered (they would evict "
+        f"history) (default {DEFAULT_MAX_EPOCHS_AHEAD})",
+    )
+    p.add_argument(
+        "--max-sample",
+        type=NON_NEGATIVE,
+        default=DEFAULT_MAX_SAMPLE,
+        help=f"records with a larger sample id are dead-lettered (default {DEFAULT_MAX_SAMPLE})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_metrics_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from history_store.checkpoints import Checkpointer
-    from history_store.store import HistoryStore
+    from history_store.errors import StoreCorruptionError
     from monitoring.server import start_from_args
     from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
-    from workers.indexer import DEFAULT_BATCH_RECORDS, DEFAULT_MAX_RECORD_TOKENS, Indexer
+    from workers.indexer import DEFAULT_BATCH_RECORDS, rebuild_store
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -82,34 +105,61 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     server = start_from_args(args)
+    log = logging.getLogger("das.indexer")
     if server is not None:
-        logging.getLogger("das.indexer").info(
-            "metrics on http://%s:%d/metrics", args.metrics_host, server.server_port
+        log.info("metrics on http://%s:%d/metrics", args.metrics_host, server.server_port)
+
+    def connect() -> tuple[KafkaTrajectorySource, ReplicaPublisher]:
+        return (
+            KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings),
+            ReplicaPublisher(servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings),
         )
+
+    limits = {
+        "max_record_tokens": args.max_record_tokens,
+        "batch_records": args.batch_records or DEFAULT_BATCH_RECORDS,
+        "max_epochs_ahead": args.max_epochs_ahead,
+        "max_sample": args.max_sample,
+    }
+    while not stop.is_set():
+        try:
+            replicate(args, connect, limits, stop)
+            return 0
+        except StoreCorruptionError as exc:
+            # Kafka is the source of truth and the topic is compacted: replaying it rebuilds the store.
+            log.error("%s; rebuilding it from topic %s into a fresh folder", exc, args.topic)
+        if rebuild_store(Path(args.data), args.window_epochs, connect, stop, **limits) is None:
+            return 0  # stopped while rebuilding; the damaged store stays and is rebuilt at the next start
+    return 0
+
+
+def replicate(args: argparse.Namespace, connect: Any, limits: dict[str, Any], stop: threading.Event) -> None:
+    """Opens and verifies the store, then replicates into it until `stop`. Raises StoreCorruptionError when the
+    store is found damaged (at start or later), with the store closed."""
+    from history_store.checkpoints import Checkpointer
+    from history_store.errors import StoreCorruptionError
+    from history_store.store import HistoryStore
+    from workers.indexer import Indexer, connect_waiting
+
+    log = logging.getLogger("das.indexer")
     with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
-        source = KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings)
-        publisher = ReplicaPublisher(
-            servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings
-        )
+        report = store.verify()  # every checksum, once per start: damage is found here, not mid-draft
+        if not report.ok:
+            raise StoreCorruptionError(
+                f"history store {args.data} is damaged: files {', '.join(report.files) or 'none named'}, "
+                f"{len(report.unreadable_records)} unreadable and {len(report.corrupt_records)} corrupt records"
+            )
+        clients = connect_waiting(connect, stop)
+        if clients is None:
+            return  # stopped while waiting for the brokers
+        source, publisher = clients
         checkpointer = (
             Checkpointer(store, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
             if args.checkpoint_dir is not None
             else None
         )
-        indexer = Indexer(
-            source,
-            store,
-            publisher=publisher,
-            max_record_tokens=args.max_record_tokens or DEFAULT_MAX_RECORD_TOKENS,
-            batch_records=args.batch_records or DEFAULT_BATCH_RECORDS,
-            checkpointer=checkpointer,
-        )
-        logging.getLogger("das.indexer").info(
-            "replica %s: %s -> %s (window %d epochs)",
-            args.replica,
-            args.bus,
-            args.data,
-            store.window_epochs,
+        indexer = Indexer(source, store, publisher=publisher, checkpointer=checkpointer, **limits)
+        log.info(
+            "replica %s: %s -> %s (window %d epochs)", args.replica, args.bus, args.data, store.window_epochs
         )
         indexer.run(stop)
-    return 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -126,6 +126,18 @@ def register(cli: Any) -> None:
     p.add_argument(
         "--response-tokens", type=POSITIVE, default=1000, help="median response length (log-normal)"
     )
+    p.add_argument(
+        "--publish-timeout-s",
+        type=number(0),
+        default=60.0,
+        help="how long a publish waits for room while the brokers are away before the load stops (default 60)",
+    )
+    p.add_argument(
+        "--close-timeout-s",
+        type=number(0),
+        default=60.0,
+        help="how long the end waits for acknowledgements; unconfirmed records are counted unknown (default 60)",
+    )
 
 
 def dlq(args: argparse.Namespace) -> int:
@@ -175,7 +187,9 @@ def init(args: argparse.Namespace) -> int:
 
 
 def load(args: argparse.Namespace) -> int:
-    from pipeline.bus import BusBackpressureError, BusError
+    """Publishes, then prints one JSON summary whose counts are exact: acknowledged + refused + unknown equals
+    published, and `not_taken` counts the record refused by backpressure (publishing stops there)."""
+    from pipeline.bus import BusBackpressureError, BusDeliveryError
     from pipeline.producer import KafkaBus
     from pipeline.synthetic import SyntheticShape, synthetic_records
 
@@ -185,43 +199,36 @@ def load(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_tokens,
         response_tokens_median=args.response_tokens,
     )
-    try:
-        servers, settings = kafka_client(args)
-        bus = KafkaBus(servers, topic=args.topic, **settings)
-    except (BusError, ValueError) as exc:
-        print(f"das kafka load: {exc}", file=sys.stderr)
-        return 1
-    published = backpressured = 0
+    # The bus says when brokers stop answering and when they are back; kafka-python itself stays quiet.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    servers, settings = kafka_client(args)
+    bus = KafkaBus(servers, topic=args.topic, publish_timeout_s=args.publish_timeout_s, **settings)
+    error: Exception | None = None
+    not_taken = 0
     started = time.perf_counter()
     try:
-        for record in synthetic_records(args.worker, args.count, shape, args.seed):
+        for n, record in enumerate(synthetic_records(args.worker, args.count, shape, args.seed)):
             if args.rate > 0:
-                delay = started + published / args.rate - time.perf_counter()
+                delay = started + n / args.rate - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-            while True:
-                try:
-                    bus.publish(record)
-                    break
-                except BusBackpressureError:
-                    # A load generator may wait; a rollout worker would drop or count the record instead.
-                    backpressured += 1
-                    time.sleep(0.01)
-            published += 1
-        bus.close()
-    except BusError as exc:
-        print(f"das kafka load: {exc}", file=sys.stderr)
-        return 1
+            bus.publish(record)
+    except BusBackpressureError as exc:
+        error, not_taken = exc, 1
+    try:
+        report = bus.close(args.close_timeout_s)
+    except BusDeliveryError as exc:
+        error, report = error or exc, exc.report
     seconds = time.perf_counter() - started
-    print(
-        json.dumps(
-            {
-                "published": published,
-                "seconds": round(seconds, 3),
-                "records_per_s": round(published / seconds, 1),
-                "wire_bytes": bus.wire_bytes,
-                "backpressure_waits": backpressured,
-            }
-        )
-    )
+    summary = {
+        **report.to_json(),
+        "not_taken": not_taken,
+        "seconds": round(seconds, 3),
+        "records_per_s": round(report.published / seconds, 1),
+        "wire_bytes": bus.wire_bytes,
+    }
+    print(json.dumps(summary), flush=True)
+    if error is not None:
+        raise error
     return 0

@@ -1,15 +1,16 @@
 """`das_agent`: verl's single-turn agent loop with DAS request identity and trajectory publishing.
 
-Selected with `actor_rollout_ref.rollout.agent.default_agent_loop=das_agent` and loaded in verl's agent loop
-worker processes through `agent_loop_config_path` (`examples/verl/das_agent_loops.yaml`), which names this class.
-The bus comes from the trainer config's `das` block:
+Selected with `actor_rollout_ref.rollout.agent.default_agent_loop=das_agent`; registered in every agent loop
+worker process by our managers (`workers.verl.manager*`), which import this module there. The bus comes from
+the trainer config's `das` block:
 
     das:
       bus: kafka://broker-1:9092,broker-2:9092   # null: publish nothing (the proposer still keeps its history)
       bus_settings: {security_protocol: SASL_SSL, ...}
 
-Publishing never fails a rollout: DAS only speeds rollouts up, so a bus error is logged and the trajectory is
-simply missing from the shared history.
+Publishing never blocks or fails a rollout (`workers.verl.publisher`). Only complete trajectories are
+published: a request vLLM aborted (verl's `stop_reason="aborted"`, e.g. a partial rollout interrupted for a
+weight update) or a response verl cut to `response_length` would store a truncated sample under a real key.
 """
 
 from __future__ import annotations
@@ -24,23 +25,24 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from pipeline.bus import Bus, BusError, open_bus
 from workers.verl.identity import RequestIdentity, with_extra_args
+from workers.verl.publisher import BackgroundPublisher
 
 logger = logging.getLogger(__name__)
 
 AGENT_LOOP_NAME = "das_agent"
-# Agent loops are built per trajectory; the bus is opened once per worker process and shared.
-_buses: dict[str, Bus] = {}
-_buses_lock = threading.Lock()
+# verl's TokenOutput.stop_reason for a request that ran to its end (EOS, stop string or max_tokens).
+COMPLETED = "completed"
+# Agent loops are built per trajectory; the publisher is opened once per worker process and shared.
+_publishers: dict[str, BackgroundPublisher] = {}
+_publishers_lock = threading.Lock()
 
 
-def trajectory_bus(das_config: Any) -> Bus | None:
-    """The process's bus for the trainer config's `das` block; None when `das.bus` is unset.
+def trajectory_publisher(das_config: Any) -> BackgroundPublisher | None:
+    """The process's publisher for the trainer config's `das` block; None when `das.bus` is unset.
 
     Raises:
-        ValueError: `das.bus` is not a bus URL (see `pipeline.bus.open_bus`).
-        BusError: Kafka cannot be reached.
+        ValueError: `das.bus` is not a bus URL.
     """
     if not das_config or not das_config.get("bus"):
         return None
@@ -48,10 +50,28 @@ def trajectory_bus(das_config: Any) -> Bus | None:
     settings = das_config.get("bus_settings") or {}
     if not isinstance(settings, dict):
         settings = OmegaConf.to_container(settings, resolve=True)
-    with _buses_lock:
-        if url not in _buses:
-            _buses[url] = open_bus(url, **settings)
-        return _buses[url]
+    with _publishers_lock:
+        if url not in _publishers:
+            _publishers[url] = BackgroundPublisher(url, settings)
+        return _publishers[url]
+
+
+class _StopReasonRecorder:
+    """verl's LLM server client, remembering the stop reason and length of the request it served."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.stop_reason: str | None = None
+        self.generated = 0
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        output = await self._client.generate(*args, **kwargs)
+        self.stop_reason = getattr(output, "stop_reason", None)
+        self.generated = len(output.token_ids)
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 @register(AGENT_LOOP_NAME)
@@ -60,16 +80,20 @@ class DasAgentLoop(SingleTurnAgentLoop):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.bus = trajectory_bus(self.config.get("das"))
+        self.publisher = trajectory_publisher(self.config.get("das"))
+        self.server_manager = _StopReasonRecorder(self.server_manager)
         self.worker = f"verl:{socket.gethostname()}:{os.getpid()}"
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        """Runs verl's single-turn loop with the DAS identity in `extra_args`, then publishes the trajectory."""
+        """Runs verl's single-turn loop with the DAS identity in `extra_args`, then publishes the trajectory
+        if it is complete."""
         identity = RequestIdentity.from_kwargs(kwargs)
         output = await super().run(with_extra_args(sampling_params, identity), **kwargs)
-        if self.bus is not None and identity.in_history:
-            try:
-                self.bus.publish(identity.record(output.prompt_ids, output.response_ids, self.worker))
-            except BusError as exc:
-                logger.warning("DAS: trajectory %s not published: %s", identity, exc)
+        if self.publisher is not None and identity.in_history and self.complete(output):
+            self.publisher.publish(identity.record(output.prompt_ids, output.response_ids, self.worker))
         return output
+
+    def complete(self, output: AgentLoopOutput) -> bool:
+        """True when the request ran to its end and verl kept all of its tokens."""
+        recorder = self.server_manager
+        return recorder.stop_reason == COMPLETED and recorder.generated <= self.response_length

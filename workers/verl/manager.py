@@ -1,8 +1,10 @@
-"""`DasAgentLoopManager`: verl's legacy agent loop manager that tells each rollout row its DAS epoch and sample.
+"""`DasAgentLoopManager`: verl's legacy agent loop manager that tells each rollout row its DAS identity.
 
 verl keeps the training step in the batch's `meta_info`, which agent loops never see, and repeats each prompt n
 times without numbering the copies. Before the batch is split across agent loop workers, this manager adds
-`das_epoch` and `das_sample` columns (as verl itself adds `priority`); `DasAgentLoop` reads them.
+`das_problem_id`, `das_epoch` and `das_sample` columns (as verl itself adds `priority`); `DasAgentLoop` reads
+them. Its agent loop workers import `workers.verl.agent_loop`, so `das_agent` is registered in every worker
+process without an `agent_loop_config_path` (no file that must exist at the same path on every node).
 
 This is for verl's legacy trainer (`trainer.use_v1=false`); the default V1 trainer takes
 `workers.verl.manager_v1.DasAgentLoopManagerTQ`.
@@ -10,40 +12,63 @@ This is for verl's legacy trainer (`trainer.use_v1=false`); the default V1 train
 
 from __future__ import annotations
 
+import numpy as np
+import ray
 from verl.experimental.agent_loop import AgentLoopManager
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.protocol import DataProto
 from verl.utils.ray_utils import auto_await
 
-# Registers `das_agent` in this process too (the driver); worker processes load it by agent_loop_config_path.
+# Registers `das_agent` wherever this module is imported: the driver and, by unpickling the worker class
+# below, every agent loop worker process.
 from workers.verl import agent_loop as _agent_loop  # noqa: F401
-from workers.verl.identity import EPOCH_FIELD, SAMPLE_FIELD, rollout_identity, steps_per_epoch
+from workers.verl.identity import (
+    EPOCH_FIELD,
+    PROBLEM_FIELD,
+    SAMPLE_FIELD,
+    BatchAnnotator,
+    ledger_from_config,
+)
+from workers.verl.stats import das_stats, router_servers
+
+_ROW_FIELDS = ("data_source", "extra_info", "raw_prompt")
 
 
-def annotate(batch: DataProto, per_epoch: int) -> None:
-    """Adds the `das_epoch` and `das_sample` columns to a rollout batch (in place)."""
-    epochs, samples = rollout_identity(
-        batch.non_tensor_batch.get("index"),
+def annotate(batch: DataProto, annotator: BatchAnnotator) -> None:
+    """Adds the DAS columns to a legacy rollout batch (in place); each row is one rollout."""
+    columns = batch.non_tensor_batch
+    rows = [{k: columns[k][i] for k in _ROW_FIELDS if k in columns} for i in range(len(batch))]
+    result = annotator.annotate(
+        rows,
         batch.meta_info.get("global_steps"),
         bool(batch.meta_info.get("validate", False)),
-        per_epoch,
-        batch.non_tensor_batch.get("__do_sample__"),
+        [1] * len(batch),
+        columns.get("__do_sample__"),
     )
-    if len(epochs) != len(batch):
-        # No `index` column: every row stays out of the history.
-        epochs, samples = rollout_identity([None] * len(batch), None, True, per_epoch)
-    batch.non_tensor_batch[EPOCH_FIELD] = epochs
-    batch.non_tensor_batch[SAMPLE_FIELD] = samples
+    columns[PROBLEM_FIELD] = np.array(result.problem_ids, dtype=object)
+    columns[EPOCH_FIELD] = result.epochs
+    columns[SAMPLE_FIELD] = result.samples
+
+
+class DasAgentLoopWorker(AgentLoopWorker):
+    """verl's agent loop worker, defined here so its processes import (and register) `das_agent`."""
 
 
 class DasAgentLoopManager(AgentLoopManager):
-    """verl's AgentLoopManager plus the DAS epoch and sample columns."""
+    """verl's AgentLoopManager plus the DAS identity columns."""
 
     def __init__(self, *args, **kwargs) -> None:
+        self.agent_loop_workers_class = ray.remote(DasAgentLoopWorker)
         super().__init__(*args, **kwargs)
-        self.das_steps_per_epoch = steps_per_epoch(self.config.get("das"))
+        self.das = BatchAnnotator(ledger_from_config(self.config))
 
     @auto_await
     async def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Annotates the batch, then runs verl's dispatch to the agent loop workers."""
-        annotate(prompts, self.das_steps_per_epoch)
+        annotate(prompts, self.das)
         return await super().generate_sequences(prompts)
+
+    def das_stats(self) -> list[list[dict]]:
+        """Per server, each rank's DAS proposer statistics (drafts, acceptance, sources, budget state)."""
+        # verl hands the manager only the client; the client's router knows the servers.
+        return das_stats(router_servers(self.llm_client._load_balancer))

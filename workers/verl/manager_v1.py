@@ -1,40 +1,73 @@
-"""`DasAgentLoopManagerTQ`: verl's V1 (TransferQueue) agent loop manager with the DAS epoch.
+"""`DasAgentLoopManagerTQ`: verl's V1 (TransferQueue) agent loop manager with the DAS identity.
 
-The V1 trainer hands the manager a TensorDict of prompts with `global_steps` and `validate`; its workers run each
-prompt's n samples as sessions 0..n-1 and give every field (and `session_id`) to the agent loop. This manager
-adds one `das_epoch` value for the batch; `DasAgentLoop` takes the sample from `session_id`. Needs the
-`transferqueue` package, as verl's V1 trainer does.
+The V1 trainer hands the manager a TensorDict with one row per prompt, plus `global_steps` and `validate`; its
+workers run each prompt's n samples as sessions 0..n-1 and give every field (and `session_id`) to the agent
+loop. This manager adds `das_problem_id`, `das_epoch` and `das_sample` (the row's first sample number; the
+agent loop adds the session) per row. Its workers import `workers.verl.agent_loop`, so `das_agent` needs no
+`agent_loop_config_path`. Needs the `transferqueue` package, as verl's V1 trainer does.
 
     actor_rollout_ref.rollout.agent.agent_loop_manager_class=workers.verl.manager_v1.DasAgentLoopManagerTQ
 """
 
 from __future__ import annotations
 
+import ray
 from tensordict import TensorDict
-from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 from verl.utils import tensordict_utils as tu
 
-# Registers `das_agent` in this process too (the driver); worker processes load it by agent_loop_config_path.
+# Registers `das_agent` wherever this module is imported: the driver and every agent loop worker process.
 from workers.verl import agent_loop as _agent_loop  # noqa: F401
-from workers.verl.identity import EPOCH_FIELD, rollout_epoch, steps_per_epoch
+from workers.verl.identity import (
+    EPOCH_FIELD,
+    PROBLEM_FIELD,
+    SAMPLE_FIELD,
+    BatchAnnotator,
+    ledger_from_config,
+)
+from workers.verl.stats import das_stats, router_servers
+
+_ROW_FIELDS = ("data_source", "extra_info", "raw_prompt")
 
 
-def annotate_tq(prompts: TensorDict, per_epoch: int) -> None:
-    """Adds the batch's `das_epoch` (NOT_HISTORY for validation) to a V1 prompt batch (in place)."""
-    keys = set(prompts.keys())
-    validate = bool(prompts["validate"]) if "validate" in keys else False
-    step = prompts["global_steps"] if "global_steps" in keys else None
-    tu.assign_non_tensor_data(prompts, EPOCH_FIELD, rollout_epoch(step, validate, per_epoch))
+def annotate_tq(prompts: TensorDict, annotator: BatchAnnotator, n: int) -> None:
+    """Adds the DAS fields to a V1 prompt batch (in place); each row stands for `n` sessions unless it
+    carries its own `__rollout_n__`."""
+    size = len(prompts)
+    present = set(prompts.keys())
+    columns = {k: tu.get(prompts, k) for k in _ROW_FIELDS if k in present}
+    rows = [{k: v[i] for k, v in columns.items()} for i in range(size)]
+    per_row = tu.get(prompts, "__rollout_n__", [n] * size)
+    result = annotator.annotate(
+        rows,
+        tu.get(prompts, "global_steps"),
+        bool(tu.get(prompts, "validate", False)),
+        list(per_row),
+        tu.get(prompts, "__do_sample__"),
+    )
+    tu.assign_non_tensor_stack(prompts, PROBLEM_FIELD, result.problem_ids)
+    tu.assign_non_tensor_stack(prompts, EPOCH_FIELD, result.epochs.tolist())
+    tu.assign_non_tensor_stack(prompts, SAMPLE_FIELD, result.samples.tolist())
+
+
+class DasAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
+    """verl's V1 agent loop worker, defined here so its processes import (and register) `das_agent`."""
 
 
 class DasAgentLoopManagerTQ(AgentLoopManagerTQ):
-    """verl's AgentLoopManagerTQ plus the DAS epoch."""
+    """verl's AgentLoopManagerTQ plus the DAS identity."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.das_steps_per_epoch = steps_per_epoch(self.config.get("das"))
+        self.agent_loop_workers_class = ray.remote(DasAgentLoopWorkerTQ)
+        self.das = BatchAnnotator(ledger_from_config(self.config))
 
     def generate_sequences(self, prompts: TensorDict) -> None:
         """Annotates the batch, then dispatches it to verl's agent loop workers."""
-        annotate_tq(prompts, self.das_steps_per_epoch)
+        annotate_tq(prompts, self.das, int(self.rollout_config.n))
         super().generate_sequences(prompts)
+
+    def das_stats(self) -> list[list[dict]]:
+        """Per server, each rank's DAS proposer statistics (drafts, acceptance, sources, budget state)."""
+        # verl hands the manager only the client; the client's router knows the servers.
+        return das_stats(router_servers(self.llm_client._load_balancer))

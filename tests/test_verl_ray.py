@@ -1,0 +1,255 @@
+"""verl on a two-node Ray cluster on loopback (`ray start --head` plus a second node, both on 127.0.0.1).
+
+- DAS settings given as the README does (`ray_kwargs.ray_init.runtime_env.env_vars.*`) go through verl's own
+  `run_ppo` into `ray.init` and reach an actor on each node that is created the way verl's `vLLMReplica`
+  creates its vLLM servers (node affinity, its own `runtime_env={"env_vars": <platform variables>}`), and the
+  child processes it starts (as vLLM starts its engine and workers).
+- Proposer metrics written in those processes (PROMETHEUS_MULTIPROC_DIR) reach one node-level `/metrics`
+  registry.
+- verl's LLM server client routes through verl's plugin loader to `ProblemAffinityLoadBalancer`: every
+  request of a problem lands on one server, where verl's default router scatters a problem's samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _verl_readme import readme_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    # --block keeps `ray start` in the foreground: stopping its process group stops exactly this node's
+    # processes (never `ray stop`, which would stop every Ray on the machine).
+    return subprocess.Popen(
+        [RAY, "start", "--block", "--disable-usage-stats", *args],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 - the node outlives this call
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory) -> Any:
+    """Address of a two-node Ray cluster on loopback; this process is not connected to it."""
+    import ray
+
+    tmp = tmp_path_factory.mktemp("ray")
+    port = _free_port()
+    # Token authentication (Ray's default for new clusters) would need the machine's shared token file.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=2", f"--temp-dir={tmp}"]
+    nodes = [
+        _ray_start(["--head", f"--port={port}", "--include-dashboard=false", *common], env, tmp / "head.log")
+    ]
+    address = f"127.0.0.1:{port}"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or nodes[0].poll() is not None:
+                    pytest.fail(f"Ray head did not start:\n{(tmp / 'head.log').read_text()[-3000:]}")
+                time.sleep(1)
+        nodes.append(_ray_start([f"--address={address}", *common], env, tmp / "worker.log"))
+        ray.init(address=address, log_to_driver=False)
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            if time.monotonic() > deadline or nodes[1].poll() is not None:
+                pytest.fail(f"second Ray node did not join:\n{(tmp / 'worker.log').read_text()[-3000:]}")
+            time.sleep(1)
+        ray.shutdown()
+        yield address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for node in reversed(nodes):
+            os.killpg(node.pid, signal.SIGTERM)
+        for node in nodes:
+            try:
+                node.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+
+
+# What the vLLM engine process of a verl server sees: its environment, and the proposer's metrics it writes.
+_CHILD = (
+    "import json, os\n"
+    "from monitoring.metrics import DRAFTS\n"
+    "DRAFTS.inc(3)\n"
+    "print(json.dumps({k: os.environ.get(k) for k in ('DAS_HISTORY_DIR', 'DAS_BUDGET', 'VLLM_PROBE')}))\n"
+)
+
+
+def _probe_runner(out: str) -> Any:
+    """A verl TaskRunner stand-in whose `run` starts one server-like actor per node, as vLLMReplica does.
+    Built inside a function so Ray ships the classes by value (the test module is not importable there)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class ServerProbe:
+        def report(self) -> dict[str, Any]:
+            child = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, check=True)
+            return {
+                "node": ray.get_runtime_context().get_node_id(),
+                "actor": os.environ.get("DAS_HISTORY_DIR"),
+                "child": json.loads(child.stdout.strip().splitlines()[-1]),
+            }
+
+    @ray.remote(num_cpus=0)
+    class ProbeTaskRunner:
+        def run(self, config: Any) -> None:
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+            servers = [
+                ServerProbe.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+                    # vLLMReplica.launch_servers passes only platform variables of its own.
+                    runtime_env={"env_vars": {"VLLM_PROBE": "1"}},
+                ).remote()
+                for node in nodes
+            ]
+            Path(out).write_text(json.dumps(ray.get([s.report.remote() for s in servers])))
+
+    return ProbeTaskRunner
+
+
+def test_readme_settings_reach_server_actors_and_their_processes_on_every_node(
+    ray_cluster, tmp_path, monkeypatch
+) -> None:
+    import ray
+    from hydra import compose, initialize_config_dir
+    from prometheus_client import generate_latest
+    from verl.trainer.main_ppo import run_ppo
+
+    from monitoring.server import metrics_registry
+
+    metrics_dir = tmp_path / "prom"
+    metrics_dir.mkdir()
+    config_path, config_name, overrides = readme_overrides(tmp_path)
+    overrides += [
+        f"+ray_kwargs.ray_init.address={ray_cluster}",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.DAS_BUDGET=off",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.PROMETHEUS_MULTIPROC_DIR={metrics_dir}",
+    ]
+    with initialize_config_dir(config_dir=config_path, version_base=None):
+        config = compose(config_name=config_name, overrides=overrides)
+    out = tmp_path / "probe.json"
+    try:
+        run_ppo(config, task_runner_class=_probe_runner(str(out)))
+    finally:
+        ray.shutdown()
+    reports = json.loads(out.read_text())
+    assert len({r["node"] for r in reports}) == 2
+    for report in reports:
+        assert report["actor"] == "/var/lib/das/history"
+        assert report["child"] == {
+            "DAS_HISTORY_DIR": "/var/lib/das/history",
+            "DAS_BUDGET": "off",
+            "VLLM_PROBE": "1",
+        }
+    # A node's /metrics (das indexer run --metrics-port, started with the same PROMETHEUS_MULTIPROC_DIR) merges
+    # what the server processes wrote.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
+    exposition = generate_latest(metrics_registry()).decode()
+    assert "das_drafts_total 6.0" in exposition
+
+
+def _serve_like_vllm() -> Any:
+    """A server actor with vLLMHttpServer.generate's signature that answers at once, naming itself: routing is
+    what this measures, and two CPU vLLM engines do not fit this machine."""
+    import ray
+    from verl.workers.rollout.replica import TokenOutput
+
+    @ray.remote(num_cpus=0)
+    class Server:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def generate(
+            self, request_id: str, prompt_ids: list[int], sampling_params: dict, **_: Any
+        ) -> Any:
+            return TokenOutput(token_ids=[1], stop_reason="completed", extra_fields={"server": self.name})
+
+    return Server
+
+
+async def _route(client: Any, problems: int, samples: int, passes: int) -> dict[str, list[str]]:
+    """Which server each request of each problem went to, through verl's LLMServerClient.generate."""
+    import uuid
+
+    async def one(pid: str) -> tuple[str, str]:
+        # As DasAgentLoop's request: a fresh request id, the problem in extra_args.
+        output = await client.generate(
+            uuid.uuid4().hex, prompt_ids=[1], sampling_params={"extra_args": {"das_problem_id": pid}}
+        )
+        return pid, output.extra_fields["server"]
+
+    placement: dict[str, list[str]] = defaultdict(list)
+    for _ in range(passes):
+        for pid, server in await asyncio.gather(
+            *(one(f"p{p}") for p in range(problems) for _ in range(samples))
+        ):
+            placement[pid].append(server)
+    return placement
+
+
+def test_problem_router_keeps_each_problems_requests_on_one_server(ray_cluster) -> None:
+    import ray
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    ray.init(address=ray_cluster, log_to_driver=False)
+    try:
+        server_cls = _serve_like_vllm()
+        servers = {f"server-{i}": server_cls.remote(f"server-{i}") for i in range(2)}
+        config = OmegaConf.create(
+            {"actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}}}
+        )
+        problems, samples, passes = 16, 8, 3
+        routers = {"verl_default": None, "das_problem_affinity": str(REPO / "examples/verl/das_router.yaml")}
+        result = {}
+        for name, router_path in routers.items():
+            # verl's factory: the default balancer, or the plugin named by router_config_path.
+            router = get_router_handle(dict(servers), router_config_path=router_path)
+            client = LLMServerClient(config, load_balancer_handle=router)
+            placement = asyncio.run(_route(client, problems, samples, passes))
+            per_problem = [len(set(ids)) for ids in placement.values()]
+            load: dict[str, int] = defaultdict(int)
+            for ids in placement.values():
+                for server in ids:
+                    load[server] += 1
+            result[name] = {
+                "problems_on_one_server": sum(n == 1 for n in per_problem),
+                "mean_servers_per_problem": sum(per_problem) / len(per_problem),
+                "requests_per_server": dict(sorted(load.items())),
+            }
+        print(json.dumps({"problems": problems, "samples": samples, "passes": passes, **result}))
+        assert result["das_problem_affinity"]["problems_on_one_server"] == problems
+        # Least-loaded placement of new problems keeps both servers busy.
+        assert min(result["das_problem_affinity"]["requests_per_server"].values()) >= samples * passes * 4
+    finally:
+        ray.shutdown()
