@@ -24,7 +24,7 @@ from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from pipeline.bus import BusError
-from pipeline.kafka_config import client_settings
+from pipeline.kafka_config import UNREACHABLE, client_settings
 
 TRAJECTORY_TOPIC = "das.trajectories"
 DEAD_LETTER_TOPIC = "das.trajectories.dlq"
@@ -123,7 +123,7 @@ def admin_client(servers: list[str], **settings: object) -> KafkaAdminClient:
             bootstrap_servers=servers, client_id="das-admin", **shared_settings(client_settings(settings))
         )
     except KafkaError as exc:
-        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc
+        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {UNREACHABLE}: {exc}") from exc
 
 
 def ensure_topics(

@@ -9,6 +9,10 @@
 #   bash scripts/kafka.sh stop-broker N    stop cluster broker N (1..3) gracefully; start-broker N brings it back
 #   bash scripts/kafka.sh status           which nodes run
 #   bash scripts/kafka.sh clean            down, then delete the brokers' data (the resolved jars stay)
+#   bash scripts/kafka.sh up-secure        one more single broker, TLS + SASL/PLAIN only, on 127.0.0.1:39092
+#                                          (controller 39093): a throwaway CA and broker certificate (openssl) and
+#                                          random passwords under .kafka/secure; writes .kafka/secure/env.sh
+#                                          (DAS_KAFKA_SECURE_BOOTSTRAP, _CAFILE, _USERNAME, _PASSWORD). `down` stops it.
 # Kafka and its runtime dependencies come from Maven Central through scripts/kafka/pom.xml into .kafka/lib, and the
 # Prometheus JMX exporter agent into .kafka/agent: every node serves broker metrics (rules in
 # monitoring/prometheus/kafka-jmx.yml) on 127.0.0.1:19099 (single) and 29095-29097 (cluster), listed in
@@ -70,6 +74,7 @@ node() {
     c1) echo "1 29092 29192 $CLUSTER_VOTERS 3 2 29095" ;;
     c2) echo "2 29093 29193 $CLUSTER_VOTERS 3 2 29096" ;;
     c3) echo "3 29094 29194 $CLUSTER_VOTERS 3 2 29097" ;;
+    secure) echo "1 39092 39093 1@127.0.0.1:39093 1 1 39099" ;;
     *) die "unknown node $1" ;;
   esac
 }
@@ -181,10 +186,12 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 logging.disable(logging.CRITICAL)  # connection refusals while the brokers start are expected
 bootstrap, want, node_id, timeout, logs, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5], sys.argv[6]
+import json, os
+settings = json.loads(os.environ.get("DAS_KAFKA_READY_SETTINGS") or "{}")  # client TLS/SASL (up-secure)
 deadline, last = time.monotonic() + timeout, "no answer"
 while time.monotonic() < deadline:
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=5000)
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=5000, **settings)
         try:
             info = admin.describe_cluster()
         finally:
@@ -228,6 +235,100 @@ up() {
   echo "kafka.sh: single broker $SINGLE_BOOTSTRAP and cluster $CLUSTER_BOOTSTRAP ready; source $KDIR/env.sh" >&2
 }
 
+# The secure broker: TLS on its client listener (certificate from a throwaway CA made here with openssl) and
+# SASL/PLAIN logins (the broker itself as "admin", clients as "das"). Separate from the JMX/plain setup above.
+SECURE=$KDIR/secure
+SECURE_BOOTSTRAP=127.0.0.1:39092
+
+secure_material() {
+  [ -f "$SECURE/.complete" ] && return 0
+  command -v openssl >/dev/null || die "openssl not found (apt-get install openssl)"
+  rm -rf "$SECURE" && mkdir -p "$SECURE" && chmod 700 "$SECURE"
+  (
+    cd "$SECURE"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=DAS test CA" \
+      -keyout ca.key -out ca.pem 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout broker.key -out broker.csr 2>/dev/null
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' >san.ext
+    openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile san.ext -out broker.pem 2>/dev/null
+    "$PY" -c 'import secrets; print(secrets.token_urlsafe(18)); print(secrets.token_urlsafe(18))' >passwords
+    openssl pkcs12 -export -in broker.pem -inkey broker.key -certfile ca.pem -name broker \
+      -passout "pass:$(sed -n 1p passwords)" -out broker.p12
+  ) || die "making the secure broker's certificates failed"
+  touch "$SECURE/.complete"
+}
+
+write_secure_config() {
+  local admin_pw das_pw
+  admin_pw=$(sed -n 1p "$SECURE/passwords")
+  das_pw=$(sed -n 2p "$SECURE/passwords")
+  mkdir -p "$KDIR/config" "$KDIR/data/secure" "$KDIR/logs"
+  # Only what makes this node secure differs from the plain single broker.
+  cat >"$KDIR/config/secure.properties" <<EOF
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:39093
+listeners=SASL_SSL://127.0.0.1:39092,CONTROLLER://127.0.0.1:39093
+advertised.listeners=SASL_SSL://127.0.0.1:39092
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=SASL_SSL
+listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT
+sasl.enabled.mechanisms=PLAIN
+sasl.mechanism.inter.broker.protocol=PLAIN
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="admin" password="$admin_pw" user_admin="$admin_pw" user_das="$das_pw";
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$SECURE/broker.p12
+ssl.keystore.password=$admin_pw
+ssl.truststore.type=PEM
+ssl.truststore.location=$SECURE/ca.pem
+ssl.client.auth=none
+log.dirs=$KDIR/data/secure
+auto.create.topics.enable=false
+num.partitions=6
+default.replication.factor=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+message.max.bytes=16777216
+num.network.threads=2
+num.io.threads=2
+background.threads=2
+num.recovery.threads.per.data.dir=1
+log.cleaner.threads=1
+log.cleaner.dedupe.buffer.size=16777216
+EOF
+  chmod 600 "$KDIR/config/secure.properties"
+  cat >"$SECURE/env.sh" <<EOF
+# Written by scripts/kafka.sh up-secure: the TLS + SASL/PLAIN test broker and a client login for it.
+export DAS_KAFKA_SECURE_BOOTSTRAP=$SECURE_BOOTSTRAP
+export DAS_KAFKA_SECURE_CAFILE=$SECURE/ca.pem
+export DAS_KAFKA_SECURE_USERNAME=das
+export DAS_KAFKA_SECURE_PASSWORD=$das_pw
+EOF
+}
+
+up_secure() {
+  [ -x "$PY" ] || die "python with kafka-python not found at $PY (build the venv first, or set PYTHON)"
+  resolve
+  resolve_agent
+  secure_material
+  write_secure_config
+  cluster_id secure >/dev/null
+  format secure secure
+  start_node secure
+  # shellcheck disable=SC1091
+  source "$SECURE/env.sh"
+  DAS_KAFKA_READY_SETTINGS=$(printf '{"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_plain_username": "das", "sasl_plain_password": "%s", "ssl_cafile": "%s"}' \
+    "$DAS_KAFKA_SECURE_PASSWORD" "$DAS_KAFKA_SECURE_CAFILE") wait_ready "$SECURE_BOOTSTRAP" 1 "" secure
+  echo "kafka.sh: TLS + SASL broker $SECURE_BOOTSTRAP ready; source $SECURE/env.sh" >&2
+}
+
 broker_name() {
   case "${1:-}" in
     1 | 2 | 3) echo "c$1" ;;
@@ -237,7 +338,8 @@ broker_name() {
 
 case "${1:-}" in
   up) up ;;
-  down) stop_nodes single c1 c2 c3 ;;
+  up-secure) up_secure ;;
+  down) stop_nodes single c1 c2 c3 secure ;;
   stop-broker)
     name=$(broker_name "${2:-}")
     running "$name" || die "cluster broker $2 is not running"
@@ -252,13 +354,13 @@ case "${1:-}" in
     wait_ready "${CLUSTER_BOOTSTRAP}" 1 "${2}" "$name"
     ;;
   status)
-    for name in single c1 c2 c3; do
+    for name in single c1 c2 c3 secure; do
       if running "$name"; then echo "$name running (pid $(pid_of "$name"))"; else echo "$name stopped"; fi
     done
     ;;
   clean)
-    stop_nodes single c1 c2 c3
-    rm -rf "$KDIR/data" "$KDIR/config" "$KDIR/run" "$KDIR/logs" "$KDIR/env.sh"
+    stop_nodes single c1 c2 c3 secure
+    rm -rf "$KDIR/data" "$KDIR/config" "$KDIR/run" "$KDIR/logs" "$KDIR/env.sh" "$SECURE"
     ;;
-  *) die "usage: $0 up | down | stop-broker N | start-broker N | status | clean" ;;
+  *) die "usage: $0 up | up-secure | down | stop-broker N | start-broker N | status | clean" ;;
 esac

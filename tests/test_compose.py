@@ -659,7 +659,7 @@ def test_the_message_size_setting_reaches_the_topic_and_every_client() -> None:
     def run(value: str) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "PYTHONPATH": str(REPO), "DAS_KAFKA_MAX_MESSAGE_BYTES": value}
         return subprocess.run(
-            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600
         )
 
     result = run(str(size))
