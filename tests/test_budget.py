@@ -97,18 +97,27 @@ def test_cost_model_rejects_impossible_steps() -> None:
         CostModel(BudgetConfig()).observe(2, 1, 0.1)
 
 
+def _start(policy: BudgetPolicy, problems: list[str | None], first: int = 0) -> list[int]:
+    """Starts one request per problem in slots first, first + 1, ..."""
+    slots = list(range(first, first + len(problems)))
+    for slot, problem in zip(slots, problems, strict=True):
+        policy.start(slot, problem)
+    return slots
+
+
 def _step(policy: BudgetPolicy, slots, outputs, probs, sources=SOURCE_PROBLEM, match=8):
     n = len(slots)
-    budgets = policy.budgets(np.asarray(slots), np.asarray(outputs), np.full(n, 100))
+    budgets, _ = policy.budgets(np.asarray(slots), np.asarray(outputs), np.full(n, 100))
     probs = np.asarray(probs, float)
     lengths = np.minimum(budgets, (probs > 0).sum(axis=1))
-    kept = policy.truncate(lengths, probs, np.full(n, match), np.full(n, sources))
+    support = np.full(probs.shape, 3)
+    kept = policy.truncate(lengths, probs, np.full(n, match), np.full(n, sources), support)
     return budgets, kept
 
 
 def test_acceptance_model_learns_that_overconfident_tree_ratios_are_rejected() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=4))
-    slots = [policy.start(f"p{i}") for i in range(50)]
+    slots = _start(policy, [f"p{i}" for i in range(50)])
     probs = np.tile(0.95 ** np.arange(1, 5), (50, 1))
     for active in range(1, 51):  # a GPU-like verifier: a drafted token costs little, so drafting goes on
         policy.observe_step(active, 3 * active, 0.008 + 0.0001 * active + 0.00003 * 3 * active)
@@ -119,7 +128,7 @@ def test_acceptance_model_learns_that_overconfident_tree_ratios_are_rejected() -
         if before is None:
             before = policy.last_predicted[0, 0]
         # The verifier rejects the first token of a random 80% of the drafts and accepts the rest whole.
-        policy.observe_acceptance(np.arange(50), np.where(rng.random(50) < 0.8, 0, 4))
+        policy.observe_acceptance(np.array(slots), np.where(rng.random(50) < 0.8, 0, 4))
     _, kept = _step(policy, slots, [0] * 50, probs)
     assert before > 0.6
     # From the tree's 0.95 to near the observed 0.2 (drafting, and so learning, slows as it gets there).
@@ -129,12 +138,12 @@ def test_acceptance_model_learns_that_overconfident_tree_ratios_are_rejected() -
 
 def test_acceptance_model_learns_deep_positions_of_underconfident_thin_history() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=8))
-    slots = [policy.start("p") for _ in range(20)]
+    slots = _start(policy, ["p"] * 20)
     # One sighting each: the tree halves its path probability per token, yet every drafted token is right.
     probs = np.tile(0.5 ** np.arange(1, 9), (20, 1))
     for _ in range(30):
         _, kept = _step(policy, slots, [0] * 20, probs, sources=SOURCE_LIVE, match=3)
-        policy.observe_acceptance(np.arange(20), kept)
+        policy.observe_acceptance(np.array(slots), kept)
     _step(policy, slots, [0] * 20, probs, sources=SOURCE_LIVE, match=3)
     assert policy.last_predicted[0, -1] > 0.7
     assert np.all(np.diff(policy.last_predicted[0]) <= 0)
@@ -143,14 +152,14 @@ def test_acceptance_model_learns_deep_positions_of_underconfident_thin_history()
 def test_a_request_whose_drafts_keep_failing_stops_drafting_while_its_siblings_go_on() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=4))
     for length in (300, 310, 320, 330):
-        policy.observe_length("p", length)
-    slots = [policy.start("p") for _ in range(8)]
+        policy.lengths.observe("p", length)
+    slots = _start(policy, ["p"] * 8)
     probs = np.tile([0.6, 0.45, 0.35, 0.3], (8, 1))
     for _ in range(40):
         policy.observe_step(8, 40, 0.05 + 0.001 * 8 + 0.001 * 40)
         _step(policy, slots, [0] * 8, probs)
         # Request 0 never gets a token accepted; the others get everything they draft.
-        policy.observe_acceptance(np.arange(8), np.where(np.arange(8) == 0, 0, 4))
+        policy.observe_acceptance(np.array(slots), np.where(np.arange(8) == 0, 0, 4))
     _, kept = _step(policy, slots, [0] * 8, probs)
     assert policy.last_predicted[0, 0] < 0.5 * policy.last_predicted[1, 0]
     assert kept[0] < kept[1]
@@ -160,8 +169,8 @@ def test_on_a_verifier_where_tokens_cost_most_of_a_step_only_the_tail_drafts() -
     # The CPU engine's case: 32 requests, each verified token costs as much as a tenth of the base step.
     policy = BudgetPolicy(BudgetConfig(max_tokens=8))
     for length in [180] * 12 + [192] * 4:
-        policy.observe_length("p", length)
-    slots = [policy.start("p") for _ in range(32)]
+        policy.lengths.observe("p", length)
+    slots = _start(policy, ["p"] * 32)
     rng = np.random.default_rng(0)
     for _ in range(64):
         active = int(rng.integers(8, 33))
@@ -170,7 +179,7 @@ def test_on_a_verifier_where_tokens_cost_most_of_a_step_only_the_tail_drafts() -
     probs = np.tile(0.7 ** np.arange(1, 9), (32, 1))
     _, kept = _step(policy, slots, [10] * 32, probs)
     assert kept.sum() == 0, "32 equal requests: each one's share of the tail does not pay for a 3 ms token"
-    lone = policy.start("p")
+    (lone,) = _start(policy, ["p"], first=32)
     _, kept = _step(policy, [lone], [150], probs[:1])
     assert kept[0] >= 2, "a lone request is the tail: its tokens save whole 30 ms steps"
 
@@ -178,14 +187,14 @@ def test_on_a_verifier_where_tokens_cost_most_of_a_step_only_the_tail_drafts() -
 def test_short_requests_get_no_budget_and_the_tail_gets_long_class() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=8))
     for length in (20, 22, 25, 30):
-        policy.observe_length("short", length)
+        policy.lengths.observe("short", length)
     for length in (400, 450, 500, 900):
-        policy.observe_length("long", length)
+        policy.lengths.observe("long", length)
     # A verifier where a token costs as much as a sequence: short requests cannot pay for any draft.
     for active in range(1, 40):
         policy.observe_step(active, 2 * active, 0.01 + 0.0001 * active + 0.0001 * 2 * active)
-    slots = [policy.start("short"), policy.start("long")]
-    budgets = policy.budgets(np.array(slots), np.array([0, 0]), np.array([100, 3]))
+    slots = _start(policy, ["short", "long"])
+    budgets, _ = policy.budgets(np.array(slots), np.array([0, 0]), np.array([100, 3]))
     assert policy.last_classes[1] == LONG and budgets[1] == 3
     assert budgets[0] == 0 or policy.last_classes[0] != LONG
 
@@ -193,14 +202,14 @@ def test_short_requests_get_no_budget_and_the_tail_gets_long_class() -> None:
 def test_outliving_every_recent_length_counts_a_promotion_once() -> None:
     policy = BudgetPolicy()
     for length in (100, 120):
-        policy.observe_length("p", length)
-    slot = policy.start("p")
+        policy.lengths.observe("p", length)
+    (slot,) = _start(policy, ["p"])
     before = CLASS_PROMOTIONS.labels(length_class="long")._value.get()
     for output in (50, 130, 140):
         policy.budgets(np.array([slot]), np.array([output]), np.array([8]))
     assert CLASS_PROMOTIONS.labels(length_class="long")._value.get() == before + 1
     assert policy.lengths.predict("p") == (100, 120)
-    policy.forget_problem("p")
+    policy.lengths.forget("p")
     assert policy.lengths.predict("p") is None
 
 
@@ -213,22 +222,30 @@ def test_outliving_every_recent_length_counts_a_promotion_once() -> None:
 def test_budgets_and_truncation_stay_within_k_headroom_and_draft_length(outputs, headroom, k) -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=k))
     for i, length in enumerate((5, 50, 500)):
-        policy.observe_length(f"p{i}", length)
-    slots = np.array([policy.start(f"p{i % 4}") for i in range(len(outputs))])
-    budgets = policy.budgets(slots, np.array(outputs), np.full(len(slots), headroom))
+        policy.lengths.observe(f"p{i}", length)
+    slots = np.array(_start(policy, [f"p{i % 4}" for i in range(len(outputs))]))
+    budgets, classes = policy.budgets(slots, np.array(outputs), np.full(len(slots), headroom))
     assert np.all(budgets >= 0) and np.all(budgets <= min(k, max(headroom, 0)))
     probs = np.random.default_rng(len(outputs)).random((len(slots), k))
     probs = -np.sort(-probs, axis=1)
-    kept = policy.truncate(budgets, probs, np.full(len(slots), 4), np.full(len(slots), SOURCE_PROBLEM))
+    n = len(slots)
+    kept = policy.truncate(budgets, probs, np.full(n, 4), np.full(n, SOURCE_PROBLEM), np.ones((n, k)))
     assert np.all(kept >= 0) and np.all(kept <= budgets)
-    assert np.all((policy.last_classes == SHORT) <= (budgets == 0))
+    assert np.all((classes == SHORT) <= (budgets == 0))
 
 
-def test_slots_are_reused_after_finish() -> None:
-    policy = BudgetPolicy()
-    first = policy.start("p")
-    policy.finish(first)
-    assert policy.start(None) == first
+def test_a_reused_slot_starts_fresh() -> None:
+    policy = BudgetPolicy(BudgetConfig(max_tokens=4))
+    (slot,) = _start(policy, ["p"])
+    _step(policy, [slot], [5], [[0.9, 0.8, 0.7, 0.6]])
+    policy.observe_acceptance(np.array([slot]), np.array([0]))
+    policy.finish(slot)
+    policy.start(slot, "q")
+    assert policy._request_outcomes[slot].sum() == 0 and policy._kept[slot] == 0
+    # A finished request's late answer teaches nothing.
+    trials = policy.acceptance.trials
+    policy.observe_acceptance(np.array([slot]), np.array([2]))
+    assert policy.acceptance.trials == trials
 
 
 def test_invalid_configuration_is_rejected_with_the_reason() -> None:

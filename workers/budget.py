@@ -40,7 +40,7 @@ SHORT, MEDIUM, LONG = 0, 1, 2
 # Sources of a draft, in ProblemIndex.draft_batch's numbering (0: no draft).
 SOURCE_PROBLEM, SOURCE_LIVE, SOURCE_GLOBAL = 1, 2, 3
 # Features of a draft token (see `token_features`).
-N_FEATURES = 8
+N_FEATURES = 9
 
 
 @dataclass(frozen=True)
@@ -230,13 +230,14 @@ def critical_weights(quantiles, outputs, speeds, n_bins, out):
 
 
 @njit(cache=True)
-def token_features(probs, lengths, match_lens, sources, request_gain, problem_gain, out):
+def token_features(probs, support, lengths, match_lens, sources, request_gain, problem_gain, out):
     """Features of draft token j of row i (out[i, j]) for its acceptance given token j-1 was accepted:
     which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
     about another, e.g. siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional
     ratio p_j / p_(j-1), log match length, log position, and how much better or worse than predicted the
     request's and the problem's recent drafts did (`outcome_log_odds`: 0 without trials, so a request or
-    problem that stopped drafting is not held to its old failures forever)."""
+    problem that stopped drafting is not held to its old failures forever), and the log of the occurrences
+    behind the token (a ratio of 1/2 from one sighting is weaker evidence than one from 100)."""
     n, k = probs.shape
     for i in range(n):
         previous = 1.0
@@ -252,6 +253,7 @@ def token_features(probs, lengths, match_lens, sources, request_gain, problem_ga
             out[i, j, 5] = np.log1p(j) / 2.0
             out[i, j, 6] = request_gain[i]
             out[i, j, 7] = problem_gain[i]
+            out[i, j, 8] = np.log1p(support[i, j]) / 4.0
 
 
 @njit(cache=True)
@@ -441,8 +443,10 @@ class LengthModel:
 class BudgetPolicy:
     """Per-step draft budgets for a decode batch. Not thread-safe: one instance per proposer.
 
-    A step: `budgets(slots, ...)` before drafting, `truncate(...)` on the drafts, then, once the verifier has
-    spoken, `observe_acceptance(rows, accepted)` and `observe_step(active, tokens, seconds)`.
+    Requests are named by dense slots the caller chooses (the index's request slots): `start(slot, ...)`,
+    `finish(slot)`. A step: `budgets(slots, ...)` before drafting, `truncate(...)` on the drafts, then, once
+    the verifier has spoken, `observe_acceptance(slots, accepted)` for the drafted rows and
+    `observe_step(active, tokens, seconds)`.
     """
 
     # Grid of the remaining-steps distributions in `critical_weights`.
@@ -450,49 +454,47 @@ class BudgetPolicy:
 
     def __init__(self, config: BudgetConfig | None = None) -> None:
         self.config = config or BudgetConfig()
+        k = self.config.max_tokens
         self.cost = CostModel(self.config)
         self.acceptance = AcceptanceModel(self.config)
         self.lengths = LengthModel(self.config.lengths_per_problem)
-        # Recent acceptance per problem row (row 0: requests without a problem).
+        # Recent (accepted, predicted, tried) tokens per problem row (row 0: requests without a problem).
         self._problem_outcomes = np.zeros((1, 3))
-        # Requests, by slot.
-        self._free: list[int] = []
+        # Per slot: problem row, recent outcomes, drafted / accepted tokens per step, promotion, and the
+        # features and kept length of its last draft (learned from when the verifier answers).
         self._slot_problem = np.zeros(0, np.int64)
         self._request_outcomes = np.zeros((0, 3))
         self._drafted_rate = np.zeros(0)
         self._accepted_rate = np.zeros(0)
         self._outlived = np.zeros(0, bool)
-        # The last budgets / truncate call, for truncation and learning.
+        self._features = np.zeros((0, k, N_FEATURES))
+        self._kept = np.zeros(0, np.int64)
+        # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
-        self._features = np.zeros((0, self.config.max_tokens, N_FEATURES))
-        self._kept = np.zeros(0, np.int32)
-        self.last_predicted = np.zeros((0, self.config.max_tokens))
+        self.last_predicted = np.zeros((0, k))
         self.last_classes = np.zeros(0, np.int64)
 
-    # ---- problems and requests
+    # ---- requests
 
-    def observe_length(self, problem_id: str, length: int) -> None:
-        """Records a finished response of `problem_id` (history or a sibling that just ended)."""
-        self.lengths.observe(problem_id, length)
-
-    def forget_problem(self, problem_id: str) -> None:
-        """Drops a problem's lengths (its history was evicted)."""
-        self.lengths.forget(problem_id)
-
-    def start(self, problem_id: str | None) -> int:
-        """Registers a new request; returns its slot, which names it in every later call."""
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = self._slot_problem.shape[0]
-            grow = max(64, slot)
-            self._slot_problem = np.concatenate([self._slot_problem, np.zeros(grow, np.int64)])
-            self._request_outcomes = np.concatenate([self._request_outcomes, np.zeros((grow, 3))])
-            for name in ("_drafted_rate", "_accepted_rate"):
-                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
-            self._outlived = np.concatenate([self._outlived, np.zeros(grow, bool)])
-            self._free.extend(range(slot + grow - 1, slot, -1))
+    def start(self, slot: int, problem_id: str | None) -> None:
+        """Registers a new request in `slot` (dense: the tables grow when one lands past their end)."""
+        size = self._slot_problem.shape[0]
+        if slot >= size:
+            grown = max(2 * size, slot + 1, 64)
+            for name in (
+                "_slot_problem",
+                "_request_outcomes",
+                "_drafted_rate",
+                "_accepted_rate",
+                "_outlived",
+                "_features",
+                "_kept",
+            ):
+                old = getattr(self, name)
+                new = np.zeros((grown, *old.shape[1:]), old.dtype)
+                new[:size] = old
+                setattr(self, name, new)
         # Problem row 0 (the pool) stands for requests without a problem.
         self._slot_problem[slot] = self.lengths.problem(problem_id) if problem_id is not None else 0
         grow = self.lengths.capacity - self._problem_outcomes.shape[0]
@@ -501,19 +503,22 @@ class BudgetPolicy:
         self._request_outcomes[slot] = 0.0
         self._drafted_rate[slot] = self._accepted_rate[slot] = 0.0
         self._outlived[slot] = False
-        return slot
+        self._kept[slot] = 0
 
     def finish(self, slot: int) -> None:
-        """Frees a request's slot."""
-        self._free.append(slot)
+        """Ends a request (its slot may be reused by `start`)."""
+        self._kept[slot] = 0
 
     # ---- the step
 
-    def budgets(self, slots: np.ndarray, output_lens: np.ndarray, headroom: np.ndarray) -> np.ndarray:
-        """Maximum draft tokens per row: 0 where even a sure token would not pay, else min(K, headroom).
+    def budgets(
+        self, slots: np.ndarray, output_lens: np.ndarray, headroom: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Maximum draft tokens per row (0 where even a sure token would not pay, else min(K, headroom)) and
+        each row's class (SHORT: no draft pays; LONG: the tail's share dominates a token's value).
 
         Args:
-            slots: the rows' slots (from `start`).
+            slots: the rows' slots (given to `start`).
             output_lens: tokens generated so far per row.
             headroom: most draft tokens each row may take (max_model_len - tokens - 1, and 0 for rows that
                 must not draft, e.g. partial prefills); negative values count as 0.
@@ -538,10 +543,16 @@ class BudgetPolicy:
         pays = self._value >= c_tok
         self.last_classes = np.where(~pays, SHORT, np.where(tail >= own, LONG, MEDIUM))
         k = self.config.max_tokens
-        return np.where(pays, np.clip(np.asarray(headroom, np.int64), 0, k), 0).astype(np.int32)
+        budgets = np.where(pays, np.clip(np.asarray(headroom, np.int64), 0, k), 0).astype(np.int32)
+        return budgets, self.last_classes
 
     def truncate(
-        self, lengths: np.ndarray, probs: np.ndarray, match_lens: np.ndarray, sources: np.ndarray
+        self,
+        lengths: np.ndarray,
+        probs: np.ndarray,
+        match_lens: np.ndarray,
+        sources: np.ndarray,
+        support: np.ndarray,
     ) -> np.ndarray:
         """Draft lengths after the pay-off rule, for the rows of the last `budgets` call.
 
@@ -550,49 +561,56 @@ class BudgetPolicy:
             probs: the tree's path probabilities (n, K).
             match_lens: context suffix length the draft was matched on.
             sources: which tree drafted it (ProblemIndex.SOURCE_*).
+            support: occurrences behind each draft token (n, K).
         """
-        lengths = np.asarray(lengths, np.int32)
+        lengths = np.asarray(lengths, np.int64)
+        slots = self._slots
         n, k = lengths.shape[0], self.config.max_tokens
-        if n != self._slots.shape[0]:
-            raise ValueError(f"truncate got {n} rows but the last budgets call had {self._slots.shape[0]}")
+        if n != slots.shape[0]:
+            raise ValueError(f"truncate got {n} rows but the last budgets call had {slots.shape[0]}")
         features = np.zeros((n, k, N_FEATURES))
-        problems = self._slot_problem[self._slots]
         token_features(
             np.asarray(probs, np.float64)[:, :k],
+            np.asarray(support, np.float64)[:, :k],
             lengths,
             np.asarray(match_lens, np.float64),
             np.asarray(sources, np.int64),
-            outcome_log_odds(self._request_outcomes[self._slots]),
-            outcome_log_odds(self._problem_outcomes[problems]),
+            outcome_log_odds(self._request_outcomes[slots]),
+            outcome_log_odds(self._problem_outcomes[self._slot_problem[slots]]),
             features,
         )
         predicted = self.acceptance.predict(features, lengths)
         # Path probabilities are non-increasing along a row, so the tokens that pay are a prefix.
-        kept = (predicted * self._value[:, None] >= self.cost.coefficients[2]).sum(axis=1).astype(np.int32)
+        kept = (predicted * self._value[:, None] >= self.cost.coefficients[2]).sum(axis=1)
         kept = np.minimum(kept, lengths)
-        self._features, self._kept = features, kept
+        self._features[slots] = features
+        self._kept[slots] = kept
+        # A row that drafts nothing has its answer already: its drafted and accepted rates decay now.
+        idle = slots[kept == 0]
+        self._drafted_rate[idle] *= self.config.rate_decay
+        self._accepted_rate[idle] *= self.config.rate_decay
         self.last_predicted = predicted
-        return kept
+        return kept.astype(np.int32)
 
-    def observe_acceptance(self, rows: np.ndarray, accepted: np.ndarray) -> None:
-        """Verification outcomes of the last `truncate`: row rows[i] had its first accepted[i] tokens accepted.
-        Rows not listed (finished, or preempted) teach nothing. Updates the acceptance model, the rows' and
-        their problems' recent acceptance, and the rows' drafted / accepted tokens per step."""
-        rows = np.asarray(rows, np.int64)
-        accepted = np.minimum(np.asarray(accepted, np.int64), self._kept[rows])
-        slots = self._slots[rows]
-        kept = self._kept[rows]
+    def observe_acceptance(self, slots: np.ndarray, accepted: np.ndarray) -> None:
+        """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed.
+        Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance model, the
+        requests' and their problems' recent outcomes, and the requests' drafted / accepted tokens per step."""
+        slots = np.asarray(slots, np.int64)
+        drafted = self._kept[slots] > 0
+        slots = slots[drafted]
+        if not slots.shape[0]:
+            return
+        kept = self._kept[slots]
+        accepted = np.minimum(np.asarray(accepted, np.int64)[drafted], kept)
         decay = self.config.rate_decay
         self._drafted_rate[slots] = decay * self._drafted_rate[slots] + (1 - decay) * kept
         self._accepted_rate[slots] = decay * self._accepted_rate[slots] + (1 - decay) * accepted
-        drafted = kept > 0
-        if not drafted.any():
-            return
-        rows, slots, kept, accepted = rows[drafted], slots[drafted], kept[drafted], accepted[drafted]
-        outcomes = self.acceptance.update(self._features[rows], kept, accepted)
+        outcomes = self.acceptance.update(self._features[slots], kept, accepted)
         self._request_outcomes[slots] = self.config.request_decay * self._request_outcomes[slots] + outcomes
         self._problem_outcomes *= self.config.problem_decay
         np.add.at(self._problem_outcomes, self._slot_problem[slots], outcomes)
+        self._kept[slots] = 0
 
     def observe_step(self, active: int, tokens: int, seconds: float) -> None:
         """Feeds one measured verification step into the cost model."""

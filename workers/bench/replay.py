@@ -233,9 +233,16 @@ def simulate(
         responses = np.fromiter((t for r in batch for t in r.response_ids), np.int32, int(starts[-1]))
         prompts = [np.asarray(r.prompt_ids, np.int32) for r in batch]
         if index is not None:
-            for key, r, prompt in zip(keys, batch, prompts, strict=True):
-                index.start_request(key, r.problem_id, prompt)
-        slots = np.array([policy.start(r.problem_id) for r in batch], np.int64) if policy else None
+            # The policy names requests by the index's slots, as in the engine.
+            slots = np.array(
+                [
+                    index.start_request(key, r.problem_id, p)
+                    for key, r, p in zip(keys, batch, prompts, strict=True)
+                ]
+            )
+            if policy is not None:
+                for slot, r in zip(slots, batch, strict=True):
+                    policy.start(int(slot), r.problem_id)
         pos = np.zeros(n_req, np.int64)
         stats = np.zeros((n_req, 3), np.int64)  # steps, drafted, accepted
         active = np.nonzero(lengths > 0)[0]
@@ -257,12 +264,14 @@ def simulate(
                         drafts[row, : draft.shape[0]] = draft
                         kept[row] = draft.shape[0]
             else:
-                budgets = policy.budgets(slots[active], pos[active], room) if policy is not None else room
+                budgets = policy.budgets(slots[active], pos[active], room)[0] if policy is not None else room
                 result = index.draft_batch(act_keys, budgets)
                 drafts = result.tokens
                 kept = np.minimum(result.lengths, budgets).astype(np.int64)
                 if policy is not None:
-                    kept = policy.truncate(kept, result.probs, result.match_lens, result.sources)
+                    kept = policy.truncate(
+                        kept, result.probs, result.match_lens, result.sources, result.support
+                    )
                     kept = kept.astype(np.int64)
             accepted = np.zeros(n, np.int64)
             _accepted_prefix(drafts, kept, responses, starts[active], pos[active], remaining, accepted)
@@ -288,7 +297,7 @@ def simulate(
                 )
             pos[active] += advance
             if policy is not None:
-                policy.observe_acceptance(np.arange(n), accepted)
+                policy.observe_acceptance(slots[active][kept > 0], accepted[kept > 0])
                 policy.observe_step(n, verified, cost.step(n, verified))
             done = active[pos[active] >= lengths[active]]
             for i in done:
@@ -298,7 +307,7 @@ def simulate(
                     index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
                 if policy is not None:
                     policy.finish(int(slots[i]))
-                    policy.observe_length(r.problem_id, len(r.response_ids))
+                    policy.lengths.observe(r.problem_id, len(r.response_ids))
             active = active[pos[active] < lengths[active]]
         for i in np.nonzero(lengths == 0)[0]:
             if index is not None:

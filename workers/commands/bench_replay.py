@@ -43,6 +43,11 @@ def register(cli) -> None:
     parser.add_argument(
         "--escape", type=number(0), default=1.0, help="pseudo-count of unseen continuations (das)"
     )
+    parser.add_argument(
+        "--longest-match",
+        action="store_true",
+        help="draft from the longest matching suffix only, not the best of every match length",
+    )
     parser.add_argument("--c-base", type=number(0), default=8e-3, help="verifier step cost, seconds")
     parser.add_argument(
         "--c-seq", type=number(0), default=1e-4, help="verifier cost per active request, seconds"
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         max_spec_offset=args.max_spec_offset,
         min_token_prob=args.min_token_prob,
         escape=args.escape,
+        all_matches=not args.longest_match,
     )
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
     result = replay.run(
