@@ -333,5 +333,5 @@ def test_the_proposer_adds_only_requests_that_ended_by_themselves(response, max_
 
     prompt = [1, 1]
     tokens = np.array(prompt + response, dtype=np.int32)
-    live = _Live("p", 0, 0, len(prompt), len(tokens), max_tokens, frozenset({2}))
+    live = _Live(0, "p", 0, 0, len(prompt), max_tokens, frozenset({2}))
     assert _natural_end(live, tokens) == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -24,12 +25,18 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--num-problems", type=int, default=4, help="built-in problems used without --problems"
     )
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL: 1.0)")
+    parser.add_argument(
+        "--temperatures",
+        type=_temperature_schedule,
+        help="one temperature per epoch, comma-separated (e.g. 1.0,0.85,0.7,0.55: a policy that sharpens "
+        "during RL); replaces --temperature",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="engine-wide sampling seed")
     parser.add_argument("--max-tokens", type=int, default=256, help="response length cap")
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument(
-        "--max-num-seqs", type=POSITIVE, default=None, help="engine batch size (default: CPU 16, GPU 256)"
+        "--max-model-len", type=integer(16), default=2048, help="prompt plus response, in tokens"
     )
-    parser.add_argument("--max-model-len", type=integer(16), default=2048)
     parser.add_argument(
         "--model-dir",
         type=Path,
@@ -38,19 +45,23 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     engine = parser.add_argument_group("engine (defaults: CPU exact and small, GPU vLLM's serving settings)")
     engine.add_argument(
-        "--dtype", choices=DTYPES, default=None, help="weights and compute (CPU float32, GPU auto)"
+        "--max-num-seqs", type=POSITIVE, default=None, help="engine batch size (default: CPU 16, GPU 256)"
+    )
+    engine.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="weights and compute (default: CPU float32, GPU auto)"
+    )
+    engine.add_argument(
+        "--kv-cache-mib",
+        type=POSITIVE,
+        default=None,
+        help="KV cache size (default: CPU 512, SmolLM2 float32 takes 45 KiB per token; GPU: sized by "
+        "--gpu-memory-utilization)",
     )
     engine.add_argument(
         "--gpu-memory-utilization",
         type=number(above=0, maximum=1),
         default=0.9,
         help="GPU share for weights and KV cache",
-    )
-    engine.add_argument(
-        "--kv-cache-bytes",
-        type=POSITIVE,
-        default=None,
-        help="KV cache size (CPU default 512 MiB; GPU: sized by utilization)",
     )
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     engine.add_argument(
@@ -64,6 +75,32 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--budget", default="on", choices=["on", "off"], help="DAS length-aware budget policy"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+    parser.add_argument(
+        "--shard",
+        type=shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="roll out only problems I, I+N, I+2N, ... of the set (0-based): workers sharing a bus take "
+        "disjoint shards, so no two publish the same (problem, epoch, sample) key",
+    )
+
+
+def shard(raw: str) -> tuple[int, int]:
+    """`I/N` as (index, count), with 0 <= I < N."""
+    index, sep, count = raw.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not 0 <= int(index) < int(count):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {raw!r}")
+    return int(index), int(count)
+
+
+def _temperature_schedule(raw: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in raw.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {raw!r}") from None
+    if any(not value >= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {raw!r}")
+    return values
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -72,28 +109,42 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    # Before the engine is built: a missing file must not cost a model load (and a restart loop of them).
+    if args.problems is not None and not args.problems.is_file():
+        raise ValueError(f"--problems {args.problems}: no such file")
+    if args.temperatures is not None and len(args.temperatures) != args.epochs:
+        raise ValueError(f"--temperatures gives {len(args.temperatures)} values for {args.epochs} epochs")
+
+
+def epoch_temperature(args: argparse.Namespace, epoch: int) -> float:
+    """The sampling temperature of `epoch`: its entry of --temperatures, else --temperature."""
+    return args.temperatures[epoch] if args.temperatures is not None else args.temperature
 
 
 def _problems(args: argparse.Namespace) -> list[Any]:
-    """The problem set, read before any engine is built: a missing or malformed --problems file, or an incomplete
-    model folder, fails in seconds rather than after the engine's start-up.
+    """This worker's problems (its --shard of the set), read before any engine is built: an incomplete model
+    folder or a malformed --problems file fails in seconds rather than after the engine's start-up.
 
     Raises:
         ModelError: the model folder is incomplete.
-        ValueError: the problems file is missing or malformed.
-        OSError: the problems file cannot be read.
+        ValueError: the problems file is malformed, or the shard selects nothing.
     """
     from transformers import AutoTokenizer
 
     from workers.model import require_model
     from workers.rollout import builtin_problems, load_problems
 
-    if args.problems is not None and not args.problems.is_file():
-        raise ValueError(f"--problems {args.problems}: no such file")
     tokenizer = AutoTokenizer.from_pretrained(str(require_model(args.model_dir)))
-    if args.problems is not None:
-        return load_problems(args.problems, tokenizer)
-    return builtin_problems(tokenizer, args.num_problems)
+    problems = (
+        load_problems(args.problems, tokenizer)
+        if args.problems
+        else builtin_problems(tokenizer, args.num_problems)
+    )
+    index, count = args.shard
+    problems = problems[index::count]
+    if not problems:
+        raise ValueError(f"--shard {index}/{count} selects no problem")
+    return problems
 
 
 def engine_options(args: argparse.Namespace) -> Any:
@@ -106,9 +157,10 @@ def engine_options(args: argparse.Namespace) -> Any:
         num_speculative_tokens=args.k,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        seed=args.seed,
         dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib * 2**20 if args.kv_cache_mib is not None else None,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_bytes=args.kv_cache_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -136,11 +188,11 @@ def _epochs(
     from workers.rollout import RolloutWorker
 
     worker = RolloutWorker(llm, args.strategy, sink=sink)
-    sampling = {"temperature": args.temperature, "max_tokens": args.max_tokens}
     reports = []
     for epoch in range(args.epochs):
+        sampling = {"temperature": epoch_temperature(args, epoch), "max_tokens": args.max_tokens}
         report, _ = worker.run_epoch(problems, epoch, args.samples, sampling)
-        line = report.to_json()
+        line = {**report.to_json(), "temperature": sampling["temperature"]}
         proposer = line.pop("proposer")
         if proposer is not None:
             line["proposer_errors"] = proposer["errors"]
@@ -200,6 +252,16 @@ def _rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the engine measured per epoch, with the settings that produced it (what a replay must match)."""
+    settings = {
+        name: getattr(args, name)
+        for name in ("k", "max_num_seqs", "max_tokens", "max_model_len", "budget", "seed", "samples")
+    }
+    settings["temperatures"] = [epoch_temperature(args, epoch) for epoch in range(args.epochs)]
+    return {"strategy": args.strategy, "out": str(args.out), "settings": settings, "epochs": reports}
+
+
 def _traces(args: argparse.Namespace) -> int:
     try:
         _check(args)
@@ -209,15 +271,24 @@ def _traces(args: argparse.Namespace) -> int:
     problems = _problems(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    # A .gz name writes gzip: multi-epoch traces compress about 4x.
+    with (
+        gzip.open(tmp, "wt", encoding="utf-8")
+        if args.out.suffix == ".gz"
+        else open(tmp, "w", encoding="utf-8")
+    ) as handle:
 
         def write(record: Any) -> None:
             handle.write(record.model_dump_json(exclude_none=True) + "\n")
 
         reports = _loop(args, problems, write)
     tmp.replace(args.out)
+    report = _engine_report(args, reports)
+    if args.report is not None:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if args.json:
-        print(json.dumps({"strategy": args.strategy, "out": str(args.out), "epochs": reports}))
+        print(json.dumps(report))
     else:
         print(f"wrote {sum(r['requests'] for r in reports)} trajectories to {args.out}")
     return 0
@@ -250,5 +321,13 @@ def register(cli) -> None:
     )
     _add_common(traces)
     traces.add_argument(
-        "--out", type=Path, required=True, help="trace file to write (JSON Lines of TrajectoryRecord)"
+        "--out",
+        type=Path,
+        required=True,
+        help="trace file to write (JSON Lines of TrajectoryRecord; gzip if .gz)",
+    )
+    traces.add_argument(
+        "--report",
+        type=Path,
+        help="also write the engine's per-epoch figures (acceptance, accepted tokens per step) and settings here",
     )

@@ -1,0 +1,122 @@
+"""`das bench fidelity`: does the replay predict what the engine measured on the same rollouts?
+
+Input: a trace the engine recorded itself (`das traces generate --strategy das|ngram --report R.json`) and the
+engine's per-epoch figures in R.json. The replay runs that trace with the recording's strategy and settings
+(K, depth, window, budget and, for the budget, the engine's fitted step-cost model), and both sides' accepted
+draft tokens per request step and acceptance are compared, per epoch and over the whole run.
+
+Why they can agree closely: for a fixed drafter, a draft token accepted by rejection sampling is the token the
+trajectory records, and a rejected one never is (the recovered token is drawn with the draft's probability
+removed). So on the engine's own trace, exact-match replay accepts exactly what the engine accepted whenever
+both draft the same tokens at the same positions. What still differs: the DAS budget reacts to measured step
+times (the replay models them), the engine admits requests over a few steps (the replay starts an epoch's
+requests together), and the engine counts drafts accepted past `max_tokens` that the output then drops.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from history_store.suffix_tree import DraftConfig
+from workers.bench import replay
+from workers.proposer import ProposerSettings
+
+TOLERANCE = 0.10
+
+
+def _figures(accepted: float, drafted: float, steps: float) -> dict[str, float]:
+    return {
+        "accepted_per_step": round(accepted / steps, 4) if steps else 0.0,
+        "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+    }
+
+
+def _engine_epoch(row: dict[str, Any]) -> dict[str, Any]:
+    # The engine's report: every request step commits its accepted drafts plus one token.
+    steps = row["output_tokens"] - row["accepted_tokens"]
+    return {
+        "steps": steps,
+        "draft_tokens": row["draft_tokens"],
+        "accepted_tokens": row["accepted_tokens"],
+        **_figures(row["accepted_tokens"], row["draft_tokens"], steps),
+    }
+
+
+def _relative(replayed: float, engine: float) -> float | None:
+    return round(abs(replayed - engine) / engine, 4) if engine else None
+
+
+def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """Replays `trace` as the engine ran it and compares; returns the report `das bench fidelity` prints.
+
+    Raises:
+        ValueError: the report is not one of `das traces generate --report`, or its strategy has no drafts.
+    """
+    try:
+        strategy, settings, epochs = (
+            engine_report["strategy"],
+            engine_report["settings"],
+            engine_report["epochs"],
+        )
+    except KeyError as exc:
+        raise ValueError(f"not an engine report of `das traces generate --report` (missing {exc})") from None
+    if strategy not in ("ngram", "das"):
+        raise ValueError(f"the engine ran {strategy!r}: only ngram and das draft")
+    proposer = ProposerSettings(budget=settings["budget"] == "on")
+    config = DraftConfig(
+        max_depth=proposer.max_depth,
+        max_spec_tokens=settings["k"],
+        max_spec_factor=proposer.max_spec_factor,
+        max_spec_offset=proposer.max_spec_offset,
+        min_token_prob=proposer.min_token_prob,
+    )
+    cost = replay.CostModel()
+    if strategy == "das" and proposer.budget:
+        # The engine's budget priced drafts with the step costs it fitted on this machine; the replay must too.
+        fitted = epochs[-1]["cost_model"]
+        cost = replay.CostModel(fitted["c_base"], fitted["c_seq"], fitted["c_tok"])
+        strategy_in_replay = "das"
+    else:
+        strategy_in_replay = "das-unbudgeted" if strategy == "das" else "ngram"
+    records = replay.load_traces(trace)
+    replayed = replay.replay(records, strategy_in_replay, config, proposer.window_epochs, cost)
+    by_epoch = {e["epoch"]: e for e in replayed["per_epoch"]}
+    rows = []
+    totals = {"engine": [0, 0, 0], "replay": [0, 0, 0]}
+    for row in epochs:
+        engine = _engine_epoch(row)
+        mine = by_epoch[row["epoch"]]
+        rep = {
+            "steps": mine["steps"],
+            "draft_tokens": mine["draft_tokens"],
+            "accepted_tokens": mine["accepted_tokens"],
+            **_figures(mine["accepted_tokens"], mine["draft_tokens"], mine["steps"]),
+        }
+        for side, values in (("engine", engine), ("replay", rep)):
+            for i, name in enumerate(("steps", "draft_tokens", "accepted_tokens")):
+                totals[side][i] += values[name]
+        rows.append({"epoch": row["epoch"], "engine": engine, "replay": rep})
+    overall = {side: _figures(acc, drafted, steps) for side, (steps, drafted, acc) in totals.items()}
+    differences = {
+        name: _relative(overall["replay"][name], overall["engine"][name])
+        for name in ("accepted_per_step", "acceptance")
+    }
+    return {
+        "trace": str(trace),
+        "strategy": strategy,
+        "replayed_as": strategy_in_replay,
+        "settings": settings,
+        "cost_model": cost.__dict__,
+        "per_epoch": rows,
+        "overall": overall,
+        "relative_difference": differences,
+        "tolerance": tolerance,
+        "within_tolerance": all(d is not None and d <= tolerance for d in differences.values()),
+    }
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """An engine report written by `das traces generate --report`."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
