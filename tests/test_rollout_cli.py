@@ -113,7 +113,7 @@ def test_a_gpu_gets_vllms_serving_settings_as_valid_engine_arguments() -> None:
 
 def test_missing_inputs_fail_in_one_line_before_an_engine_is_built(tmp_path) -> None:
     missing = _run("rollout", "--problems", str(tmp_path / "nope.jsonl"))
-    assert missing.returncode == 1
+    assert missing.returncode == 2  # a flag that names nothing: a usage error
     assert missing.stderr.strip().splitlines() == [
         f"das rollout: --problems {tmp_path / 'nope.jsonl'}: no such file"
     ]
