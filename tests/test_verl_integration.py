@@ -148,8 +148,9 @@ class _EngineServer:
     def __init__(self, engine: Any, max_tokens: int) -> None:
         self.engine = engine
         self.max_tokens = max_tokens
-        # Problems whose next request is aborted after this many tokens.
+        # Problems whose next request is aborted after this many tokens, and the samples that were.
         self.abort_after: dict[str, int] = {}
+        self.aborted: list[int] = []
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **_: Any) -> Any:
         from verl.workers.rollout.replica import TokenOutput
@@ -158,21 +159,31 @@ class _EngineServer:
 
         params = dict(sampling_params)
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
-        abort_after = self.abort_after.pop((params.get("extra_args") or {}).get("das_problem_id"), None)
+        extra = params.get("extra_args") or {}
+        abort_after = self.abort_after.pop(extra.get("das_problem_id"), None)
+        # A request to abort gets room to run far past the abort, so it cannot finish first.
+        max_tokens = self.max_tokens if abort_after is None else 10 * self.max_tokens
         final = None
         async for output in self.engine.generate(
             TokensPrompt(prompt_token_ids=prompt_ids),
-            SamplingParams(max_tokens=self.max_tokens, **params),
+            SamplingParams(max_tokens=max_tokens, **params),
             request_id,
         ):
             final = output
             if abort_after is not None and len(output.outputs[0].token_ids) >= abort_after:
                 # What verl's abort_all_requests does to in-flight requests before a weight update.
+                self.aborted.append(extra["das_sample"])
                 await self.engine.abort(request_id)
+                abort_after = None
         assert final is not None
         finish_reason = final.outputs[0].finish_reason
-        # vLLMHttpServer.generate's mapping.
-        stop_reason = "aborted" if finish_reason == "abort" else "completed"
+        # vLLMHttpServer.generate's mapping (a stream cut by the abort ends without a finish reason).
+        if finish_reason == "abort":
+            stop_reason = "aborted"
+        elif finish_reason in ("stop", "length"):
+            stop_reason = "completed"
+        else:
+            stop_reason = finish_reason
         return TokenOutput(
             token_ids=list(final.outputs[0].token_ids), stop_reason=stop_reason, num_preempted=0
         )
@@ -285,11 +296,13 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             return first, second, stats, await engine.collective_rpc("das_stats")
 
         first, second, stats, after_abort = asyncio.run(run_all())
+        (aborted_sample,) = server.aborted
     finally:
         engine.shutdown()
         # Collected now, while vLLM's modules are alive (its __del__ shuts down again and fails at exit).
         engine = server = None
         gc.collect()
+    kept_sample = 1 - aborted_sample
     messages = []
     deadline = time.monotonic() + 30
     while len(messages) < 5 and time.monotonic() < deadline:
@@ -299,7 +312,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     pid = f"test/train/{problem}"
     # One session of the aborted problem was cut mid-way: only its complete sibling is published.
     assert [r.key for r in records] == sorted(
-        [(pid, e, s) for e in (0, 1) for s in (0, 1)] + [(f"test/train/{aborted}", 0, 1)]
+        [(pid, e, s) for e in (0, 1) for s in (0, 1)] + [(f"test/train/{aborted}", 0, kept_sample)]
     )
     for record, output in zip([r for r in records if r.problem_id == pid], first + second, strict=True):
         assert record.response_ids == list(output.response_ids) and len(record.response_ids) > 0
