@@ -282,7 +282,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             annotate_tq(batch, annotator, n=2)
             return list(await asyncio.gather(*(run_session(kw) for kw in _v1_kwargs(batch, n=2))))
 
-        async def run_all() -> tuple[list[Any], list[Any], list[dict], list[dict]]:
+        async def run_all() -> tuple[list[Any], list[Any], list[dict], list[int]]:
             first = await run_step(problem, 1)
             second = await run_step(problem, 2)
             # What workers.verl.stats has verl's vLLMHttpServer.collective_rpc run in each worker (verl drops
@@ -293,9 +293,19 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             assert stats[0]["steps"] == (await engine.collective_rpc("das_stats"))[0]["steps"]
             server.abort_after[f"test/train/{aborted}"] = 4
             await run_step(aborted, 3)
-            return first, second, stats, await engine.collective_rpc("das_stats")
+            # The proposer sees requests leave at its next call; adding (nothing) reaps the ones that left.
+            await engine.collective_rpc("das_add_trajectories", args=([],))
+            (cut,) = server.aborted
 
-        first, second, stats, after_abort = asyncio.run(run_all())
+            async def new_to_history(sample: int) -> int:
+                record = {"problem_id": f"test/train/{aborted}", "epoch": 0, "sample": sample}
+                record |= {"prompt_ids": [1], "response_ids": [2]}
+                return (await engine.collective_rpc("das_add_trajectories", args=([record],)))[0]
+
+            # Adding is idempotent by key: 0 means the proposer's own finish-time add already holds the key.
+            return first, second, stats, [await new_to_history(1 - cut), await new_to_history(cut)]
+
+        first, second, stats, added = asyncio.run(run_all())
         (aborted_sample,) = server.aborted
     finally:
         engine.shutdown()
@@ -326,9 +336,8 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     assert das["history_problems"] == 1 and das["drafting_rank"]
     assert das["sources"]["problem"] > 0 and das["accepted_tokens"] > 0
     assert das["errors"] == 0 and das["malformed_requests"] == 0
-    # The proposer's own finish-time add took the complete sibling of the aborted problem, not the cut one
-    # (a cut one alone would have added the problem too, with a 4-token response).
-    assert after_abort[0]["history_problems"] == 2
+    # The proposer's own finish-time add took the complete sibling of the aborted request, not the cut one.
+    assert added == [0, 1]
 
 
 @pytest.mark.parametrize(
