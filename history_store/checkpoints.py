@@ -1,18 +1,26 @@
-"""Checkpoints of the history store: RocksDB checkpoints (hard links, consistent across column families)
-plus a small JSON manifest, kept K at a time, and restore into a fresh data folder.
+"""Checkpoints and backups of the history store, and restore into a fresh data folder.
 
 A checkpoint is a folder `ckpt-<unix ms>-<next sequence>` under a checkpoint root, holding `db/` (the RocksDB
-checkpoint) and `manifest.json`. It is built under a temporary name and renamed when complete, so a crash
-mid-checkpoint leaves no folder that looks finished; leftovers are removed by the next checkpoint.
+checkpoint: hard links, consistent across column families) and `manifest.json`. It is built under a temporary
+name and renamed when complete, so a crash mid-checkpoint leaves no folder that looks finished; leftovers are
+removed by the next checkpoint. Hard links share the store's files, and so any damage to them: a checkpoint
+protects against a bad write or a lost folder, not against a bad disk.
+
+A backup (`backup-<unix ms>-<next sequence>`) is a checkpoint read in full with every checksum verified, then
+copied file by file (real copies, fsynced, ideally onto another disk) with each file's SHA-256 in its
+manifest. Restore checks every file against its SHA-256 before using it, and reads the restored store in full
+before reporting it good.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from history_store import layout
-from history_store.errors import StoreError, StoreOpenError
+from history_store.errors import StoreCorruptionError, StoreError, StoreOpenError
 from history_store.store import HistoryStore
 from monitoring.metrics import CHECKPOINT_DURATION, LAST_CHECKPOINT
 
@@ -29,6 +37,9 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 _PREFIX = "ckpt-"
 _TMP_PREFIX = ".tmp-ckpt-"
+_BACKUP_PREFIX = "backup-"
+_BACKUP_TMP_PREFIX = ".tmp-backup-"
+_COPY_CHUNK = 1 << 20
 # Files RocksDB never rewrites once written: safe to share by hard link between a checkpoint and a live store.
 # Everything else (MANIFEST, CURRENT, OPTIONS, WAL) is appended to or replaced by the live store: copied.
 _IMMUTABLE_SUFFIXES = (".sst", ".blob")
@@ -54,13 +65,14 @@ class RestoreInfo:
     seconds: float
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Finished checkpoints under `root`, oldest first (empty if `root` does not exist)."""
+def list_checkpoints(root: str | Path, prefix: str = _PREFIX) -> list[Path]:
+    """Finished checkpoints (or backups, with prefix "backup-") under `root`, oldest first (empty if `root`
+    does not exist)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name)
+    found = [p for p in root.iterdir() if p.name.startswith(prefix) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name[len(prefix) :])
 
 
 def read_manifest(checkpoint: str | Path) -> dict[str, Any]:
@@ -128,9 +140,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
-    found = list_checkpoints(path)
+    found = sorted(
+        list_checkpoints(path) + list_checkpoints(path, _BACKUP_PREFIX), key=lambda p: p.name.split("-", 1)[1]
+    )
     if not found:
-        raise CheckpointError(f"{path} is neither a checkpoint nor a folder of finished checkpoints")
+        raise CheckpointError(
+            f"{path} is neither a checkpoint or backup nor a folder of finished checkpoints or backups"
+        )
     return found[-1]
 
 
@@ -163,16 +179,30 @@ def restore_checkpoint(checkpoint: str | Path, data_dir: str | Path) -> RestoreI
     tmp = data_dir.with_name(f".{data_dir.name}.restoring")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for item in (source / "db").iterdir():
-        _link_or_copy(item, tmp / item.name)
+    files = manifest.get("files")
+    if files is None:
+        for item in (source / "db").iterdir():
+            _link_or_copy(item, tmp / item.name)
+    else:
+        try:
+            _copy_verified(source / "db", tmp, files)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     if data_dir.exists():
         data_dir.rmdir()
     os.replace(tmp, data_dir)
     try:
         with HistoryStore(data_dir, window_epochs=manifest["window_epochs"], create=False) as store:
             stats = store.stats()
-    except StoreOpenError as exc:
+            report = store.verify()
+    except (StoreOpenError, StoreCorruptionError) as exc:
         raise CheckpointError(f"restored folder {data_dir} does not open: {exc}") from exc
+    if not report.ok:
+        raise CheckpointError(
+            f"restored {data_dir} from {source} is damaged (files {', '.join(report.files) or 'none named'}, "
+            f"{len(report.unreadable_records)} unreadable records): restore an older checkpoint or a backup"
+        )
     expected = (manifest["trajectories"], manifest["next_sequence"], manifest["offsets"])
     restored = (stats.trajectories, stats.next_sequence, stats.to_json()["offsets"])
     if restored != expected:
@@ -181,6 +211,107 @@ def restore_checkpoint(checkpoint: str | Path, data_dir: str | Path) -> RestoreI
             f"offsets) {restored} != {expected}"
         )
     return RestoreInfo(data_dir, manifest, time.perf_counter() - started)
+
+
+def create_backup(source: HistoryStore | str | Path, root: str | Path, keep: int = 3) -> CheckpointInfo:
+    """Backs up a store (an open writer: a fresh checkpoint of it) or an existing checkpoint (a folder or a
+    root: its newest) into `root` as verified real copies; keeps the newest `keep` backups there.
+
+    Raises StoreCorruptionError if the source is damaged (nothing is backed up), CheckpointError or OSError
+    if the copy fails (no partial backup is left looking finished).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    started = time.perf_counter()
+    scratch: Path | None = None
+    if isinstance(source, HistoryStore):
+        # The checkpoint must be on the store's file system (hard links); it is removed once copied.
+        scratch = source.path.parent / f".{source.path.name}.backup-checkpoints"
+        checkpoint = create_checkpoint(source, scratch, keep=1).path
+    else:
+        checkpoint = resolve_checkpoint(source)
+    try:
+        manifest = read_manifest(checkpoint)
+        with (
+            tempfile.TemporaryDirectory(prefix="das-backup-secondary-") as secondary,
+            HistoryStore.open_secondary(checkpoint / "db", secondary) as reader,
+        ):
+            report = reader.verify()
+        if not report.ok:
+            raise StoreCorruptionError(
+                f"{checkpoint} is damaged (files {', '.join(report.files) or 'none named'}, "
+                f"{len(report.unreadable_records)} unreadable records): not backed up"
+            )
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(f"{_BACKUP_TMP_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        name = _BACKUP_PREFIX + checkpoint.name.split("-", 1)[1]
+        tmp = root / f"{_BACKUP_TMP_PREFIX}{name[len(_BACKUP_PREFIX) :]}"
+        (tmp / "db").mkdir(parents=True)
+        try:
+            files = {
+                item.name: _copy_with_digest(item, tmp / "db" / item.name)
+                for item in sorted((checkpoint / "db").iterdir())
+                if item.is_file()
+            }
+            manifest = {**manifest, "files": files, "backup_of": str(checkpoint)}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            _fsync_dir(tmp / "db")
+            final = root / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in list_checkpoints(root, _BACKUP_PREFIX)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return CheckpointInfo(final, manifest, time.perf_counter() - started)
+
+
+def _copy_with_digest(src: Path, dst: Path) -> dict[str, Any]:
+    """Copies one file (fsynced) and returns its size and SHA-256, computed from the bytes read."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while chunk := fin.read(_COPY_CHUNK):
+            digest.update(chunk)
+            fout.write(chunk)
+            size += len(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _copy_verified(src_dir: Path, dst_dir: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Copies a backup's files, each checked against the SHA-256 and size in its manifest.
+
+    Raises CheckpointError naming the first file that is missing or differs.
+    """
+    present = {p.name for p in src_dir.iterdir() if p.is_file()}
+    missing = sorted(set(files) - present)
+    if missing:
+        raise CheckpointError(f"backup {src_dir.parent} lacks files its manifest lists: {', '.join(missing)}")
+    for name, expected in sorted(files.items()):
+        got = _copy_with_digest(src_dir / name, dst_dir / name)
+        if got != expected:
+            raise CheckpointError(
+                f"backup file {src_dir / name} fails its checksum (manifest: {expected['bytes']} bytes, sha256 "
+                f"{expected['sha256'][:16]}...; read: {got['bytes']} bytes, sha256 {got['sha256'][:16]}...): "
+                "the backup is damaged; restore another one"
+            )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Checkpointer:

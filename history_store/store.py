@@ -13,12 +13,14 @@ the value encodings in `codec.py`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from rocksdict import AccessType, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import AccessType, DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from history_store import layout
 from history_store.codec import (
@@ -172,6 +174,53 @@ class StoreStats:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class DamagedRange:
+    """Part of a column family RocksDB cannot read: from after `after_key` (None: from the start), in `file`."""
+
+    family: str
+    after_key: str | None
+    file: str | None
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What `verify` found: entries read per column family, the ranges and files RocksDB cannot read, and
+    the trajectory records (listed by the windows) that are unreadable, missing, or fail their own checksum."""
+
+    path: str
+    entries: dict[str, int]
+    damaged: list[DamagedRange]
+    unreadable_records: list[TrajectoryKey]
+    missing_records: list[TrajectoryKey]
+    corrupt_records: list[TrajectoryKey]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.damaged or self.unreadable_records or self.missing_records or self.corrupt_records)
+
+    @property
+    def files(self) -> list[str]:
+        """The damaged files RocksDB named, each once."""
+        return sorted({d.file for d in self.damaged if d.file})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "entries": self.entries,
+            "damaged_files": self.files,
+            "damaged": [
+                {"family": d.family, "after_key": d.after_key, "file": d.file, "error": d.error}
+                for d in self.damaged
+            ],
+            "unreadable_records": [list(k) for k in self.unreadable_records],
+            "missing_records": [list(k) for k in self.missing_records],
+            "corrupt_records": [list(k) for k in self.corrupt_records],
+        }
+
+
 def _options(create: bool) -> tuple[Options, dict[str, Options]]:
     # raw_mode must be identical on every open, or rocksdict flips the stored configuration.
     db_opts = Options(raw_mode=True)
@@ -186,22 +235,43 @@ def _options(create: bool) -> tuple[Options, dict[str, Options]]:
     return db_opts, families
 
 
-def _range(family: Rdict, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """Items with start <= key < end.
+_SST_FILE = re.compile(r"\S+\.(?:sst|blob)\b")
 
-    Stops by comparing keys rather than with ReadOptions.set_iterate_upper_bound: rocksdict does not keep
-    the bound alive, so a ReadOptions that is garbage-collected mid-iteration leaves a dangling bound (seen
-    here: scans returning too few or too many keys).
+
+def _is_corruption(exc: Exception) -> bool:
+    return "Corruption:" in str(exc)
+
+
+def _scan(
+    family: Rdict, start: bytes | None = None, end: bytes | None = None
+) -> Iterator[tuple[bytes, bytes]]:
+    """Items with start <= key < end, every block's checksum verified; raises RocksDB's error at the end.
+
+    rocksdict's own `items()` ends quietly at a block that fails its checksum (the rest of the range simply
+    seems absent), so this walks a raw iterator and checks its status when it stops. Stops by comparing keys
+    rather than with ReadOptions.set_iterate_upper_bound: rocksdict does not keep the bound alive, so a
+    ReadOptions garbage-collected mid-iteration leaves a dangling bound (seen here: wrong scans).
     """
-    for key, value in family.items(from_key=start):
-        if key >= end:
+    options = ReadOptions()
+    options.set_verify_checksums(True)
+    it = family.iter(options)
+    if start is None:
+        it.seek_to_first()
+    else:
+        it.seek(start)
+    while it.valid():
+        key = it.key()
+        if end is not None and key >= end:
             return
-        yield key, value
+        yield key, it.value()
+        it.next()
+    it.status()  # raises if the iterator stopped on an error rather than at the end
 
 
 def _keys(family: Rdict) -> Iterator[bytes]:
-    """Keys of a column family in order (an Rdict is not iterable over its keys the way a dict is)."""
-    yield from family.keys()
+    """Keys of a column family in order, checksums verified."""
+    for key, _ in _scan(family):
+        yield key
 
 
 def _disk_bytes(path: Path) -> int:
@@ -247,8 +317,47 @@ class _StoreReader:
             raise StoreOpenError(f"history store {self.path} is closed")
         return self._cf[name]
 
+    def _get(self, name: str, key: bytes) -> bytes | None:
+        """One value, its block's checksum verified. Raises StoreCorruptionError on a damaged block."""
+        try:
+            return self._family(name).get(key)
+        except StoreError:
+            raise
+        except Exception as exc:
+            if _is_corruption(exc):
+                raise self._corruption(name, key, exc) from exc
+            raise
+
+    def _items(
+        self, name: str, start: bytes | None = None, end: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """`_scan` over one column family; raises StoreCorruptionError on a damaged block, naming the family,
+        the last key read before it and the file RocksDB reports."""
+        last = start
+        try:
+            for key, value in _scan(self._family(name), start, end):
+                last = key
+                yield key, value
+        except StoreError:
+            raise
+        except Exception as exc:
+            if _is_corruption(exc):
+                raise self._corruption(name, last, exc) from exc
+            raise
+
+    def _keys(self, name: str) -> Iterator[bytes]:
+        for key, _ in self._items(name):
+            yield key
+
+    def _corruption(self, name: str, key: bytes | None, exc: Exception) -> StoreCorruptionError:
+        where = f"after key {key!r}" if key is not None else "from its start"
+        return StoreCorruptionError(
+            f"history store {self.path}: column family {name} unreadable {where}: {exc}. "
+            "Run `das history verify` for every damaged key and file; the replica rebuilds from the topic"
+        )
+
     def _meta_int(self, key: bytes) -> int | None:
-        raw = self._family(layout.CF_META).get(key)
+        raw = self._get(layout.CF_META, key)
         return None if raw is None else int(raw.decode("ascii"))
 
     @property
@@ -283,7 +392,7 @@ class _StoreReader:
     def get(self, problem_id: str, epoch: int, sample: int) -> StoredTrajectory | None:
         """The stored record, or None if absent, evicted or quarantined. Raises ValueError on a bad key."""
         key = layout.trajectory_key(problem_id, epoch, sample)
-        raw = self._family(layout.CF_TRAJECTORIES).get(key)
+        raw = self._get(layout.CF_TRAJECTORIES, key)
         return None if raw is None else self._decode(key, raw)
 
     def iter_trajectories(self, problem_id: str | None = None) -> Iterator[StoredTrajectory]:
@@ -292,12 +401,13 @@ class _StoreReader:
 
         Exhaust or close the iterator before `close()`: a live RocksDB iterator keeps the folder locked.
         """
-        family = self._family(layout.CF_TRAJECTORIES)
         if problem_id is None:
-            items = family.items()
+            items = self._items(layout.CF_TRAJECTORIES)
         else:
             prefix = layout.problem_prefix(problem_id)
-            items = _range(family, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
+            items = self._items(
+                layout.CF_TRAJECTORIES, layout.epoch_bound(prefix, 0), layout.problem_end(prefix)
+            )
         for key, raw in items:
             record = self._decode(key, raw)
             if record is not None:
@@ -305,14 +415,14 @@ class _StoreReader:
 
     def problem_ids(self) -> list[str]:
         """Ids of every problem with records in the store, sorted by key (length, then bytes)."""
-        return [layout.decode_problem_prefix(k) for k in _keys(self._family(layout.CF_WINDOWS))]
+        return [layout.decode_problem_prefix(k) for k in self._keys(layout.CF_WINDOWS)]
 
     def window(self, problem_id: str) -> np.ndarray:
         """The problem's window entries (epoch, sample, prompt_len, response_len), sorted; empty if none."""
         return self._window_entries(layout.problem_prefix(problem_id))
 
     def _window_entries(self, prefix: bytes) -> np.ndarray:
-        raw = self._family(layout.CF_WINDOWS).get(prefix)
+        raw = self._get(layout.CF_WINDOWS, prefix)
         if raw is None:
             return np.zeros(0, dtype=WINDOW_ENTRY)
         try:
@@ -327,8 +437,7 @@ class _StoreReader:
     def _scan_window(self, prefix: bytes) -> np.ndarray:
         """Window entries recomputed from the stored records (when the stored window value is corrupt)."""
         rows = []
-        family = self._family(layout.CF_TRAJECTORIES)
-        items = _range(family, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
+        items = self._items(layout.CF_TRAJECTORIES, layout.epoch_bound(prefix, 0), layout.problem_end(prefix))
         for key, raw in items:
             try:
                 decoded = decode_trajectory(raw)
@@ -344,15 +453,12 @@ class _StoreReader:
 
     def offsets(self) -> dict[tuple[str, int], int]:
         """Bus offsets stored with the records: (topic, partition) -> next offset to read."""
-        return {
-            layout.decode_offset_key(k): layout.decode_u64(v)
-            for k, v in self._family(layout.CF_OFFSETS).items()
-        }
+        return {layout.decode_offset_key(k): layout.decode_u64(v) for k, v in self._items(layout.CF_OFFSETS)}
 
     def quarantined(self) -> list[QuarantinedRecord]:
         """Records set aside because they failed their checks, with the reason."""
         out = []
-        for key, raw in self._family(layout.CF_QUARANTINE).items():
+        for key, raw in self._items(layout.CF_QUARANTINE):
             head, _, body = raw.partition(b"\n")
             info = json.loads(head)
             out.append(
@@ -365,6 +471,54 @@ class _StoreReader:
                 )
             )
         return out
+
+    def verify(self) -> VerifyReport:
+        """Reads every entry of every column family with checksums verified, then every record the windows
+        list, one by one, so a damaged block is reported with exactly the records it held. Never repairs."""
+        entries: dict[str, int] = {}
+        damaged: list[DamagedRange] = []
+        for name in layout.COLUMN_FAMILIES:
+            count, last = 0, None
+            try:
+                for key, _ in _scan(self._family(name)):
+                    count, last = count + 1, key
+            except Exception as exc:
+                if not _is_corruption(exc):
+                    raise
+                found = _SST_FILE.search(str(exc))
+                damaged.append(
+                    DamagedRange(
+                        name, None if last is None else repr(last), found and found.group(0), str(exc)
+                    )
+                )
+            entries[name] = count
+        unreadable: list[TrajectoryKey] = []
+        missing: list[TrajectoryKey] = []
+        corrupt: list[TrajectoryKey] = []
+        prefixes = []
+        with contextlib.suppress(StoreCorruptionError):  # already listed above; check what can be read
+            prefixes.extend(self._keys(layout.CF_WINDOWS))
+        for prefix in prefixes:
+            try:
+                window = self._window_entries(prefix)
+            except StoreCorruptionError:
+                continue  # its block is listed in `damaged`
+            problem_id = layout.decode_problem_prefix(prefix)
+            for epoch, sample in zip(window["epoch"].tolist(), window["sample"].tolist(), strict=True):
+                key = (problem_id, int(epoch), int(sample))
+                try:
+                    raw = self._get(layout.CF_TRAJECTORIES, layout.trajectory_key(*key))
+                except StoreCorruptionError:
+                    unreadable.append(key)
+                    continue
+                if raw is None:
+                    missing.append(key)
+                    continue
+                try:
+                    decode_trajectory(raw)
+                except CorruptRecordError:
+                    corrupt.append(key)
+        return VerifyReport(str(self.path), entries, damaged, unreadable, missing, corrupt)
 
     def content_digest(self) -> str:
         """Order-independent SHA-256 digest of all stored records (keys and tokens, not sequence numbers).
@@ -384,7 +538,7 @@ class _StoreReader:
         """Totals of the store, from the window entries (one read per problem)."""
         problems = trajectories = prompt_tokens = response_tokens = 0
         max_epoch = -1
-        for prefix in _keys(self._family(layout.CF_WINDOWS)):
+        for prefix in self._keys(layout.CF_WINDOWS):
             entries = self._window_entries(prefix)
             problems += 1
             trajectories += len(entries)
@@ -397,7 +551,7 @@ class _StoreReader:
             trajectories=trajectories,
             prompt_tokens=prompt_tokens,
             response_tokens=response_tokens,
-            quarantined=sum(1 for _ in _keys(self._family(layout.CF_QUARANTINE))),
+            quarantined=sum(1 for _ in self._keys(layout.CF_QUARANTINE)),
             window_epochs=self.window_epochs,
             next_sequence=self.next_sequence,
             max_epoch=max_epoch,
@@ -526,7 +680,7 @@ class HistoryStore(_StoreReader):
         version = self._meta_int(layout.META_LAYOUT_VERSION)
         if version is None:
             window_epochs = window_epochs or DEFAULT_WINDOW_EPOCHS
-            if next(iter(self._family(layout.CF_TRAJECTORIES).keys()), None) is not None:
+            if next(self._keys(layout.CF_TRAJECTORIES), None) is not None:
                 raise StoreOpenError(f"{self.path} holds records but no layout version: not a history store")
             batch = WriteBatch(raw_mode=True)
             handle = self._handles[layout.CF_META]
@@ -544,7 +698,7 @@ class HistoryStore(_StoreReader):
             self._change_window(window_epochs)
 
     def _first_sequence(self) -> int:
-        first = next(iter(self._family(layout.CF_SEQUENCE).keys()), None)
+        first = next(self._keys(layout.CF_SEQUENCE), None)
         return self._next_sequence if first is None else layout.decode_u64(first)
 
     def _write(self, batch: WriteBatch, what: str) -> None:
@@ -649,7 +803,7 @@ class HistoryStore(_StoreReader):
         batch = WriteBatch(raw_mode=True)
         batch.put(layout.META_WINDOW_EPOCHS, str(window).encode(), self._handles[layout.CF_META])
         sequence = self.next_sequence
-        for prefix in list(_keys(self._family(layout.CF_WINDOWS))):
+        for prefix in list(self._keys(layout.CF_WINDOWS)):
             pending = _PendingWindow(self._window_entries(prefix))
             min_epoch = pending.newest - window + 1
             if pending.oldest >= min_epoch:
@@ -833,13 +987,14 @@ class HistoryReader(_StoreReader):
         end = self.next_sequence
         if end == self._seen:
             return CatchUp([], reset=False)
-        family = self._family(layout.CF_SEQUENCE)
-        first = next(iter(family.keys()), None)
+        first = next(self._keys(layout.CF_SEQUENCE), None)
         if first is None or layout.decode_u64(first) > self._seen:
             self._seen = end
             return CatchUp([], reset=True)
         changes = []
-        for raw_seq, value in _range(family, layout.encode_u64(self._seen), layout.encode_u64(end)):
+        for raw_seq, value in self._items(
+            layout.CF_SEQUENCE, layout.encode_u64(self._seen), layout.encode_u64(end)
+        ):
             op = layout.OP_NAMES[value[:1]]
             changes.append(Change(layout.decode_u64(raw_seq), op, layout.decode_trajectory_key(value[1:])))
         self._seen = end

@@ -19,8 +19,12 @@ Usage::
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+
+from monitoring.server import multiprocess_dir
 
 # Fixed label values. Parts must use these; `position_label` bounds the draft position.
 LENGTH_CLASSES = ("short", "medium", "long")
@@ -189,9 +193,14 @@ CHECKPOINT_DURATION = Histogram(
 )
 LAST_CHECKPOINT = Gauge(
     "das_last_checkpoint_timestamp_seconds",
-    "Unix time of the last successful checkpoint (alert on its age).",
+    "Unix time of the last successful checkpoint (alert on its age); NaN until the first one.",
     multiprocess_mode="max",
 )
+# Not 0: a replica that has not checkpointed yet would look 56 years stale (DASCheckpointStale at every start).
+# Only in single-process mode, where the history replica (the process that checkpoints) runs: the multi-process
+# collector's `max` keeps the first value it reads, so a NaN from one process would hide another's timestamp.
+if multiprocess_dir() is None:
+    LAST_CHECKPOINT.set(math.nan)
 RESTORE_DURATION = Gauge(
     "das_restore_duration_seconds",
     "Time the last start took to restore the store and trees (from RocksDB or by replaying the topic).",

@@ -22,7 +22,7 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from pipeline.bus import BusError, BusMessage, BusUnavailableError
-from pipeline.kafka_config import client_settings
+from pipeline.kafka_config import UNREACHABLE, client_settings
 from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, shared_settings
 from pipeline.wire import partition_for, record_key
 
@@ -82,7 +82,7 @@ class KafkaTrajectorySource:
                 **{**CONSUMER_DEFAULTS, **client_settings(settings)},
             )
         except KafkaError as exc:
-            raise _bus_error(f"cannot reach {self._where}", exc) from exc
+            raise _bus_error(f"cannot reach {self._where}: {UNREACHABLE}", exc) from exc
         self._partitions: list[TopicPartition] = []
 
     def start(self, stored_offsets: Mapping[tuple[str, int], int], timeout_s: float = 30) -> None:
@@ -206,7 +206,7 @@ class ReplicaPublisher:
                 **shared_settings(client_settings(settings)),
             )
         except KafkaError as exc:
-            raise _bus_error(f"cannot reach {self._where}", exc) from exc
+            raise _bus_error(f"cannot reach {self._where}: {UNREACHABLE}", exc) from exc
         self._failures: list[BaseException] = []
 
     def dead_letter(self, message: BusMessage, reason: str, detail: str) -> None:
@@ -299,7 +299,7 @@ def read_dead_letters(
             **shared_settings(client_settings(settings)),
         )
     except KafkaError as exc:
-        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc
+        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {UNREACHABLE}: {exc}") from exc
     try:
         partitions = consumer.partitions_for_topic(dead_letter_topic)
         if not partitions:

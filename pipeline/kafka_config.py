@@ -46,6 +46,11 @@ URL_SETTINGS = frozenset(ENV_SETTINGS.values()) | {
     "reconnect_backoff_max_ms",
 }
 _FILE_SETTINGS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+# kafka-python reports a refused TLS handshake or SASL login as a bootstrap timeout: say so where it surfaces.
+UNREACHABLE = (
+    "no broker completed a handshake (wrong address, brokers down, or they refuse this client's TLS/SASL "
+    "settings, e.g. a wrong password)"
+)
 
 
 def parse_bus_url(url: str) -> tuple[list[str], dict[str, object]]:

@@ -46,7 +46,7 @@ from pipeline.bus import (
     BusError,
     DeliveryReport,
 )
-from pipeline.kafka_config import client_settings
+from pipeline.kafka_config import UNREACHABLE, client_settings
 from pipeline.schemas import TrajectoryRecord
 from pipeline.topics import MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, topic_partitions
 from pipeline.wire import encode_record, partition_for, record_key
@@ -264,7 +264,7 @@ class KafkaBus:
         try:
             return KafkaProducer(bootstrap_servers=self.servers, **self._settings)
         except KafkaError as exc:
-            raise BusError(f"cannot reach {self._where}: {exc}") from exc
+            raise BusError(f"cannot reach {self._where}: {UNREACHABLE}: {exc}") from exc
 
     def _next(self) -> _Pending | None:
         """The next record to send (a due retry first), or None once the bus is closed."""

@@ -14,6 +14,7 @@ the same message leave one copy after compaction.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from pipeline.bus import BusError
-from pipeline.kafka_config import client_settings
+from pipeline.kafka_config import UNREACHABLE, client_settings
 
 TRAJECTORY_TOPIC = "das.trajectories"
 DEAD_LETTER_TOPIC = "das.trajectories.dlq"
@@ -31,8 +32,30 @@ DEAD_LETTER_TOPIC = "das.trajectories.dlq"
 # times a few buys nothing for one global-table consumer per node.
 DEFAULT_PARTITIONS = 6
 # Raised together with the brokers' message.max.bytes and the clients' request and fetch sizes: a 100k-token
-# trajectory at 4 bytes a token is 400 KB, and 16 MiB leaves room for very long agentic rollouts.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# trajectory at 4 bytes a token is 400 KB, and 16 MiB leaves room for very long agentic rollouts. A deployment
+# that sets its brokers' limit sets the same value here (docker-compose.yml passes it to every DAS service).
+MAX_MESSAGE_BYTES_ENV = "DAS_KAFKA_MAX_MESSAGE_BYTES"
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Kafka's own default; below it a dead letter (the rejected bytes plus up to 64 KiB of headers) may not fit.
+MIN_MESSAGE_BYTES = 1024 * 1024
+
+
+def max_message_bytes() -> int:
+    """The largest record clients send and fetch and the topic accepts: DAS_KAFKA_MAX_MESSAGE_BYTES, else 16 MiB.
+
+    Raises ValueError when the variable is not a whole number of at least 1 MiB.
+    """
+    raw = os.environ.get(MAX_MESSAGE_BYTES_ENV)
+    if raw is None:
+        return DEFAULT_MAX_MESSAGE_BYTES
+    if not raw.strip().isdigit() or int(raw) < MIN_MESSAGE_BYTES:
+        raise ValueError(
+            f"{MAX_MESSAGE_BYTES_ENV}={raw!r}: expected a whole number of bytes >= {MIN_MESSAGE_BYTES}"
+        )
+    return int(raw)
+
+
+MAX_MESSAGE_BYTES = max_message_bytes()
 # Two weeks of rejected messages: long enough to notice and diagnose them (`das kafka dlq`).
 DLQ_RETENTION_MS = 14 * 24 * 3600 * 1000
 # Client settings every kafka-python client kind accepts (TLS, SASL, how long to wait for brokers): they pass
@@ -100,7 +123,7 @@ def admin_client(servers: list[str], **settings: object) -> KafkaAdminClient:
             bootstrap_servers=servers, client_id="das-admin", **shared_settings(client_settings(settings))
         )
     except KafkaError as exc:
-        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {exc}") from exc
+        raise BusError(f"cannot reach Kafka at {','.join(servers)}: {UNREACHABLE}: {exc}") from exc
 
 
 def ensure_topics(

@@ -9,7 +9,14 @@
 #   bash scripts/kafka.sh stop-broker N    stop cluster broker N (1..3) gracefully; start-broker N brings it back
 #   bash scripts/kafka.sh status           which nodes run
 #   bash scripts/kafka.sh clean            down, then delete the brokers' data (the resolved jars stay)
-# Kafka and its runtime dependencies come from Maven Central through scripts/kafka/pom.xml into .kafka/lib.
+#   bash scripts/kafka.sh up-secure        one more single broker, TLS + SASL/PLAIN only, on 127.0.0.1:39092
+#                                          (controller 39093): a throwaway CA and broker certificate (openssl) and
+#                                          random passwords under .kafka/secure; writes .kafka/secure/env.sh
+#                                          (DAS_KAFKA_SECURE_BOOTSTRAP, _CAFILE, _USERNAME, _PASSWORD). `down` stops it.
+# Kafka and its runtime dependencies come from Maven Central through scripts/kafka/pom.xml into .kafka/lib, and the
+# Prometheus JMX exporter agent into .kafka/agent: every node serves broker metrics (rules in
+# monitoring/prometheus/kafka-jmx.yml) on 127.0.0.1:19099 (single) and 29095-29097 (cluster), listed in
+# DAS_KAFKA_JMX_TARGETS of .kafka/env.sh.
 # Env: DAS_KAFKA_HEAP (JVM -Xmx per node, default 320m: the machine has 2 cores and other work runs beside it),
 #      PYTHON (interpreter with kafka-python for the readiness check; default .venv/bin/python).
 set -euo pipefail
@@ -17,6 +24,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 KDIR=$ROOT/.kafka
 LIB=$KDIR/lib
+AGENT=$KDIR/agent
+JMX_RULES=$ROOT/monitoring/prometheus/kafka-jmx.yml
 RUN=$KDIR/run
 PY=${PYTHON:-$ROOT/${VENV:-.venv}/bin/python}
 HEAP=${DAS_KAFKA_HEAP:-320m}
@@ -25,6 +34,7 @@ READY_TIMEOUT_S=${DAS_KAFKA_READY_TIMEOUT_S:-120}
 SINGLE_BOOTSTRAP=127.0.0.1:19092
 CLUSTER_BOOTSTRAP=127.0.0.1:29092,127.0.0.1:29093,127.0.0.1:29094
 CLUSTER_VOTERS=1@127.0.0.1:29192,2@127.0.0.1:29193,3@127.0.0.1:29194
+JMX_TARGETS=127.0.0.1:19099,127.0.0.1:29095,127.0.0.1:29096,127.0.0.1:29097
 
 die() { echo "kafka.sh: $*" >&2; exit 1; }
 
@@ -35,26 +45,43 @@ resolve() {
   echo "kafka.sh: resolving Kafka from Maven Central into $LIB" >&2
   rm -rf "$LIB.tmp"
   mvn -q -B -Dstyle.color=never -f scripts/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
-    -DoutputDirectory="$LIB.tmp" || die "resolving Kafka with Maven failed (see above)"
+    -DexcludeArtifactIds=jmx_prometheus_javaagent -DoutputDirectory="$LIB.tmp" ||
+    die "resolving Kafka with Maven failed (see above)"
   rm -rf "$LIB"
   mv "$LIB.tmp" "$LIB"
   touch "$LIB/.complete"
 }
 
-# node NAME -> "node_id port controller_port voters replication_factor min_isr"
+# The agent stays off the broker's classpath (it bundles its own Prometheus client): a folder of its own.
+resolve_agent() {
+  [ -f "$AGENT/.complete" ] && return 0
+  command -v mvn >/dev/null || die "mvn not found: install Maven (apt-get install maven) to resolve the JMX exporter"
+  echo "kafka.sh: resolving the Prometheus JMX exporter agent from Maven Central into $AGENT" >&2
+  rm -rf "$AGENT.tmp"
+  mvn -q -B -Dstyle.color=never -f scripts/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
+    -DincludeArtifactIds=jmx_prometheus_javaagent -Dmdep.stripVersion=true -DoutputDirectory="$AGENT.tmp" ||
+    die "resolving the JMX exporter agent with Maven failed (see above)"
+  [ -f "$AGENT.tmp/jmx_prometheus_javaagent.jar" ] || die "Maven did not produce jmx_prometheus_javaagent.jar"
+  rm -rf "$AGENT"
+  mv "$AGENT.tmp" "$AGENT"
+  touch "$AGENT/.complete"
+}
+
+# node NAME -> "node_id port controller_port voters replication_factor min_isr jmx_exporter_port"
 node() {
   case "$1" in
-    single) echo "1 19092 19093 1@127.0.0.1:19093 1 1" ;;
-    c1) echo "1 29092 29192 $CLUSTER_VOTERS 3 2" ;;
-    c2) echo "2 29093 29193 $CLUSTER_VOTERS 3 2" ;;
-    c3) echo "3 29094 29194 $CLUSTER_VOTERS 3 2" ;;
+    single) echo "1 19092 19093 1@127.0.0.1:19093 1 1 19099" ;;
+    c1) echo "1 29092 29192 $CLUSTER_VOTERS 3 2 29095" ;;
+    c2) echo "2 29093 29193 $CLUSTER_VOTERS 3 2 29096" ;;
+    c3) echo "3 29094 29194 $CLUSTER_VOTERS 3 2 29097" ;;
+    secure) echo "1 39092 39093 1@127.0.0.1:39093 1 1 39099" ;;
     *) die "unknown node $1" ;;
   esac
 }
 
 write_config() {
-  local name=$1 id port cport voters rf isr
-  read -r id port cport voters rf isr <<<"$(node "$name")"
+  local name=$1 id port cport voters rf isr _jmx
+  read -r id port cport voters rf isr _jmx <<<"$(node "$name")"
   mkdir -p "$KDIR/config" "$KDIR/data/$name" "$KDIR/logs"
   # Small thread pools and buffers: four nodes share two cores and a few GiB with the test suite.
   cat >"$KDIR/config/$name.properties" <<EOF
@@ -115,11 +142,13 @@ running() {
 }
 
 start_node() {
-  local name=$1
+  local name=$1 jmx
   running "$name" && return 0
   mkdir -p "$RUN"
+  jmx=$(node "$name" | cut -d' ' -f7)
   # setsid: the broker outlives this script and is not hit by a Ctrl-C meant for the caller.
   setsid nohup java -Xms64m -Xmx"$HEAP" -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+    -javaagent:"$AGENT/jmx_prometheus_javaagent.jar=127.0.0.1:$jmx:$JMX_RULES" \
     -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -Dkafka.log.file="$KDIR/logs/$name.log" \
     -cp "$LIB/*" kafka.Kafka "$KDIR/config/$name.properties" >"$KDIR/logs/$name.out" 2>&1 </dev/null &
   echo $! >"$RUN/$name.pid"
@@ -157,10 +186,12 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 logging.disable(logging.CRITICAL)  # connection refusals while the brokers start are expected
 bootstrap, want, node_id, timeout, logs, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5], sys.argv[6]
+import json, os
+settings = json.loads(os.environ.get("DAS_KAFKA_READY_SETTINGS") or "{}")  # client TLS/SASL (up-secure)
 deadline, last = time.monotonic() + timeout, "no answer"
 while time.monotonic() < deadline:
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=5000)
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=5000, **settings)
         try:
             info = admin.describe_cluster()
         finally:
@@ -181,12 +212,14 @@ write_env() {
 # Written by scripts/kafka.sh up: the local brokers the tests and benchmarks use.
 export DAS_KAFKA_BOOTSTRAP=$SINGLE_BOOTSTRAP
 export DAS_KAFKA_CLUSTER_BOOTSTRAP=$CLUSTER_BOOTSTRAP
+export DAS_KAFKA_JMX_TARGETS=$JMX_TARGETS
 EOF
 }
 
 up() {
   [ -x "$PY" ] || die "python with kafka-python not found at $PY (build the venv first, or set PYTHON)"
   resolve
+  resolve_agent
   local name
   for name in single c1 c2 c3; do write_config "$name"; done
   # Formatting starts one JVM per node: in parallel it takes the time of one.
@@ -202,6 +235,100 @@ up() {
   echo "kafka.sh: single broker $SINGLE_BOOTSTRAP and cluster $CLUSTER_BOOTSTRAP ready; source $KDIR/env.sh" >&2
 }
 
+# The secure broker: TLS on its client listener (certificate from a throwaway CA made here with openssl) and
+# SASL/PLAIN logins (the broker itself as "admin", clients as "das"). Separate from the JMX/plain setup above.
+SECURE=$KDIR/secure
+SECURE_BOOTSTRAP=127.0.0.1:39092
+
+secure_material() {
+  [ -f "$SECURE/.complete" ] && return 0
+  command -v openssl >/dev/null || die "openssl not found (apt-get install openssl)"
+  rm -rf "$SECURE" && mkdir -p "$SECURE" && chmod 700 "$SECURE"
+  (
+    cd "$SECURE"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=DAS test CA" \
+      -keyout ca.key -out ca.pem 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" -keyout broker.key -out broker.csr 2>/dev/null
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' >san.ext
+    openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 3650 \
+      -extfile san.ext -out broker.pem 2>/dev/null
+    "$PY" -c 'import secrets; print(secrets.token_urlsafe(18)); print(secrets.token_urlsafe(18))' >passwords
+    openssl pkcs12 -export -in broker.pem -inkey broker.key -certfile ca.pem -name broker \
+      -passout "pass:$(sed -n 1p passwords)" -out broker.p12
+  ) || die "making the secure broker's certificates failed"
+  touch "$SECURE/.complete"
+}
+
+write_secure_config() {
+  local admin_pw das_pw
+  admin_pw=$(sed -n 1p "$SECURE/passwords")
+  das_pw=$(sed -n 2p "$SECURE/passwords")
+  mkdir -p "$KDIR/config" "$KDIR/data/secure" "$KDIR/logs"
+  # Only what makes this node secure differs from the plain single broker.
+  cat >"$KDIR/config/secure.properties" <<EOF
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:39093
+listeners=SASL_SSL://127.0.0.1:39092,CONTROLLER://127.0.0.1:39093
+advertised.listeners=SASL_SSL://127.0.0.1:39092
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=SASL_SSL
+listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT
+sasl.enabled.mechanisms=PLAIN
+sasl.mechanism.inter.broker.protocol=PLAIN
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="admin" password="$admin_pw" user_admin="$admin_pw" user_das="$das_pw";
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$SECURE/broker.p12
+ssl.keystore.password=$admin_pw
+ssl.truststore.type=PEM
+ssl.truststore.location=$SECURE/ca.pem
+ssl.client.auth=none
+log.dirs=$KDIR/data/secure
+auto.create.topics.enable=false
+num.partitions=6
+default.replication.factor=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=4
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=4
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+message.max.bytes=16777216
+num.network.threads=2
+num.io.threads=2
+background.threads=2
+num.recovery.threads.per.data.dir=1
+log.cleaner.threads=1
+log.cleaner.dedupe.buffer.size=16777216
+EOF
+  chmod 600 "$KDIR/config/secure.properties"
+  cat >"$SECURE/env.sh" <<EOF
+# Written by scripts/kafka.sh up-secure: the TLS + SASL/PLAIN test broker and a client login for it.
+export DAS_KAFKA_SECURE_BOOTSTRAP=$SECURE_BOOTSTRAP
+export DAS_KAFKA_SECURE_CAFILE=$SECURE/ca.pem
+export DAS_KAFKA_SECURE_USERNAME=das
+export DAS_KAFKA_SECURE_PASSWORD=$das_pw
+EOF
+}
+
+up_secure() {
+  [ -x "$PY" ] || die "python with kafka-python not found at $PY (build the venv first, or set PYTHON)"
+  resolve
+  resolve_agent
+  secure_material
+  write_secure_config
+  cluster_id secure >/dev/null
+  format secure secure
+  start_node secure
+  # shellcheck disable=SC1091
+  source "$SECURE/env.sh"
+  DAS_KAFKA_READY_SETTINGS=$(printf '{"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_plain_username": "das", "sasl_plain_password": "%s", "ssl_cafile": "%s"}' \
+    "$DAS_KAFKA_SECURE_PASSWORD" "$DAS_KAFKA_SECURE_CAFILE") wait_ready "$SECURE_BOOTSTRAP" 1 "" secure
+  echo "kafka.sh: TLS + SASL broker $SECURE_BOOTSTRAP ready; source $SECURE/env.sh" >&2
+}
+
 broker_name() {
   case "${1:-}" in
     1 | 2 | 3) echo "c$1" ;;
@@ -211,7 +338,8 @@ broker_name() {
 
 case "${1:-}" in
   up) up ;;
-  down) stop_nodes single c1 c2 c3 ;;
+  up-secure) up_secure ;;
+  down) stop_nodes single c1 c2 c3 secure ;;
   stop-broker)
     name=$(broker_name "${2:-}")
     running "$name" || die "cluster broker $2 is not running"
@@ -220,18 +348,19 @@ case "${1:-}" in
   start-broker)
     name=$(broker_name "${2:-}")
     [ -f "$KDIR/config/$name.properties" ] || die "run 'bash scripts/kafka.sh up' first"
+    resolve_agent
     start_node "$name"
     # Ready when this broker is back in the cluster's metadata; others may still be down on purpose.
     wait_ready "${CLUSTER_BOOTSTRAP}" 1 "${2}" "$name"
     ;;
   status)
-    for name in single c1 c2 c3; do
+    for name in single c1 c2 c3 secure; do
       if running "$name"; then echo "$name running (pid $(pid_of "$name"))"; else echo "$name stopped"; fi
     done
     ;;
   clean)
-    stop_nodes single c1 c2 c3
-    rm -rf "$KDIR/data" "$KDIR/config" "$KDIR/run" "$KDIR/logs" "$KDIR/env.sh"
+    stop_nodes single c1 c2 c3 secure
+    rm -rf "$KDIR/data" "$KDIR/config" "$KDIR/run" "$KDIR/logs" "$KDIR/env.sh" "$SECURE"
     ;;
-  *) die "usage: $0 up | down | stop-broker N | start-broker N | status | clean" ;;
+  *) die "usage: $0 up | up-secure | down | stop-broker N | start-broker N | status | clean" ;;
 esac

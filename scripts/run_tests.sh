@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the test suite against real services: installs Prometheus, prepares the model once, starts the local
-# Kafka broker and the three-broker cluster, runs pytest, and always stops the brokers (even when tests fail).
+# Kafka broker, the three-broker cluster and a TLS + SASL broker, runs pytest, and always stops the brokers (even when tests fail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -10,6 +10,9 @@ bash scripts/install_system_deps.sh   # Debian's prometheus + promtool, for the 
 das model prepare
 trap 'bash scripts/kafka.sh down' EXIT
 bash scripts/kafka.sh up
+bash scripts/kafka.sh up-secure   # a TLS + SASL/PLAIN broker for tests/test_kafka_security.py
 # shellcheck disable=SC1091
 source .kafka/env.sh   # exports DAS_KAFKA_BOOTSTRAP (single broker) and DAS_KAFKA_CLUSTER_BOOTSTRAP (three brokers)
+# shellcheck disable=SC1091
+source .kafka/secure/env.sh   # DAS_KAFKA_SECURE_BOOTSTRAP, _CAFILE, _USERNAME, _PASSWORD
 python -m pytest -q "$@"

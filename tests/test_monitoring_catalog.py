@@ -5,20 +5,48 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
 from monitoring_support import ALERT_RULES, DASHBOARDS, GRAFANA
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import metrics
 
 # Label names whose values come from a small fixed set; an id-like label would grow without bound.
 ALLOWED_LABELS = {"position", "length_class", "coefficient", "reason"}
 METRIC_NAME = re.compile(r"\b(das_[a-z0-9_]+)\b")
-# `rate(x[...])` / `increase(x[...])` over a catalog series; the function needs a counter or histogram series.
-RATE_CALL = re.compile(r"\b(?:rate|increase|irate)\(\s*(das_[a-z0-9_]+)")
+# Every series name a dashboard or rule may use: ours, and those of the systems Prometheus scrapes beside them.
+SERIES_NAME = re.compile(
+    r"(?<![\w:])((?:das|kafka|ray)_[a-z0-9_]+|vllm:[a-z0-9_]+|up|process_start_time_seconds)\b"
+)
+# `rate(x[...])` / `increase(x[...])` over a series; the function needs a counter or histogram series.
+RATE_CALL = re.compile(r"\b(?:rate|increase|irate)\(\s*((?:das|kafka|ray)_[a-z0-9_]+|vllm:[a-z0-9_]+)")
 QUANTILE_CALL = re.compile(r"histogram_quantile\([^,]+,(?P<body>.*)", re.DOTALL)
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# Recorded from the real systems (see each file's header), never written by hand.
+RECORDED = {"kafka_": "kafka_jmx_metrics.txt", "vllm:": "vllm_metrics.txt"}
+# Series every scraped target has: Prometheus' own `up`, and the process collector of DAS's Python servers.
+STANDARD_SERIES = {"up": "gauge", "process_start_time_seconds": "gauge"}
+
+
+def recorded_series(path: Path) -> dict[str, str]:
+    """Sample name -> metric type, from a recorded /metrics page (Prometheus text format)."""
+    series = {}
+    for family in text_string_to_metric_families(path.read_text()):
+        for sample in family.samples:
+            series[sample.name] = family.type
+    return series
+
+
+def known_series() -> dict[str, str]:
+    """Every series a query may name, with its type: the DAS catalog, the recordings and the standard ones."""
+    series = {**metrics.catalog_series(), **STANDARD_SERIES}
+    for name in RECORDED.values():
+        series.update(recorded_series(FIXTURES / name))
+    return series
 
 
 def dashboard_expressions() -> Iterator[tuple[str, str]]:
@@ -78,24 +106,35 @@ def test_exported_series_follow_the_metric_type() -> None:
 
 
 @pytest.mark.parametrize(("where", "expr"), EXPRESSIONS, ids=[where for where, _ in EXPRESSIONS])
-def test_expression_uses_only_catalog_series_of_the_right_type(where: str, expr: str) -> None:
-    series = metrics.catalog_series()
-    used = METRIC_NAME.findall(expr)
-    assert used, f"{where}: no das_ metric in {expr!r}"
+def test_expression_uses_only_real_series_of_the_right_type(where: str, expr: str) -> None:
+    series = known_series()
+    used = SERIES_NAME.findall(expr)
+    assert used, f"{where}: no known series in {expr!r}"
     for name in used:
-        assert name in series, f"{where}: {name} is not exported by monitoring/metrics.py"
+        source = next(
+            (f for prefix, f in RECORDED.items() if name.startswith(prefix)), "monitoring/metrics.py"
+        )
+        assert name in series, f"{where}: {name} is not exported (see {source})"
     for name in RATE_CALL.findall(expr):
         assert series[name] in ("counter", "histogram"), f"{where}: rate/increase over gauge {name}"
         assert not name.endswith("_bucket") or "histogram_quantile" in expr, f"{where}: raw bucket rate"
     for name in used:
         if series[name] == "counter":
-            assert re.search(rf"(?:rate|increase|irate)\(\s*{name}\b", expr), (
+            assert re.search(rf"(?:rate|increase|irate)\(\s*{re.escape(name)}(?![\w:])", expr), (
                 f"{where}: counter {name} used raw"
             )
     quantile = QUANTILE_CALL.search(expr)
     if quantile:
-        assert re.search(r"das_[a-z0-9_]+_bucket\b", quantile["body"]), f"{where}: quantile needs _bucket"
+        assert re.search(r"[a-z0-9_:]+_bucket\b", quantile["body"]), f"{where}: quantile needs _bucket"
         assert re.search(r"\bby\s*\([^)]*\ble\b", quantile["body"]), f"{where}: quantile must keep `le`"
+
+
+@pytest.mark.parametrize("fixture", sorted(RECORDED.values()))
+def test_recorded_series_are_real_recordings(fixture: str) -> None:
+    text = (FIXTURES / fixture).read_text()
+    assert text.startswith("# Recorded "), f"{fixture}: says where and how it was recorded"
+    prefix = next(p for p, f in RECORDED.items() if f == fixture)
+    assert any(name.startswith(prefix) for name in recorded_series(FIXTURES / fixture))
 
 
 def test_dashboards_cover_every_catalog_metric() -> None:

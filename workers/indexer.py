@@ -21,11 +21,14 @@ brokers answer again.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 from history_store.checkpoints import Checkpointer
@@ -78,6 +81,46 @@ def connect_waiting(connect: Callable[[], T], stop: threading.Event) -> T | None
     return None
 
 
+def rebuild_store(
+    path: Path,
+    window_epochs: int | None,
+    connect: Callable[[], tuple[TrajectorySource, ReplicaPublisher]],
+    stop: threading.Event,
+    **indexer_options: object,
+) -> Path | None:
+    """Rebuilds the (closed, damaged) store at `path` from the topic, which is the source of truth: replays it
+    from the beginning into a fresh sibling folder until caught up, then swaps that folder in. The damaged one
+    is kept beside it as `<name>.corrupt-<unix time>` for inspection. Returns the kept folder, or None if
+    `stop` came first (the damaged store is then left in place)."""
+    fresh = path.with_name(f".{path.name}.rebuild")
+    shutil.rmtree(fresh, ignore_errors=True)
+    clients = connect_waiting(connect, stop)
+    if clients is None:
+        return None
+    source, publisher = clients
+    started = time.monotonic()
+    with HistoryStore(fresh, window_epochs=window_epochs) as store:
+        # The topic's own tombstones already cover what this replay evicts: publish none.
+        indexer = Indexer(source, store, publisher=publisher, publish_tombstones=False, **indexer_options)  # type: ignore[arg-type]
+        indexer.run(stop, until_caught_up=True)
+        if stop.is_set():
+            return None
+        records = store.stats().trajectories
+    kept = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+    os.replace(path, kept)
+    os.replace(fresh, path)
+    log.warning(
+        "rebuilt history store %s from topic %s: %d records in %.1f s, swapped in; the damaged store is kept at "
+        "%s (delete it once inspected)",
+        path,
+        source.topic,
+        records,
+        time.monotonic() - started,
+        kept,
+    )
+    return kept
+
+
 class ReplicaListener(Protocol):
     """Told about every change the replica applied, after it is durable."""
 
@@ -99,12 +142,7 @@ class ProblemIndexListener:
             self.index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
 
     def on_evicted(self, keys: Sequence[Key]) -> None:
-        # The store evicts whole epochs below a bound; one call per problem with the highest evicted epoch.
-        newest_evicted: dict[str, int] = {}
-        for problem_id, epoch, _sample in keys:
-            newest_evicted[problem_id] = max(epoch, newest_evicted.get(problem_id, -1))
-        for problem_id, epoch in newest_evicted.items():
-            self.index.evict_epochs_before(problem_id, epoch + 1)
+        self.index.evict_keys(keys)
 
 
 @dataclass
@@ -265,8 +303,9 @@ class Indexer:
         )
         return report
 
-    def run(self, stop: threading.Event) -> None:
-        """Starts, then applies batches until `stop` is set; always closes the source and publisher.
+    def run(self, stop: threading.Event, until_caught_up: bool = False) -> None:
+        """Starts, then applies batches until `stop` is set (or, with `until_caught_up`, until the source has
+        nothing more); always closes the source and publisher.
 
         While no broker answers, it keeps the store, sets `das_consumer_up` to 0, backs off, and then resumes
         from the offsets stored with the data (a batch polled but not applied is read again).
@@ -280,6 +319,9 @@ class Indexer:
                     self.step()
                     if down_since is not None:
                         self.source.lag()  # an idle poll succeeds without brokers: ask them directly
+                    # Close enough: the store holds its offsets, so whoever opens it next reads the rest.
+                    if until_caught_up and (self.source.lag() or 0) < self.batch_records:
+                        return
                 except BusUnavailableError as exc:
                     if down_since is None:
                         down_since = time.monotonic()

@@ -1,4 +1,4 @@
-"""`das history checkpoint|restore|stats|inspect|compact`: operate a node's history store folder.
+"""`das history checkpoint|backup|restore|stats|inspect|verify|compact`: operate a node's history store folder.
 
 Read-only commands (stats, inspect) open the folder as a RocksDB secondary, so they work while the history
 replica is running; checkpoint and compact need the write lock (the running replica checkpoints itself).
@@ -33,8 +33,14 @@ def register(cli: Any) -> None:
     p.add_argument("dir", help="checkpoint root folder (checkpoints are ckpt-* folders inside)")
     p.add_argument("--keep", type=POSITIVE, default=3, help="checkpoints to keep in DIR (oldest deleted)")
     _data_arg(p)
-    p = cli.command("history", "restore", help="Restore a checkpoint into an empty DATA_DIR.", run=restore)
-    p.add_argument("checkpoint", help="a ckpt-* folder, or a checkpoint root (its newest is used)")
+    p = cli.command(
+        "history",
+        "restore",
+        help="Restore a checkpoint or backup into an empty DATA_DIR (backups: every file's checksum checked; "
+        "the restored store is read in full before it is reported good).",
+        run=restore,
+    )
+    p.add_argument("checkpoint", help="a ckpt-*/backup-* folder, or a root of them (its newest is used)")
     p.add_argument("data_dir", help="folder to restore into (must not exist or be empty)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p = cli.command(
@@ -50,10 +56,35 @@ def register(cli: Any) -> None:
         "history", "compact", help="Compact the history store (drops evicted data on disk).", run=compact
     )
     _data_arg(p)
+    p = cli.command(
+        "history",
+        "verify",
+        help="Read every block of the store with checksums verified; list the damaged files and the records "
+        "they make unreadable. Exit 1 if anything is damaged.",
+        run=verify,
+    )
+    _data_arg(p)
+    p = cli.command(
+        "history",
+        "backup",
+        help="Back the store up into DIR as real, checksummed copies (a checkpoint shares the store's files "
+        "and its damage); restore with `das history restore DIR DATA_DIR`, which checks every file.",
+        run=backup,
+    )
+    p.add_argument("dir", help="backup root folder, ideally on another disk (backups are backup-* inside)")
+    p.add_argument("--keep", type=POSITIVE, default=3, help="backups to keep in DIR (oldest deleted)")
+    p.add_argument(
+        "--checkpoint",
+        help="back up this checkpoint (a ckpt-* folder or a root: its newest) instead of --data: how to back up "
+        "a store its running replica holds open (das indexer run --checkpoint-dir)",
+    )
+    _data_arg(p)
 
 
-def _guarded(fn: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
-    if hasattr(args, "data") and not args.data:
+def _guarded(
+    fn: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace, needs_data: bool = True
+) -> int:
+    if needs_data and hasattr(args, "data") and not args.data:
         raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
     result = fn(args)
     if args.json:
@@ -138,6 +169,54 @@ def inspect(args: argparse.Namespace) -> int:
         }
 
     return _guarded(lambda a: _read(a, describe), args)
+
+
+def verify(args: argparse.Namespace) -> int:
+    if not args.data:
+        raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
+    report = _read(args, lambda reader: reader.verify())
+    if args.json:
+        print(json.dumps(report.to_json(), sort_keys=True))
+    elif report.ok:
+        print(f"{args.data}: ok ({sum(report.entries.values())} entries read, every checksum verified)")
+    else:
+        for damage in report.damaged:
+            print(f"damaged: {damage.family} after key {damage.after_key}: {damage.error}")
+        for name, keys in (
+            ("unreadable", report.unreadable_records),
+            ("missing", report.missing_records),
+            ("corrupt", report.corrupt_records),
+        ):
+            for key in keys:
+                print(f"{name} record: {key[0]} epoch {key[1]} sample {key[2]}")
+        print(
+            f"{args.data}: DAMAGED: files {', '.join(report.files) or 'none named'}; "
+            f"{len(report.unreadable_records)} unreadable, {len(report.missing_records)} missing, "
+            f"{len(report.corrupt_records)} corrupt records. Restore a backup (das history restore) or let "
+            "the replica rebuild from the topic."
+        )
+    return 0 if report.ok else 1
+
+
+def backup(args: argparse.Namespace) -> int:
+    def run(args: argparse.Namespace) -> dict[str, Any]:
+        from history_store.checkpoints import create_backup
+        from history_store.store import HistoryStore
+
+        if args.checkpoint:
+            info = create_backup(args.checkpoint, args.dir, keep=args.keep)
+        else:
+            with HistoryStore(args.data, create=False) as store:
+                info = create_backup(store, args.dir, keep=args.keep)
+        return {
+            "backup": str(info.path),
+            "seconds": round(info.seconds, 4),
+            "files": len(info.manifest["files"]),
+            "bytes": info.manifest["checkpoint_bytes"],
+            "trajectories": info.manifest["trajectories"],
+        }
+
+    return _guarded(run, args, needs_data=not args.checkpoint)
 
 
 def compact(args: argparse.Namespace) -> int:

@@ -81,11 +81,10 @@ def register(cli: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from history_store.checkpoints import Checkpointer
-    from history_store.store import HistoryStore
+    from history_store.errors import StoreCorruptionError
     from monitoring.server import start_from_args
     from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
-    from workers.indexer import DEFAULT_BATCH_RECORDS, Indexer, connect_waiting
+    from workers.indexer import DEFAULT_BATCH_RECORDS, rebuild_store
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -109,34 +108,58 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("das.indexer")
     if server is not None:
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, server.server_port)
-    with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
-        clients = connect_waiting(
-            lambda: (
-                KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings),
-                ReplicaPublisher(servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings),
-            ),
-            stop,
+
+    def connect() -> tuple[KafkaTrajectorySource, ReplicaPublisher]:
+        return (
+            KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings),
+            ReplicaPublisher(servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings),
         )
+
+    limits = {
+        "max_record_tokens": args.max_record_tokens,
+        "batch_records": args.batch_records or DEFAULT_BATCH_RECORDS,
+        "max_epochs_ahead": args.max_epochs_ahead,
+        "max_sample": args.max_sample,
+    }
+    while not stop.is_set():
+        try:
+            replicate(args, connect, limits, stop)
+            return 0
+        except StoreCorruptionError as exc:
+            # Kafka is the source of truth and the topic is compacted: replaying it rebuilds the store.
+            log.error("%s; rebuilding it from topic %s into a fresh folder", exc, args.topic)
+        if rebuild_store(Path(args.data), args.window_epochs, connect, stop, **limits) is None:
+            return 0  # stopped while rebuilding; the damaged store stays and is rebuilt at the next start
+    return 0
+
+
+def replicate(args: argparse.Namespace, connect: Any, limits: dict[str, Any], stop: threading.Event) -> None:
+    """Opens and verifies the store, then replicates into it until `stop`. Raises StoreCorruptionError when the
+    store is found damaged (at start or later), with the store closed."""
+    from history_store.checkpoints import Checkpointer
+    from history_store.errors import StoreCorruptionError
+    from history_store.store import HistoryStore
+    from workers.indexer import Indexer, connect_waiting
+
+    log = logging.getLogger("das.indexer")
+    with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
+        report = store.verify()  # every checksum, once per start: damage is found here, not mid-draft
+        if not report.ok:
+            raise StoreCorruptionError(
+                f"history store {args.data} is damaged: files {', '.join(report.files) or 'none named'}, "
+                f"{len(report.unreadable_records)} unreadable and {len(report.corrupt_records)} corrupt records"
+            )
+        clients = connect_waiting(connect, stop)
         if clients is None:
-            return 0  # stopped while waiting for the brokers
+            return  # stopped while waiting for the brokers
         source, publisher = clients
         checkpointer = (
             Checkpointer(store, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
             if args.checkpoint_dir is not None
             else None
         )
-        indexer = Indexer(
-            source,
-            store,
-            publisher=publisher,
-            max_record_tokens=args.max_record_tokens,
-            batch_records=args.batch_records or DEFAULT_BATCH_RECORDS,
-            checkpointer=checkpointer,
-            max_epochs_ahead=args.max_epochs_ahead,
-            max_sample=args.max_sample,
-        )
+        indexer = Indexer(source, store, publisher=publisher, checkpointer=checkpointer, **limits)
         log.info(
             "replica %s: %s -> %s (window %d epochs)", args.replica, args.bus, args.data, store.window_epochs
         )
         indexer.run(stop)
-    return 0

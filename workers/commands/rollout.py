@@ -52,6 +52,22 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--budget", default="on", choices=["on", "off"], help="DAS length-aware budget policy"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+    parser.add_argument(
+        "--shard",
+        type=shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="roll out only problems I, I+N, I+2N, ... of the set (0-based): workers sharing a bus take "
+        "disjoint shards, so no two publish the same (problem, epoch, sample) key",
+    )
+
+
+def shard(raw: str) -> tuple[int, int]:
+    """`I/N` as (index, count), with 0 <= I < N."""
+    index, sep, count = raw.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not 0 <= int(index) < int(count):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {raw!r}")
+    return int(index), int(count)
 
 
 def _temperature_schedule(raw: str) -> tuple[float, ...]:
@@ -72,6 +88,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--temperature and --first-epoch must be >= 0")
     if args.num_problems is not None and args.num_problems < 1:
         raise ValueError("--num-problems must be >= 1")
+    # Before the engine is built: a missing file must not cost a model load (and a restart loop of them).
+    if args.problems is not None and not args.problems.is_file():
+        raise ValueError(f"--problems {args.problems}: no such file")
     if args.temperatures is not None and len(args.temperatures) != args.epochs:
         raise ValueError(f"--temperatures gives {len(args.temperatures)} values for {args.epochs} epochs")
 
@@ -115,11 +134,15 @@ def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | No
         if args.problems
         else builtin_problems(tokenizer, args.num_problems or 4)
     )
+    index, count = args.shard
+    problems = problems[index::count]
+    if not problems:
+        raise ValueError(f"--shard {index}/{count} selects no problem")
     worker = RolloutWorker(llm, args.strategy, sink=sink)
     reports = []
-    for index in range(args.epochs):
-        sampling = {"temperature": epoch_temperature(args, index), "max_tokens": args.max_tokens}
-        report, _ = worker.run_epoch(problems, args.first_epoch + index, args.samples, sampling)
+    for nth in range(args.epochs):
+        sampling = {"temperature": epoch_temperature(args, nth), "max_tokens": args.max_tokens}
+        report, _ = worker.run_epoch(problems, args.first_epoch + nth, args.samples, sampling)
         line = {**report.to_json(), "temperature": sampling["temperature"]}
         proposer = line.pop("proposer")
         if proposer is not None:
