@@ -17,7 +17,8 @@ import pytest
 from pipeline.schemas import TrajectoryRecord
 from workers.bench.fidelity import compare, load_report
 
-pytestmark = pytest.mark.vllm
+# Two recordings by real engines: minutes on two quiet cores, much longer on a loaded machine.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPERATURES = [1.0, 0.8, 0.6]
@@ -35,7 +36,7 @@ def recording(request, tmp_path_factory) -> tuple[Path, Path, dict]:
     result = subprocess.run(
         [sys.executable, "-m", "workers.cli", "traces", "generate", "--strategy", request.param,
          "--out", str(trace), "--report", str(report), *RECORDING],
-        cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     return trace, report, json.loads(result.stdout.strip().splitlines()[-1])

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline.schemas import TrajectoryRecord
 from workers.rollout import EngineOptions, RolloutWorker, build_engine, shutdown_engine
 
 # One module fixture draws every sample: minutes on two quiet cores, much longer on a loaded machine.
@@ -146,13 +147,13 @@ class Sampler:
         if strategy == "das":
             tokenizer = self.llm.get_tokenizer()
             history = [
-                {
-                    "problem_id": problem,
-                    "epoch": 0,
-                    "sample": sample,
-                    "prompt_ids": self.prompts["once"],
-                    "response_ids": tokenizer.encode(answer + "\n"),
-                }
+                TrajectoryRecord(
+                    problem_id=problem,
+                    epoch=0,
+                    sample=sample,
+                    prompt_ids=self.prompts["once"],
+                    response_ids=tokenizer.encode(answer + "\n"),
+                )
                 for problem, answer in (("likely", LIKELY), ("unlikely", UNLIKELY))
                 for sample in range(4)
             ]
