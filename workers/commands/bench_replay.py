@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from workers.cli_types import NON_NEGATIVE, POSITIVE, number
+
 
 def register(cli) -> None:
     parser = cli.command(
@@ -19,19 +21,23 @@ def register(cli) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--strategies", default=None, help="comma-separated subset (default: all)")
-    parser.add_argument("--max-draft", type=int, default=16, help="maximum draft tokens per step (K)")
-    parser.add_argument("--window", type=int, default=3, help="epochs of history per problem (das)")
-    parser.add_argument("--depth", type=int, default=64, help="longest context suffix matched")
-    parser.add_argument("--min-token-prob", type=float, default=0.1)
-    parser.add_argument("--max-spec-factor", type=float, default=1.0)
-    parser.add_argument("--max-spec-offset", type=float, default=0.0)
     parser.add_argument(
-        "--escape", type=float, default=1.0, help="pseudo-count of unseen continuations (das)"
+        "--max-draft", type=NON_NEGATIVE, default=16, help="maximum draft tokens per step (K)"
     )
-    parser.add_argument("--c-base", type=float, default=8e-3, help="verifier step cost, seconds")
-    parser.add_argument("--c-seq", type=float, default=1e-4, help="verifier cost per active request, seconds")
+    parser.add_argument("--window", type=POSITIVE, default=3, help="epochs of history per problem (das)")
+    parser.add_argument("--depth", type=POSITIVE, default=64, help="longest context suffix matched")
+    parser.add_argument("--min-token-prob", type=number(0, 1), default=0.1)
+    parser.add_argument("--max-spec-factor", type=number(0), default=1.0)
+    parser.add_argument("--max-spec-offset", type=number(), default=0.0)
     parser.add_argument(
-        "--c-tok", type=float, default=3.5e-5, help="verifier cost per verified token, seconds"
+        "--escape", type=number(0), default=1.0, help="pseudo-count of unseen continuations (das)"
+    )
+    parser.add_argument("--c-base", type=number(0), default=8e-3, help="verifier step cost, seconds")
+    parser.add_argument(
+        "--c-seq", type=number(0), default=1e-4, help="verifier cost per active request, seconds"
+    )
+    parser.add_argument(
+        "--c-tok", type=number(0), default=3.5e-5, help="verifier cost per verified token, seconds"
     )
 
 
