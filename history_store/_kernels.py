@@ -46,10 +46,6 @@ N_CANDIDATES = 3
 R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
 R_STATE, R_MLEN, R_MVER = 6, 9, 12
 SLOT_FIELDS = 15
-# A batch row: its request slot, where its tokens start in `src` (token j of the request is src[base + j]),
-# how many tokens the request has after this step, and its draft budget.
-W_SLOT, W_BASE, W_END, W_BUDGET = 0, 1, 2, 3
-ROW_FIELDS = 4
 # Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft).
 I_LEN, I_MATCH, I_SOURCE = 0, 1, 2
 INFO_FIELDS = 3
@@ -380,19 +376,19 @@ def draft_best(
 
 
 @njit(cache=True)
-def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, rows, src, row):
+def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""
-    n_rows = rows.shape[0]
+    n_rows = req_slots.shape[0]
     while row < n_rows:
-        s = rows[row, W_SLOT]
+        s = req_slots[row]
         q = slots[s, R_SEQ]
         have = seqs[q, Q_LEN]
-        end = rows[row, W_END]
+        end = ends[row]
         if end > have:
             if end > seqs[q, Q_CAP]:
                 return row, NEED_POOL
-            base = rows[row, W_BASE]
+            base = bases[row]
             off = seqs[q, Q_OFF]
             for j in range(have, end):
                 t = src[base + j]
@@ -416,7 +412,8 @@ def _draft_rows(
     seqs,
     pool,
     slots,
-    rows,
+    req_slots,
+    budgets,
     max_depth,
     spec_factor,
     spec_offset,
@@ -433,9 +430,9 @@ def _draft_rows(
     tmp_tok = np.empty(k, np.int32)
     tmp_prob = np.empty(k, np.float32)
     tmp_sup = np.empty(k, np.int32)
-    for r in range(rows.shape[0]):
-        s = rows[r, W_SLOT]
-        budget = rows[r, W_BUDGET]
+    for r in range(req_slots.shape[0]):
+        s = req_slots[r]
+        budget = budgets[r]
         q = slots[s, R_SEQ]
         off = seqs[q, Q_OFF]
         end = off + seqs[q, Q_LEN]
@@ -509,7 +506,10 @@ def step_rows(
     seqs,
     pool,
     slots,
-    rows,
+    req_slots,
+    bases,
+    ends,
+    budgets,
     src,
     row,
     draft,
@@ -528,14 +528,17 @@ def step_rows(
     """A decode step for a whole batch in one call: commits every row's new tokens (resuming at `row`), then,
     with `draft`, advances every row's match in each candidate tree and keeps its best-scoring draft.
 
-    Row r's request is slot rows[r, W_SLOT]; its candidate c's match state persists in the slot table and
+    Row r's request is slot req_slots[r]; after the step it holds ends[r] tokens, token j of it being
+    src[bases[r] + j], and budgets[r] caps its draft. Its candidate c's match state persists in the slot table and
     advances over the tokens committed since the last draft; a candidate whose tree version changed
     re-matches from the last `max_depth` tokens. The best draft over all candidates and match lengths wins
     (earlier candidates and longer matches win ties); out_info[r] holds its length, match length and
     source (candidate + 1; 0: none), out_sup the count behind each draft token.
     Returns (row reached, status): anything but DONE means the caller must grow and call again.
     """
-    row, status = _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, rows, src, row)
+    row, status = _commit_rows(
+        states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row
+    )
     if status != DONE or not draft:
         return row, status
     _draft_rows(
@@ -546,7 +549,8 @@ def step_rows(
         seqs,
         pool,
         slots,
-        rows,
+        req_slots,
+        budgets,
         max_depth,
         spec_factor,
         spec_offset,
