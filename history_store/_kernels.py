@@ -11,7 +11,7 @@ The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel firs
           = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
           degree in its tree), EDGE (head of the state's outgoing-edge list)
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
-  hashes  int64 [n, 2]: key (state << 32 | token, -1 empty), edge id. Only states with more than
+  hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
   meta    int64 [3]: states, edges and hash entries in use.
@@ -32,12 +32,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-EMPTY = np.int64(-1)
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
 LEN, LINK, COUNT, EDGE = 0, 1, 2, 3
 TOK, TO, NEXT = 0, 1, 2
+H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
 ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
 TREE_FIELDS = 6
 Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
@@ -72,26 +72,26 @@ def find_edge(states, edges, hashes, state, tok):
         e = np.int64(edges[e, NEXT])
     if e == -1:
         return np.int64(-1)
-    key = (np.int64(state) << 32) | np.int64(tok)
     mask = hashes.shape[0] - 1
-    i = _slot(key, mask)
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
     while True:
-        k = hashes[i, 0]
-        if k == key:
-            return hashes[i, 1]
-        if k == EMPTY:
+        k = hashes[i, H_STATE]
+        if k == state and hashes[i, H_TOKEN] == tok:
+            return np.int64(hashes[i, H_EDGE])
+        if k == -1:
             return np.int64(-1)
         i = (i + 1) & mask
 
 
 @njit(cache=True)
-def _hash_put(hashes, key, edge):
+def _hash_put(hashes, state, tok, edge):
     mask = hashes.shape[0] - 1
-    i = _slot(key, mask)
-    while hashes[i, 0] != EMPTY:
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
+    while hashes[i, H_STATE] != -1:
         i = (i + 1) & mask
-    hashes[i, 0] = key
-    hashes[i, 1] = edge
+    hashes[i, H_STATE] = state
+    hashes[i, H_TOKEN] = tok
+    hashes[i, H_EDGE] = edge
 
 
 @njit(cache=True)
@@ -123,11 +123,11 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
     if degree == HASHED_DEGREE + 1:  # just crossed the threshold: hash every edge of the state
         x = np.int64(e)
         while x != -1:
-            _hash_put(hashes, (np.int64(state) << 32) | np.int64(edges[x, TOK]), x)
+            _hash_put(hashes, state, edges[x, TOK], x)
             meta[2] += 1
             x = np.int64(edges[x, NEXT])
     elif degree > HASHED_DEGREE + 1:
-        _hash_put(hashes, (np.int64(state) << 32) | np.int64(tok), e)
+        _hash_put(hashes, state, tok, e)
         meta[2] += 1
 
 
@@ -246,7 +246,7 @@ def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, tid, qs, i):
 @njit(cache=True)
 def rehash(hashes_new, states, edges, n_states):
     """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
-    hashes_new[:, 0] = EMPTY
+    hashes_new[:, H_STATE] = -1
     for s in range(n_states):
         degree = 0
         e = np.int64(states[s, EDGE])
@@ -257,7 +257,7 @@ def rehash(hashes_new, states, edges, n_states):
             continue
         e = np.int64(states[s, EDGE])
         while e != -1:
-            _hash_put(hashes_new, (np.int64(s) << 32) | np.int64(edges[e, TOK]), e)
+            _hash_put(hashes_new, s, edges[e, TOK], e)
             e = np.int64(edges[e, NEXT])
 
 
