@@ -412,7 +412,7 @@ class DasProposer:
         end = per_row[END]
         self._learn_from_last_step(rows, accepted, started, clean=joined.size == 0 and every_row_new)
         if self.settings.budget:
-            budgets, classes = self.policy.budgets(req_ids, per_row[OUTPUT], per_row[HEADROOM])
+            budgets, classes = self.policy.budgets(slots, per_row[OUTPUT], per_row[HEADROOM])
         else:
             budgets, classes = per_row[HEADROOM], np.full(n, MEDIUM, dtype=np.int64)
         # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
@@ -424,11 +424,11 @@ class DasProposer:
         result = self.index.step(slots, src, self._row_base[:n], end, budgets)
         lengths = result.lengths
         if self.settings.budget:
-            lengths = self.policy.truncate(lengths, result.probs, classes)
+            lengths = self.policy.truncate(
+                lengths, result.probs, result.match_lens, result.sources, result.support
+            )
 
-        self._last_tokens = book.record(
-            slots, lengths, result.probs, classes, result.sources, budgets, self._step_no
-        )
+        self._last_tokens = book.record(slots, lengths, classes, result.sources, budgets, self._step_no)
         self._last_rows = n
         self._step_no += 1
         rows = result.tokens.tolist()
@@ -437,11 +437,8 @@ class DasProposer:
     def _learn_from_last_step(self, rows: np.ndarray, accepted: np.ndarray, now: float, clean: bool) -> None:
         """Feeds the verified drafts of the previous step (their slots, tokens accepted) and the step's cost
         to the budget."""
-        book = self._book
         if rows.shape[0]:
-            self.policy.observe_acceptance(
-                book.probs[rows], book.length[rows], book.length_class[rows], accepted
-            )
+            self.policy.observe_acceptance(rows, accepted)
         # The interval from the previous return to this call is the verification step of the previous drafts
         # (an idle engine between batches always resumes with joining requests, so `clean` excludes it too).
         self._verify_seconds = None
@@ -459,7 +456,7 @@ class DasProposer:
             self._warn_once(f"malformed:{key}", f"request {key}: {problem}; drafting from its own context")
         prompt_len = int(request.num_prompt_tokens)
         slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len])
-        self.policy.start(key, problem_id)
+        self.policy.start(slot, problem_id)
         self._live[key] = _Live(
             slot,
             problem_id,
@@ -483,7 +480,11 @@ class DasProposer:
         # Aborted requests (verl's partial rollouts, a client gone) and stop strings (matched in vLLM's front
         # end, which then aborts the request here) end early for reasons the runner does not show: they must
         # neither feed short lengths to the budget nor enter the history under a real key.
-        self.policy.finish(key, response_len)
+        self.policy.finish(live.slot)
+        if response_len is not None and (live.epoch is None or live.sample is None):
+            # A sibling that ended by itself tells how long this epoch runs: the budget learns it now (a
+            # request naming its epoch and sample teaches it through the history, just below).
+            self.policy.lengths.observe(live.problem_id, response_len)
         if response_len is not None and live.epoch is not None and live.sample is not None:
             prompt, response = (
                 tokens[: live.prompt_len],

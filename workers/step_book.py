@@ -95,7 +95,6 @@ def _prepare(
 def _record(
     slots,
     lengths,
-    probs,
     classes,
     sources,
     budgets,
@@ -103,15 +102,12 @@ def _record(
     bounds,
     drafted_at,
     length,
-    last_probs,
-    length_class,
     drafted_by_position,
     by_source,
     by_bucket,
     sum_by_class,
     totals,
 ):
-    k = probs.shape[1]
     step_tokens = 0
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -119,9 +115,6 @@ def _record(
         c = classes[i]
         drafted_at[s] = step_no
         length[s] = n
-        length_class[s] = c
-        for j in range(k):
-            last_probs[s, j] = probs[i, j]
         for j in range(n):
             drafted_by_position[j] += 1
         if n > 0:
@@ -150,8 +143,6 @@ class StepBook:
         self.prompt_len = np.zeros(size, np.int64)
         self.drafted_at = np.full(size, -2, np.int64)  # the step that last drafted for the slot
         self.length = np.zeros(size, np.int64)
-        self.probs = np.zeros((size, k), np.float32)
-        self.length_class = np.zeros(size, np.int64)
         self._rows = np.zeros(size, np.int64)
         self._accepted = np.zeros(size, np.int64)
         self._per_row = np.zeros((4, size), np.int64)
@@ -167,7 +158,7 @@ class StepBook:
         size = self.prompt_len.shape[0]
         if slot >= size:
             grown = max(2 * size, slot + 1)
-            for name in ("prompt_len", "drafted_at", "length", "probs", "length_class", "_rows", "_accepted"):
+            for name in ("prompt_len", "drafted_at", "length", "_rows", "_accepted"):
                 old = getattr(self, name)
                 new = np.zeros((grown, *old.shape[1:]), old.dtype)
                 new[:size] = old
@@ -208,7 +199,6 @@ class StepBook:
         self,
         slots: np.ndarray,
         lengths: np.ndarray,
-        probs: np.ndarray,
         classes: np.ndarray,
         sources: np.ndarray,
         budgets: np.ndarray,
@@ -218,7 +208,6 @@ class StepBook:
         return _record(
             slots,
             lengths,
-            probs,
             classes,
             sources,
             budgets,
@@ -226,8 +215,6 @@ class StepBook:
             self.bounds,
             self.drafted_at,
             self.length,
-            self.probs,
-            self.length_class,
             self.drafted_by_position,
             self.by_source,
             self.by_bucket,
