@@ -21,10 +21,16 @@ from workers.budget import (
 
 
 def _weights(
-    candidates: list[list[float]], outputs: list[float], speeds: list[float] | None = None
+    candidates: list[list[float]],
+    outputs: list[float],
+    speeds: list[float] | None = None,
+    pool: list[float] | None = None,
 ) -> np.ndarray:
-    """critical_weights over rows whose equally likely lengths are given (an empty list: unknown)."""
-    width = max(len(c) for c in candidates)
+    """critical_weights over rows whose equally likely lengths are given (an empty list: unknown), with
+    every problem's lengths `pool` (none by default)."""
+    pool = pool or [0.0]
+    width = max(len(pool), *(len(c) for c in candidates))
+    pool = np.sort(np.resize(np.asarray(pool, float), width))
     quantiles = np.zeros((len(candidates), width))
     for i, c in enumerate(candidates):
         if c:
@@ -32,7 +38,7 @@ def _weights(
             quantiles[i] = np.sort(np.resize(np.asarray(c, float), width))
     out = np.empty(len(candidates))
     speeds = np.ones(len(candidates)) if speeds is None else np.asarray(speeds, float)
-    critical_weights(quantiles, np.asarray(outputs, float), speeds, 64, out)
+    critical_weights(quantiles, pool, np.asarray(outputs, float), speeds, 64, out)
     return out
 
 
@@ -56,11 +62,20 @@ def test_progress_and_speed_move_the_tail() -> None:
 
 
 def test_a_request_that_outlived_its_history_expects_to_run_as_long_again() -> None:
-    # 150 tokens against a history of 100-120: about 150 more, longer than the fresh request's 130.
+    # 150 tokens against a history of 100-120, and nothing longer anywhere: about 150 more, longer than the
+    # fresh request's 130.
     w = _weights([[100, 120], [130]], [150, 0])
     assert w[0] == pytest.approx(1.0)
     w = _weights([[100, 120], [170]], [150, 0])
     assert w[1] == pytest.approx(1.0)
+
+
+def test_a_request_that_outlived_its_problem_takes_the_lengths_of_all_problems() -> None:
+    # Its problem's answers are short, but answers of other problems run to 500: at 150 tokens it is no
+    # longer a short answer, and may well run to 500, past the fresh request's 300.
+    # Of the lengths past 150, two of three (500) outrun the fresh request.
+    w = _weights([[40, 44], [300, 300]], [150, 0], pool=[40, 300, 500, 500])
+    assert w[0] == pytest.approx(2 / 3)
 
 
 def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() -> None:
