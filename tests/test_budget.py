@@ -25,6 +25,7 @@ def _weights(
     outputs: list[float],
     speeds: list[float] | None = None,
     pool: list[float] | None = None,
+    atypical: float = 0.0,
 ) -> np.ndarray:
     """critical_weights over rows whose equally likely lengths are given (an empty list: unknown), with
     every problem's lengths `pool` (none by default)."""
@@ -38,7 +39,7 @@ def _weights(
             quantiles[i] = np.sort(np.resize(np.asarray(c, float), width))
     out = np.empty(len(candidates))
     speeds = np.ones(len(candidates)) if speeds is None else np.asarray(speeds, float)
-    critical_weights(quantiles, pool, np.asarray(outputs, float), speeds, 64, out)
+    critical_weights(quantiles, pool, atypical, np.asarray(outputs, float), speeds, 64, out)
     return out
 
 
@@ -74,8 +75,15 @@ def test_a_request_that_outlived_its_problem_takes_the_lengths_of_all_problems()
     # Its problem's answers are short, but answers of other problems run to 500: at 150 tokens it is no
     # longer a short answer, and may well run to 500, past the fresh request's 300.
     # Of the lengths past 150, two of three (500) outrun the fresh request.
-    w = _weights([[40, 44], [300, 300]], [150, 0], pool=[40, 300, 500, 500])
-    assert w[0] == pytest.approx(2 / 3)
+    w = _weights([[40, 44], [300, 300]], [150, 0], pool=[40, 300, 500, 500], atypical=0.1)
+    assert w[0] == pytest.approx(2 / 3, abs=0.05)
+
+
+def test_atypical_requests_keep_a_short_problems_request_on_the_tail_watch() -> None:
+    # At 30 tokens a short problem's request (history 40-44) may still be one of the atypical long ones.
+    typical = _weights([[40, 44], [300, 300]], [30, 0], pool=[40, 300, 500, 500], atypical=0.0)
+    atypical = _weights([[40, 44], [300, 300]], [30, 0], pool=[40, 300, 500, 500], atypical=0.2)
+    assert typical[0] == 0.0 and 0.05 < atypical[0] < 0.5
 
 
 def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() -> None:

@@ -160,51 +160,58 @@ class CostModel:
 
 
 @njit(cache=True)
-def critical_weights(quantiles, pool, outputs, speeds, n_bins, out):
+def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
     """out[i] = P(row i is the last of the batch to finish), rows independent.
 
-    Row i's total length is one of quantiles[i] (ascending, equally likely; all <= 0: unknown), conditioned
-    on exceeding outputs[i]; remaining steps = remaining tokens / speeds[i]. A row that outlived every
-    quantile of its problem is no longer typical of it: it takes the lengths of all problems (`pool`) that
-    ran that long, and past those too expects to run as long again as it has (heavy tails: the longer it
-    ran, the longer it runs). Unknown rows share one length: they tie, and ties split evenly.
+    Row i's total length is one of its problem's quantiles[i] (ascending, equally likely; all <= 0:
+    unknown) with probability 1 - atypical, or one of every problem's (`pool`) with probability `atypical`
+    (a request unlike its problem's history), conditioned on exceeding outputs[i]; remaining steps =
+    remaining tokens / speeds[i]. Conditioning is what moves the tail: a request that outlived nearly all of
+    its problem's lengths is left with the lengths of all problems that ran that long. Past every length
+    it expects to run as long again as it has (heavy tails: the longer it ran, the longer it runs). Unknown
+    rows share one length: they tie, and ties split evenly.
     """
     n, q = quantiles.shape
-    remaining = np.empty((n, q))
+    remaining = np.empty((n, 2 * q))
+    mass = np.empty((n, 2 * q))
     used = np.zeros(n, np.int64)
     horizon = 1.0
     for i in range(n):
         if quantiles[i, q - 1] <= 0.0:
             continue
         k = 0
-        for c in range(q):
-            if quantiles[i, c] > outputs[i]:
-                remaining[i, k] = (quantiles[i, c] - outputs[i]) / speeds[i]
+        total = 0.0
+        for c in range(2 * q):
+            length = quantiles[i, c] if c < q else pool[c - q]
+            if length > outputs[i]:
+                remaining[i, k] = (length - outputs[i]) / speeds[i]
+                mass[i, k] = (1.0 - atypical) if c < q else atypical
+                total += mass[i, k]
+                horizon = max(horizon, remaining[i, k])
                 k += 1
-        if k == 0:
-            for c in range(q):
-                if pool[c] > outputs[i]:
-                    remaining[i, k] = (pool[c] - outputs[i]) / speeds[i]
-                    k += 1
-        if k == 0:
+        if total <= 0.0:
             remaining[i, 0] = max(outputs[i], 1.0) / speeds[i]
+            horizon = max(horizon, remaining[i, 0])
+            mass[i, 0] = total = 1.0
             k = 1
+        for c in range(k):
+            mass[i, c] /= total
         used[i] = k
-        horizon = max(horizon, remaining[i, k - 1])
     # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
     below = np.zeros((n, n_bins))  # P(row ends in an earlier bin) + half of P(it ends in this bin)
-    bins = np.empty((n, q), np.int64)
+    bins = np.empty((n, 2 * q), np.int64)
     for i in range(n):
         k = used[i]
         if k == 0:
             below[i, n_bins - 1] = 0.5
             bins[i, 0] = n_bins - 1
+            mass[i, 0] = 1.0
             continue
         pmf = np.zeros(n_bins)
         for c in range(k):
             b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
             bins[i, c] = b
-            pmf[b] += 1.0 / k
+            pmf[b] += mass[i, c]
         cum = 0.0
         for b in range(n_bins):
             below[i, b] = cum + 0.5 * pmf[b]
@@ -220,13 +227,11 @@ def critical_weights(quantiles, pool, outputs, speeds, n_bins, out):
                 log_sum[b] += np.log(below[j, b])
     total = 0.0
     for i in range(n):
-        k = max(used[i], 1)
         acc = 0.0
-        for c in range(k):
+        for c in range(max(used[i], 1)):
             b = bins[i, c]
-            own = below[i, b]  # > 0: the row has mass in bin b
-            if zeros[b] == 0:
-                acc += np.exp(log_sum[b] - np.log(own)) / k
+            if mass[i, c] > 0.0 and zeros[b] == 0:
+                acc += mass[i, c] * np.exp(log_sum[b] - np.log(below[i, b]))
         out[i] = acc
         total += acc
     # The half-tie rule undercounts ties (n rows tied in one bin get 2^-(n-1) each instead of 1/n), and exactly
@@ -445,6 +450,9 @@ class LengthModel:
         self._ratios = np.zeros(self._RATIOS)
         self._ratio_count = 0
         self.quantiles = np.zeros((1, self.QUANTILES))
+        # Responses that ran past every quantile their problem predicted, of those that had a prediction.
+        self._beyond = 0
+        self._predicted = 0
 
     @property
     def capacity(self) -> int:
@@ -464,6 +472,12 @@ class LengthModel:
                 self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
         return p
 
+    @property
+    def atypical(self) -> float:
+        """Share of responses unlike their problem's history: measured as those longer than every quantile
+        predicted for them (a 1/(2Q) share would be typical), with a prior of one in ten."""
+        return (self._beyond + 1.0) / (self._predicted + 10.0)
+
     def rows(self, problems: np.ndarray) -> np.ndarray:
         """Rows of `quantiles` for these problems: their own, or the pool's for problems without history."""
         return np.where(self._count[problems] > 0, problems, 0)
@@ -475,6 +489,8 @@ class LengthModel:
         """Records a finished response of `problem_id`."""
         p = self.problem(problem_id)
         if self._count[p]:
+            self._predicted += 1
+            self._beyond += bool(length > self.quantiles[p, -1])
             self._ratios[self._ratio_count % self._RATIOS] = length / max(
                 float(np.median(self.window(p))), 1.0
             )
@@ -612,6 +628,7 @@ class BudgetPolicy:
         critical_weights(
             quantiles,
             self.lengths.quantiles[0],
+            self.lengths.atypical,
             outputs,
             1.0 + self._accepted_rate[slots],
             self._BINS,
