@@ -34,8 +34,8 @@ from numba import njit
 
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, COST_MODEL_COEFFICIENT, LENGTH_CLASSES
 
-# Length classes, for dashboards: short = not worth drafting this step, long = the tail's share of the step
-# dominates the token's value, medium = the rest.
+# Length classes, for dashboards: short = not worth drafting this step, long = likelier than average to be
+# the batch's last request, medium = the rest.
 SHORT, MEDIUM, LONG = 0, 1, 2
 # Sources of a draft, in ProblemIndex.draft_batch's numbering (0: no draft).
 SOURCE_PROBLEM, SOURCE_LIVE, SOURCE_GLOBAL = 1, 2, 3
@@ -610,7 +610,7 @@ class BudgetPolicy:
         self, slots: np.ndarray, output_lens: np.ndarray, headroom: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Maximum draft tokens per row (0 where even a sure token would not pay, else min(K, headroom)) and
-        each row's class (SHORT: no draft pays; LONG: the tail's share dominates a token's value).
+        each row's class (SHORT: no draft pays; LONG: likelier than average to finish last).
 
         Args:
             slots: the rows' slots (given to `start`).
@@ -644,7 +644,8 @@ class BudgetPolicy:
         self._value = (tail + own) / (1.0 + self._accepted_rate[slots])
         self._slots = slots
         pays = self._value >= c_tok
-        self.last_classes = np.where(~pays, SHORT, np.where(tail >= own, LONG, MEDIUM))
+        # For dashboards: long = likelier than average to be the batch's last.
+        self.last_classes = np.where(~pays, SHORT, np.where(weights * slots.shape[0] >= 1.0, LONG, MEDIUM))
         k = self.config.max_tokens
         budgets = np.where(pays, np.clip(np.asarray(headroom, np.int64), 0, k), 0).astype(np.int32)
         return budgets, self.last_classes
