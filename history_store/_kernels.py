@@ -11,7 +11,7 @@ The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel firs
           = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
           degree in its tree), EDGE (head of the state's outgoing-edge list)
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
-  hashes  int64 [n, 2]: key (state << 32 | token, -1 empty), edge id. Only states with more than
+  hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
   meta    int64 [3]: states, edges and hash entries in use.
@@ -32,12 +32,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-EMPTY = np.int64(-1)
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
 LEN, LINK, COUNT, EDGE = 0, 1, 2, 3
 TOK, TO, NEXT = 0, 1, 2
+H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
 ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
 TREE_FIELDS = 6
 Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
@@ -46,10 +46,6 @@ N_CANDIDATES = 3
 R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
 R_STATE, R_MLEN, R_MVER = 6, 9, 12
 SLOT_FIELDS = 15
-# A batch row: its request slot, where its tokens start in `src` (token j of the request is src[base + j]),
-# how many tokens the request has after this step, and its draft budget.
-W_SLOT, W_BASE, W_END, W_BUDGET = 0, 1, 2, 3
-ROW_FIELDS = 4
 # Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft).
 I_LEN, I_MATCH, I_SOURCE = 0, 1, 2
 INFO_FIELDS = 3
@@ -76,26 +72,26 @@ def find_edge(states, edges, hashes, state, tok):
         e = np.int64(edges[e, NEXT])
     if e == -1:
         return np.int64(-1)
-    key = (np.int64(state) << 32) | np.int64(tok)
     mask = hashes.shape[0] - 1
-    i = _slot(key, mask)
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
     while True:
-        k = hashes[i, 0]
-        if k == key:
-            return hashes[i, 1]
-        if k == EMPTY:
+        k = hashes[i, H_STATE]
+        if k == state and hashes[i, H_TOKEN] == tok:
+            return np.int64(hashes[i, H_EDGE])
+        if k == -1:
             return np.int64(-1)
         i = (i + 1) & mask
 
 
 @njit(cache=True)
-def _hash_put(hashes, key, edge):
+def _hash_put(hashes, state, tok, edge):
     mask = hashes.shape[0] - 1
-    i = _slot(key, mask)
-    while hashes[i, 0] != EMPTY:
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
+    while hashes[i, H_STATE] != -1:
         i = (i + 1) & mask
-    hashes[i, 0] = key
-    hashes[i, 1] = edge
+    hashes[i, H_STATE] = state
+    hashes[i, H_TOKEN] = tok
+    hashes[i, H_EDGE] = edge
 
 
 @njit(cache=True)
@@ -127,11 +123,11 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
     if degree == HASHED_DEGREE + 1:  # just crossed the threshold: hash every edge of the state
         x = np.int64(e)
         while x != -1:
-            _hash_put(hashes, (np.int64(state) << 32) | np.int64(edges[x, TOK]), x)
+            _hash_put(hashes, state, edges[x, TOK], x)
             meta[2] += 1
             x = np.int64(edges[x, NEXT])
     elif degree > HASHED_DEGREE + 1:
-        _hash_put(hashes, (np.int64(state) << 32) | np.int64(tok), e)
+        _hash_put(hashes, state, tok, e)
         meta[2] += 1
 
 
@@ -250,7 +246,7 @@ def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, tid, qs, i):
 @njit(cache=True)
 def rehash(hashes_new, states, edges, n_states):
     """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
-    hashes_new[:, 0] = EMPTY
+    hashes_new[:, H_STATE] = -1
     for s in range(n_states):
         degree = 0
         e = np.int64(states[s, EDGE])
@@ -261,7 +257,7 @@ def rehash(hashes_new, states, edges, n_states):
             continue
         e = np.int64(states[s, EDGE])
         while e != -1:
-            _hash_put(hashes_new, (np.int64(s) << 32) | np.int64(edges[e, TOK]), e)
+            _hash_put(hashes_new, s, edges[e, TOK], e)
             e = np.int64(edges[e, NEXT])
 
 
@@ -380,19 +376,19 @@ def draft_best(
 
 
 @njit(cache=True)
-def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, rows, src, row):
+def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""
-    n_rows = rows.shape[0]
+    n_rows = req_slots.shape[0]
     while row < n_rows:
-        s = rows[row, W_SLOT]
+        s = req_slots[row]
         q = slots[s, R_SEQ]
         have = seqs[q, Q_LEN]
-        end = rows[row, W_END]
+        end = ends[row]
         if end > have:
             if end > seqs[q, Q_CAP]:
                 return row, NEED_POOL
-            base = rows[row, W_BASE]
+            base = bases[row]
             off = seqs[q, Q_OFF]
             for j in range(have, end):
                 t = src[base + j]
@@ -416,7 +412,8 @@ def _draft_rows(
     seqs,
     pool,
     slots,
-    rows,
+    req_slots,
+    budgets,
     max_depth,
     spec_factor,
     spec_offset,
@@ -433,9 +430,9 @@ def _draft_rows(
     tmp_tok = np.empty(k, np.int32)
     tmp_prob = np.empty(k, np.float32)
     tmp_sup = np.empty(k, np.int32)
-    for r in range(rows.shape[0]):
-        s = rows[r, W_SLOT]
-        budget = rows[r, W_BUDGET]
+    for r in range(req_slots.shape[0]):
+        s = req_slots[r]
+        budget = budgets[r]
         q = slots[s, R_SEQ]
         off = seqs[q, Q_OFF]
         end = off + seqs[q, Q_LEN]
@@ -509,7 +506,10 @@ def step_rows(
     seqs,
     pool,
     slots,
-    rows,
+    req_slots,
+    bases,
+    ends,
+    budgets,
     src,
     row,
     draft,
@@ -528,14 +528,17 @@ def step_rows(
     """A decode step for a whole batch in one call: commits every row's new tokens (resuming at `row`), then,
     with `draft`, advances every row's match in each candidate tree and keeps its best-scoring draft.
 
-    Row r's request is slot rows[r, W_SLOT]; its candidate c's match state persists in the slot table and
+    Row r's request is slot req_slots[r]; after the step it holds ends[r] tokens, token j of it being
+    src[bases[r] + j], and budgets[r] caps its draft. Its candidate c's match state persists in the slot table and
     advances over the tokens committed since the last draft; a candidate whose tree version changed
     re-matches from the last `max_depth` tokens. The best draft over all candidates and match lengths wins
     (earlier candidates and longer matches win ties); out_info[r] holds its length, match length and
     source (candidate + 1; 0: none), out_sup the count behind each draft token.
     Returns (row reached, status): anything but DONE means the caller must grow and call again.
     """
-    row, status = _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, rows, src, row)
+    row, status = _commit_rows(
+        states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row
+    )
     if status != DONE or not draft:
         return row, status
     _draft_rows(
@@ -546,7 +549,8 @@ def step_rows(
         seqs,
         pool,
         slots,
-        rows,
+        req_slots,
+        budgets,
         max_depth,
         spec_factor,
         spec_offset,

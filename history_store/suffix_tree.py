@@ -126,7 +126,7 @@ class SuffixForest:
         n = max(64, int(capacity_tokens))
         self.states = np.zeros((2 * n, 4), np.int32)
         self.edges = np.zeros((3 * n, 3), np.int32)
-        self.hashes = np.full((_pow2(2 * n), 2), -1, np.int64)  # only high-degree states' edges are hashed
+        self.hashes = np.full((_pow2(2 * n), 3), -1, np.int32)  # only high-degree states' edges are hashed
         self.meta = np.zeros(3, np.int64)
         self.garbage_states = 0
 
@@ -256,7 +256,7 @@ class SuffixForest:
         if n_edges + edges > self.edges.shape[0]:
             self.edges = _resized(self.edges, _grown(self.edges.shape[0], n_edges + edges))
         if 2 * (n_hash + edges) > self.hashes.shape[0]:
-            hashes = np.empty((_pow2(4 * (n_hash + edges)), 2), np.int64)
+            hashes = np.empty((_pow2(4 * (n_hash + edges)), 3), np.int32)
             K.rehash(hashes, self.states, self.edges, n_states)
             self.hashes = hashes
 
@@ -338,9 +338,9 @@ class SuffixTree:
 
     @property
     def memory_bytes(self) -> int:
-        """Arena bytes this tree uses (16 per state, 12 per edge, 16 per hashed edge) plus its stored tokens."""
+        """Arena bytes this tree uses (16 per state, 12 per edge, 12 per hashed edge) plus its stored tokens."""
         row = self.forest.trees[self.tid]
-        return int(16 * row[K.T_STATES] + 12 * row[K.T_EDGES] + 16 * row[K.T_HASHED] + 4 * row[K.T_TOKENS])
+        return int(16 * row[K.T_STATES] + 12 * row[K.T_EDGES] + 12 * row[K.T_HASHED] + 4 * row[K.T_TOKENS])
 
     def seq_row(self, seq_id: int) -> int:
         """The forest's sequence row of `seq_id` (a kernel's handle on it). Raises KeyError if unknown."""
