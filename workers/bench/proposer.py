@@ -190,8 +190,32 @@ def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) 
         "draft_tokens_per_row": round(stats["draft_tokens"] / rows, 3),
         "requests_finished": engine.served,
     }
+    result.update(_kernel_split(proposer, engine))
     result.update(_allocations(proposer, engine, min(steps, 50)))
     return result
+
+
+def _kernel_split(proposer: DasProposer, engine: _Batch, calls: int = 200, repeats: int = 7) -> dict:
+    """The batch's `ProblemIndex.step` with nothing new to commit, timed best-of-`repeats` (the least
+    disturbed run), once with every budget at 0 (matching only) and once with budget K (matching and
+    drafting): what drafting costs, apart from the rest of the step. Repeating is exact: with no new tokens
+    the matches stay where they are."""
+    index = proposer.index
+    slots = np.array([index.slot(key) for key in engine.req_ids()], np.int64)
+    end = index.committed(slots)
+    src, base = np.empty(0, np.int32), np.zeros_like(slots)
+    out = {}
+    for name, budget in (("match_only", 0), ("match_and_draft", proposer.k)):
+        budgets = np.full(slots.shape[0], budget, np.int64)
+        index.step(slots, src, base, end, budgets)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.thread_time()
+            for _ in range(calls):
+                index.step(slots, src, base, end, budgets)
+            best = min(best, time.thread_time() - start)
+        out[f"index_step_{name}_best_us_per_request"] = round(1e6 * best / (calls * slots.shape[0]), 3)
+    return out
 
 
 def _allocations(proposer: DasProposer, engine: _Batch, steps: int) -> dict:
