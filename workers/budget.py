@@ -270,6 +270,18 @@ def _features_of(probs, support, j, previous, match_len, source, request_gain, p
     out[8] = np.log1p(support[j]) / 4.0
 
 
+# Pseudo-trials at the logistic model's own prediction in each recalibration bin.
+_RECALIBRATION_PRIOR = 20.0
+
+
+@njit(cache=True)
+def _recalibrated(p, table):
+    """The logistic model's conditional acceptance p mapped through observed acceptance in p's bin
+    (table[b] = accepted, tried): a logistic curve in these features is not exactly right at either end."""
+    b = min(int(p * table.shape[0]), table.shape[0] - 1)
+    return (table[b, 0] + _RECALIBRATION_PRIOR * p) / (table[b, 1] + _RECALIBRATION_PRIOR)
+
+
 @njit(cache=True)
 def _truncate_kernel(
     probs,
@@ -282,6 +294,7 @@ def _truncate_kernel(
     request_outcomes,
     problem_outcomes,
     weights,
+    recalibration,
     value,
     c_tok,
     features,
@@ -316,7 +329,7 @@ def _truncate_kernel(
             z = 0.0
             for c in range(f):
                 z += x[c] * weights[c]
-            path *= 1.0 / (1.0 + np.exp(-z))
+            path *= _recalibrated(1.0 / (1.0 + np.exp(-z)), recalibration)
             predicted[i, j] = path
             if path * value[i] >= c_tok:
                 keep = j + 1  # path probabilities never grow along a row: the kept tokens are a prefix
@@ -338,6 +351,7 @@ def _observe_kernel(
     request_outcomes,
     problem_outcomes,
     problem_stamp,
+    recalibration,
     step,
     request_decay,
     problem_decay,
@@ -370,6 +384,9 @@ def _observe_kernel(
                 z += x[c] * weights[c]
             p = 1.0 / (1.0 + np.exp(-z))
             y = 1.0 if j < a else 0.0
+            b = min(int(p * recalibration.shape[0]), recalibration.shape[0] - 1)
+            recalibration[b, 0] += y
+            recalibration[b, 1] += 1.0
             outcome[0] += y
             outcome[1] += p
             outcome[2] += 1.0
@@ -411,11 +428,14 @@ class AcceptanceModel:
         self.weights = np.zeros(N_FEATURES)
         self.weights[:3], self.weights[3] = -0.5, 1.0
         self._curvature = np.zeros((N_FEATURES, N_FEATURES))
+        # Observed acceptance by bin of the model's prediction (accepted, tried), forgotten like the fit.
+        self.recalibration = np.zeros((20, 2))
         self.trials = 0
 
     def update(self, gradient: np.ndarray, curvature: np.ndarray, trials: int) -> None:
         """One Newton step with a verified batch's log-likelihood gradient and curvature."""
         self._curvature = self._forgetting * self._curvature + curvature
+        self.recalibration *= self._forgetting
         step = np.linalg.solve(self._curvature + self._ridge, gradient)
         # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
         # predictions is small): move at most one logit unit per feature per batch; more data keeps coming.
@@ -684,6 +704,7 @@ class BudgetPolicy:
             self._request_outcomes,
             self._problem_outcomes,
             self.acceptance.weights,
+            self.acceptance.recalibration,
             self._value,
             float(self.cost.coefficients[2]),
             self._features,
@@ -713,6 +734,7 @@ class BudgetPolicy:
             self._request_outcomes,
             self._problem_outcomes,
             self._problem_stamp,
+            self.acceptance.recalibration,
             self._step,
             self.config.request_decay,
             self.config.problem_decay,
