@@ -6,17 +6,27 @@ links let a request keep its match state across decode steps (Aho-Corasick style
 O(new tokens + draft length). Occurrence counts equal those of a depth-bounded suffix tree for every string
 of length <= depth, so drafting semantics are the suffix tree's.
 
-Layout (all int32 unless noted; one arena holds every tree so one call drafts for a whole batch):
-  states: s_len (longest string length), s_link (suffix link; -1 marks a root), s_count (occurrences =
-          |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
-          degree in its tree), s_edge (head of the state's outgoing-edge list)
-  edges:  e_tok, e_to, e_next (singly linked per state, for enumerating continuations)
-  hash:   h_key (int64: state << 32 | token, -1 empty), h_val (edge id). Only states with more than
+The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel first, in this order:
+  states  int32 [n, 4]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
+          = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
+          degree in its tree), EDGE (head of the state's outgoing-edge list)
+  edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
+  hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
-  meta:   int64 [n_states, n_edges, n_hash_used]
-Every kernel takes the arena arrays first, in the order above (s_len ... h_val, meta), or a prefix of them,
-so the facade passes `*forest.arena` (or a prefix) rather than naming each array.
+  meta    int64 [3]: states, edges and hash entries in use.
+Bookkeeping tables beside it (int64, one row each):
+  trees   [T, 7]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
+          the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS, and T_STAMP (changes whenever its counts do).
+  cache   int64 [CACHE_ENTRIES, 4]: direct-mapped cache of high-degree states' best continuation (see
+          `_best_child`), 2 MiB per arena.
+  seqs    [Q, 5]: where a sequence's tokens live in the token pool (Q_OFF, Q_LEN, Q_CAP), its end state
+          (Q_LAST) and how many of its tokens the automaton has taken in (Q_EXT).
+  slots   [S, 15]: a live request's sequence (R_SEQ) and live tree (R_LIVE), its candidate trees (R_CAND..,
+          -1 for none), how far its match states have read its sequence (R_MATCHED), and per candidate the
+          match state, length and the tree version it was matched against.
+Packing fields into 2-D tables keeps a kernel call to a few arguments: unboxing costs about 0.15 us per
+array argument (and more per member of a tuple), which is most of a batch-1 step.
 """
 
 from __future__ import annotations
@@ -24,9 +34,28 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-EMPTY = np.int64(-1)
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
+
+LEN, LINK, COUNT, EDGE = 0, 1, 2, 3
+TOK, TO, NEXT = 0, 1, 2
+H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
+ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS, T_STAMP = 0, 1, 2, 3, 4, 5, 6
+TREE_FIELDS = 7
+# The best-continuation cache (see `_best_child`): state, its tree's stamp, best edge, total count.
+C_STATE, C_STAMP, C_EDGE, C_TOTAL = 0, 1, 2, 3
+CACHE_ENTRIES = 1 << 16
+Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
+SEQ_FIELDS = 5
+N_CANDIDATES = 3
+R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
+R_STATE, R_MLEN, R_MVER = 6, 9, 12
+SLOT_FIELDS = 15
+# Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft).
+I_LEN, I_MATCH, I_SOURCE = 0, 1, 2
+INFO_FIELDS = 3
+# What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
+DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
 
 
 @njit(cache=True)
@@ -37,250 +66,302 @@ def _slot(key, mask):
 
 
 @njit(cache=True)
-def find_edge(s_edge, e_tok, e_next, h_key, h_val, state, tok):
+def find_edge(states, edges, hashes, state, tok):
     """Edge id of the transition (state, tok), or -1."""
-    e = s_edge[state]
+    e = np.int64(states[state, EDGE])
     for _ in range(HASHED_DEGREE):
         if e == -1:
-            return -1
-        if e_tok[e] == tok:
+            return np.int64(-1)
+        if edges[e, TOK] == tok:
             return e
-        e = e_next[e]
+        e = np.int64(edges[e, NEXT])
     if e == -1:
-        return -1
-    key = (np.int64(state) << 32) | np.int64(tok)
-    mask = h_key.shape[0] - 1
-    i = _slot(key, mask)
+        return np.int64(-1)
+    mask = hashes.shape[0] - 1
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
     while True:
-        k = h_key[i]
-        if k == key:
-            return h_val[i]
-        if k == EMPTY:
-            return -1
+        k = hashes[i, H_STATE]
+        if k == state and hashes[i, H_TOKEN] == tok:
+            return np.int64(hashes[i, H_EDGE])
+        if k == -1:
+            return np.int64(-1)
         i = (i + 1) & mask
 
 
 @njit(cache=True)
-def _hash_put(h_key, h_val, key, edge):
-    mask = h_key.shape[0] - 1
-    i = _slot(key, mask)
-    while h_key[i] != EMPTY:
+def _hash_put(hashes, state, tok, edge):
+    mask = hashes.shape[0] - 1
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
+    while hashes[i, H_STATE] != -1:
         i = (i + 1) & mask
-    h_key[i] = key
-    h_val[i] = edge
+    hashes[i, H_STATE] = state
+    hashes[i, H_TOKEN] = tok
+    hashes[i, H_EDGE] = edge
 
 
 @njit(cache=True)
-def new_state(s_len, s_link, s_count, s_edge, meta, length, link, count):
+def new_state(states, meta, length, link, count):
     s = meta[0]
     meta[0] += 1
-    s_len[s] = length
-    s_link[s] = link
-    s_count[s] = count
-    s_edge[s] = -1
-    return np.int32(s)
+    states[s, LEN] = length
+    states[s, LINK] = link
+    states[s, COUNT] = count
+    states[s, EDGE] = -1
+    return np.int64(s)
 
 
 @njit(cache=True)
-def _add_edge(s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, state, tok, to):
+def _add_edge(states, edges, hashes, meta, state, tok, to):
     e = meta[1]
     meta[1] += 1
-    e_tok[e] = tok
-    e_to[e] = to
-    e_next[e] = s_edge[state]
-    s_edge[state] = e
-    if s_link[state] == -1:
-        s_count[state] += 1  # a root's degree
+    edges[e, TOK] = tok
+    edges[e, TO] = to
+    edges[e, NEXT] = states[state, EDGE]
+    states[state, EDGE] = e
+    if states[state, LINK] == -1:
+        states[state, COUNT] += 1  # a root's degree
     degree = 0
-    x = e
+    x = np.int64(e)
     while x != -1 and degree <= HASHED_DEGREE + 1:
         degree += 1
-        x = e_next[x]
+        x = np.int64(edges[x, NEXT])
     if degree == HASHED_DEGREE + 1:  # just crossed the threshold: hash every edge of the state
-        x = e
+        x = np.int64(e)
         while x != -1:
-            _hash_put(h_key, h_val, (np.int64(state) << 32) | np.int64(e_tok[x]), x)
+            _hash_put(hashes, state, edges[x, TOK], x)
             meta[2] += 1
-            x = e_next[x]
+            x = np.int64(edges[x, NEXT])
     elif degree > HASHED_DEGREE + 1:
-        _hash_put(h_key, h_val, (np.int64(state) << 32) | np.int64(tok), e)
+        _hash_put(hashes, state, tok, e)
         meta[2] += 1
 
 
 @njit(cache=True)
-def _clone(s_len, s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, q, length):
-    c = new_state(s_len, s_link, s_count, s_edge, meta, length, s_link[q], s_count[q])
-    e = s_edge[q]
+def _clone(states, edges, hashes, meta, q, length):
+    c = new_state(states, meta, length, states[q, LINK], states[q, COUNT])
+    e = np.int64(states[q, EDGE])
     while e != -1:
-        _add_edge(s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, c, e_tok[e], e_to[e])
-        e = e_next[e]
+        _add_edge(states, edges, hashes, meta, c, edges[e, TOK], edges[e, TO])
+        e = np.int64(edges[e, NEXT])
     return c
 
 
 @njit(cache=True)
-def _redirect(s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, p, tok, old, new):
+def _redirect(states, edges, hashes, p, tok, old, new):
     """Points (p, tok) and the same transition of p's suffix ancestors from `old` to `new`."""
     while p != -1:
-        e = find_edge(s_edge, e_tok, e_next, h_key, h_val, p, tok)
-        if e == -1 or e_to[e] != old:
+        e = find_edge(states, edges, hashes, p, tok)
+        if e == -1 or edges[e, TO] != old:
             break
-        e_to[e] = new
-        p = s_link[p]
+        edges[e, TO] = new
+        p = np.int64(states[p, LINK])
 
 
 @njit(cache=True)
-def extend_tokens(
-    s_len, s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, root, last, tokens, start
-):
-    """Appends tokens[start:] to the sequence whose current end state is `last`.
+def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
+    """Appends tokens[start:end] to the sequence whose current end state is `last`.
 
     Stops early (returning how far it got) when the arena might run out of room for the next token; the
     caller grows the arrays and calls again. Returns (next index into tokens, new end state).
     """
-    n_tokens = tokens.shape[0]
     i = start
-    while i < n_tokens:
+    last = np.int64(last)
+    while i < end:
         # Room for the worst case of one token: two new states, an edge for each state on the suffix path
         # (at most len(last) + 1), a clone's copied edges (at most root's degree), with the hash half empty.
         # Every state's degree is at most its root's (each token that follows anything also follows root).
-        new_edges = s_len[last] + 2 + s_count[root]
+        new_edges = states[last, LEN] + 2 + states[root, COUNT]
         if (
-            meta[0] + 2 > s_len.shape[0]
-            or meta[1] + new_edges > e_tok.shape[0]
-            or 2 * (meta[2] + new_edges) > h_key.shape[0]
+            meta[0] + 2 > states.shape[0]
+            or meta[1] + new_edges > edges.shape[0]
+            or 2 * (meta[2] + new_edges) > hashes.shape[0]
         ):
             return i, last
         c = tokens[i]
-        e = find_edge(s_edge, e_tok, e_next, h_key, h_val, last, c)
+        e = find_edge(states, edges, hashes, last, c)
         if e != -1:
-            q = e_to[e]
-            if s_len[last] + 1 == s_len[q]:
+            q = np.int64(edges[e, TO])
+            if states[last, LEN] + 1 == states[q, LEN]:
                 r = q
             else:
-                r = _clone(
-                    s_len,
-                    s_link,
-                    s_count,
-                    s_edge,
-                    e_tok,
-                    e_to,
-                    e_next,
-                    h_key,
-                    h_val,
-                    meta,
-                    q,
-                    s_len[last] + 1,
-                )
-                _redirect(s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, last, c, q, r)
-                s_link[q] = r
+                r = _clone(states, edges, hashes, meta, q, states[last, LEN] + 1)
+                _redirect(states, edges, hashes, last, c, q, r)
+                states[q, LINK] = r
         else:
-            cur = new_state(s_len, s_link, s_count, s_edge, meta, s_len[last] + 1, root, 0)
+            cur = new_state(states, meta, states[last, LEN] + 1, root, 0)
             p = last
-            while p != -1 and find_edge(s_edge, e_tok, e_next, h_key, h_val, p, c) == -1:
-                _add_edge(s_link, s_count, s_edge, e_tok, e_to, e_next, h_key, h_val, meta, p, c, cur)
-                p = s_link[p]
+            while p != -1 and find_edge(states, edges, hashes, p, c) == -1:
+                _add_edge(states, edges, hashes, meta, p, c, cur)
+                p = np.int64(states[p, LINK])
             if p == -1:
-                s_link[cur] = root
+                states[cur, LINK] = root
             else:
-                q = e_to[find_edge(s_edge, e_tok, e_next, h_key, h_val, p, c)]
-                if s_len[p] + 1 == s_len[q]:
-                    s_link[cur] = q
+                q = np.int64(edges[find_edge(states, edges, hashes, p, c), TO])
+                if states[p, LEN] + 1 == states[q, LEN]:
+                    states[cur, LINK] = q
                 else:
-                    cl = _clone(
-                        s_len,
-                        s_link,
-                        s_count,
-                        s_edge,
-                        e_tok,
-                        e_to,
-                        e_next,
-                        h_key,
-                        h_val,
-                        meta,
-                        q,
-                        s_len[p] + 1,
-                    )
-                    _redirect(s_link, s_edge, e_tok, e_to, e_next, h_key, h_val, p, c, q, cl)
-                    s_link[q] = cl
-                    s_link[cur] = cl
+                    cl = _clone(states, edges, hashes, meta, q, states[p, LEN] + 1)
+                    _redirect(states, edges, hashes, p, c, q, cl)
+                    states[q, LINK] = cl
+                    states[cur, LINK] = cl
             r = cur
         # The new end position belongs to every state on r's suffix path.
         s = r
         while s != root:
-            s_count[s] += 1
-            s = s_link[s]
+            states[s, COUNT] += 1
+            s = np.int64(states[s, LINK])
         last = r
         i += 1
     return i, last
 
 
 @njit(cache=True)
-def rehash(h_key_new, h_val_new, e_tok, e_next, s_edge, n_states):
-    """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
-    h_key_new[:] = EMPTY
-    for s in range(n_states):
-        degree = 0
-        e = s_edge[s]
-        while e != -1 and degree <= HASHED_DEGREE:
-            degree += 1
-            e = e_next[e]
-        if degree <= HASHED_DEGREE:  # the same rule as _add_edge: hashed once it has HASHED_DEGREE + 1 edges
-            continue
-        e = s_edge[s]
-        while e != -1:
-            _hash_put(h_key_new, h_val_new, (np.int64(s) << 32) | np.int64(e_tok[e]), e)
-            e = e_next[e]
+def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, q):
+    """Feeds sequence q's pooled tokens not yet in tree `tid` into it; keeps the tree's counters. Returns
+    DONE, or NEED_ARENA when it stopped for room (what it added so far is kept)."""
+    off = seqs[q, Q_OFF]
+    start = off + seqs[q, Q_EXT]
+    end = off + seqs[q, Q_LEN]
+    if start >= end:
+        return DONE
+    s0, e0, h0 = meta[0], meta[1], meta[2]
+    stop, last = extend_tokens(
+        states, edges, hashes, meta, trees[tid, ROOT], seqs[q, Q_LAST], pool, start, end
+    )
+    seqs[q, Q_LAST] = last
+    seqs[q, Q_EXT] = stop - off
+    trees[tid, T_STAMP] += 1  # counts changed: cached best continuations of this tree are stale
+    trees[tid, T_TOKENS] += stop - start
+    trees[tid, T_STATES] += meta[0] - s0
+    trees[tid, T_EDGES] += meta[1] - e0
+    trees[tid, T_HASHED] += meta[2] - h0
+    return DONE if stop == end else NEED_ARENA
 
 
 @njit(cache=True)
-def advance_match(
-    s_len,
-    s_link,
-    s_count,
-    s_edge,
-    e_tok,
-    e_to,
-    e_next,
-    h_key,
-    h_val,
-    root,
-    state,
-    length,
-    tokens,
-    lo,
-    hi,
-    max_depth,
-):
+def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, tid, qs, i):
+    """Feeds the pooled tokens of sequences qs[i:] into tree `tid`. Returns (index reached, status)."""
+    while i < qs.shape[0]:
+        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, qs[i])
+        if status != DONE:
+            return i, status
+        i += 1
+    return i, DONE
+
+
+@njit(cache=True)
+def rehash(hashes_new, states, edges, n_states):
+    """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
+    hashes_new[:, H_STATE] = -1
+    for s in range(n_states):
+        degree = 0
+        e = np.int64(states[s, EDGE])
+        while e != -1 and degree <= HASHED_DEGREE:
+            degree += 1
+            e = np.int64(edges[e, NEXT])
+        if degree <= HASHED_DEGREE:  # the same rule as _add_edge: hashed once it has HASHED_DEGREE + 1 edges
+            continue
+        e = np.int64(states[s, EDGE])
+        while e != -1:
+            _hash_put(hashes_new, s, edges[e, TOK], e)
+            e = np.int64(edges[e, NEXT])
+
+
+@njit(cache=True)
+def advance_match(states, edges, hashes, root, state, length, tokens, lo, hi, max_depth):
     """Feeds tokens[lo:hi] to a match state; returns the state and length of the longest suffix (<= depth)."""
+    state = np.int64(state)
+    length = np.int64(length)
     # A clone made since the last call may now hold the matched string: move to the state that does.
-    while state != root and length <= s_len[s_link[state]]:
-        state = s_link[state]
+    while state != root and length <= states[states[state, LINK], LEN]:
+        state = np.int64(states[state, LINK])
     for i in range(lo, hi):
         t = tokens[i]
-        e = find_edge(s_edge, e_tok, e_next, h_key, h_val, state, t)
+        e = find_edge(states, edges, hashes, state, t)
         while e == -1 and state != root:
-            state = s_link[state]
-            length = s_len[state]
-            e = find_edge(s_edge, e_tok, e_next, h_key, h_val, state, t)
+            state = np.int64(states[state, LINK])
+            length = np.int64(states[state, LEN])
+            e = find_edge(states, edges, hashes, state, t)
         if e != -1:
-            state = e_to[e]
+            state = np.int64(edges[e, TO])
             length += 1
             if length > max_depth:
-                while s_len[s_link[state]] >= max_depth:
-                    state = s_link[state]
-                length = max_depth
+                while states[states[state, LINK], LEN] >= max_depth:
+                    state = np.int64(states[state, LINK])
+                length = np.int64(max_depth)
     return state, length
 
 
 @njit(cache=True)
-def draft_from(
-    s_len,
-    s_link,
-    s_count,
-    s_edge,
-    e_tok,
-    e_to,
-    e_next,
+def _best_child(states, edges, cache, stamp, state):
+    """(edge, count) of a state's most frequent continuation (ties: the smaller token) and the total count of
+    its continuations; edge -1 when it has none.
+
+    Short child lists are scanned. A state with more than HASHED_DEGREE children (the short matches, with
+    hundreds of continuations) is looked up in a direct-mapped cache keyed by state and its tree's stamp,
+    which changes whenever the tree's counts do, so a hit is exact; a miss scans and fills the entry.
+    """
+    best_e = np.int64(-1)
+    best_c = -1
+    total = 0
+    seen = 0
+    slot = np.int64(-1)
+    e = np.int64(states[state, EDGE])
+    while e != -1:
+        if seen == HASHED_DEGREE:
+            slot = _slot(np.int64(state), cache.shape[0] - 1)
+            if cache[slot, C_STATE] == state and cache[slot, C_STAMP] == stamp:
+                hit = cache[slot, C_EDGE]
+                return hit, states[edges[hit, TO], COUNT], cache[slot, C_TOTAL]
+        c = states[edges[e, TO], COUNT]
+        total += c
+        if c > best_c or (c == best_c and edges[e, TOK] < edges[best_e, TOK]):
+            best_c = c
+            best_e = e
+        seen += 1
+        e = np.int64(edges[e, NEXT])
+    if slot >= 0:
+        cache[slot, C_STATE] = state
+        cache[slot, C_STAMP] = stamp
+        cache[slot, C_EDGE] = best_e
+        cache[slot, C_TOTAL] = total
+    return best_e, best_c, total
+
+
+@njit(cache=True)
+def _draft_path(states, edges, cache, stamp, state, cap, min_prob, escape, floor, out_tok, out_prob, out_sup):
+    """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
+    Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
+    the smaller token id. out_sup gets each token's count (its support). Returns (tokens, score), or (0, 0.0)
+    as soon as the score cannot beat `floor` (path probabilities never grow, so at most p per token left)."""
+    prob = 1.0
+    score = 0.0
+    n = 0
+    while n < cap:
+        best_e, best_c, total = _best_child(states, edges, cache, stamp, state)
+        if best_e == -1:
+            break
+        p = prob * best_c / (total + escape)
+        if p < min_prob:
+            break
+        if score + p * (cap - n) <= floor:
+            return 0, 0.0
+        prob = p
+        out_tok[n] = edges[best_e, TOK]
+        out_prob[n] = p
+        out_sup[n] = best_c
+        score += p
+        n += 1
+        state = np.int64(edges[best_e, TO])
+    return n, score
+
+
+@njit(cache=True)
+def draft_best(
+    states,
+    edges,
+    cache,
+    stamp,
     root,
     state,
     length,
@@ -289,230 +370,236 @@ def draft_from(
     spec_offset,
     min_prob,
     escape,
+    all_matches,
+    floor,
     out_tok,
     out_prob,
+    out_sup,
+    tmp_tok,
+    tmp_prob,
+    tmp_sup,
 ):
-    """Drafts from a match state: the most frequent continuation while its path probability >= min_prob.
-
-    The match falls back to the longest suffix that has a continuation (a string seen only at the end of a
-    sequence, e.g. the request's own tail, predicts nothing). Probabilities are count(x+t) / (sum over
-    continuations + escape), multiplied along the path. Ties go to the smaller token id.
-    Returns (number of draft tokens, match length used, score = sum of path probabilities).
+    """Drafts from a match state and, with `all_matches`, from every shorter match along its suffix links
+    (SuffixDecoding scores every match length and keeps the best draft). Each match of length m drafts at
+    most min(budget, spec_factor * m + spec_offset) tokens. A draft replaces what out_* hold only when its
+    score (sum of path probabilities) beats `floor`, and earlier (longer) matches win ties.
+    Returns (tokens, match length, score) of the kept draft, (0, 0, floor) when none beat the floor.
     """
-    while state != root and s_edge[state] == -1:
-        state = s_link[state]
-        length = s_len[state]
-    if state == root or length == 0:
-        return 0, 0, 0.0
-    cap = min(budget, np.int64(spec_factor * length + spec_offset), out_tok.shape[0])
-    prob = 1.0
-    score = 0.0
-    n = 0
-    while n < cap:
-        e = s_edge[state]
-        if e == -1:
-            break
-        best_e = -1
-        best_c = -1
-        total = 0
-        while e != -1:
-            c = s_count[e_to[e]]
-            total += c
-            if c > best_c or (c == best_c and e_tok[e] < e_tok[best_e]):
-                best_c = c
-                best_e = e
-            e = e_next[e]
-        p = prob * best_c / (total + escape)
-        if p < min_prob:
-            break
-        prob = p
-        out_tok[n] = e_tok[best_e]
-        out_prob[n] = p
-        score += p
-        n += 1
-        state = e_to[best_e]
-    return n, length, score
+    best_n = 0
+    best_len = 0
+    best = floor
+    k = out_tok.shape[0]
+    while state != root:
+        if states[state, EDGE] != -1:
+            cap = min(budget, np.int64(spec_factor * length + spec_offset), k)
+            if cap <= best:  # a score never exceeds the draft length, and shorter matches cap lower
+                break
+            n, score = _draft_path(
+                states, edges, cache, stamp, state, cap, min_prob, escape, best, tmp_tok, tmp_prob, tmp_sup
+            )
+            if n > 0 and score > best:
+                out_tok[:n] = tmp_tok[:n]
+                out_prob[:n] = tmp_prob[:n]
+                out_sup[:n] = tmp_sup[:n]
+                best_n, best_len, best = n, length, score
+            if not all_matches:
+                break
+        state = np.int64(states[state, LINK])
+        length = np.int64(states[state, LEN])
+    return best_n, best_len, best
 
 
 @njit(cache=True)
-def draft_batch_kernel(
-    s_len,
-    s_link,
-    s_count,
-    s_edge,
-    e_tok,
-    e_to,
-    e_next,
-    h_key,
-    h_val,
-    roots,
-    versions,
-    m_state,
-    m_len,
-    m_version,
-    new_tok,
-    new_off,
-    ctx_tok,
-    ctx_off,
+def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row):
+    """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
+    to its live tree. Returns (row reached, status)."""
+    n_rows = req_slots.shape[0]
+    while row < n_rows:
+        s = req_slots[row]
+        q = slots[s, R_SEQ]
+        have = seqs[q, Q_LEN]
+        end = ends[row]
+        if end > have:
+            if end > seqs[q, Q_CAP]:
+                return row, NEED_POOL
+            base = bases[row]
+            off = seqs[q, Q_OFF]
+            for j in range(have, end):
+                t = src[base + j]
+                if t < 0:
+                    return row, BAD_TOKEN
+                pool[off + j] = t
+            seqs[q, Q_LEN] = end
+        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, slots[s, R_LIVE], q)
+        if status != DONE:
+            return row, status
+        row += 1
+    return row, DONE
+
+
+@njit(cache=True)
+def _draft_rows(
+    states,
+    edges,
+    hashes,
+    cache,
+    trees,
+    seqs,
+    pool,
+    slots,
+    req_slots,
     budgets,
     max_depth,
     spec_factor,
     spec_offset,
     min_prob,
     escape,
+    all_matches,
     out_tok,
-    out_len,
     out_prob,
-    out_match,
+    out_sup,
+    out_info,
     out_score,
-    out_src,
 ):
-    """Drafts for a whole decode batch in one call.
-
-    Row i has up to C candidate trees (roots[i, c], -1 for none). Its persisted match state per candidate
-    (m_state, m_len, m_version) advances over the tokens committed since the last call (new_tok[new_off[i]:
-    new_off[i+1]]); a candidate whose tree was rebuilt (version changed) re-matches from the last `max_depth`
-    context tokens (ctx_tok[ctx_off[i]:ctx_off[i+1]]). The candidate with the highest score wins; out_src
-    holds its index + 1 (0: no draft).
-    """
-    n_rows, n_cand = roots.shape
     k = out_tok.shape[1]
     tmp_tok = np.empty(k, np.int32)
     tmp_prob = np.empty(k, np.float32)
-    for i in range(n_rows):
-        out_len[i] = 0
-        out_match[i] = 0
-        out_score[i] = 0.0
-        out_src[i] = 0
-        for c in range(n_cand):
-            root = roots[i, c]
-            if root < 0:
+    tmp_sup = np.empty(k, np.int32)
+    for r in range(req_slots.shape[0]):
+        s = req_slots[r]
+        budget = budgets[r]
+        q = slots[s, R_SEQ]
+        off = seqs[q, Q_OFF]
+        end = off + seqs[q, Q_LEN]
+        out_info[r, I_LEN] = 0
+        out_info[r, I_MATCH] = 0
+        out_info[r, I_SOURCE] = 0
+        out_score[r] = 0.0
+        for c in range(N_CANDIDATES):
+            tid = slots[s, R_CAND + c]
+            if tid < 0:
                 continue
-            if m_version[i, c] != versions[i, c]:
+            root = trees[tid, ROOT]
+            if slots[s, R_MVER + c] != trees[tid, VERSION]:
+                # The tree was rebuilt or gained sequences: re-match from the request's last tokens.
                 st, ln = advance_match(
-                    s_len,
-                    s_link,
-                    s_count,
-                    s_edge,
-                    e_tok,
-                    e_to,
-                    e_next,
-                    h_key,
-                    h_val,
-                    root,
-                    root,
-                    0,
-                    ctx_tok,
-                    ctx_off[i],
-                    ctx_off[i + 1],
-                    max_depth,
+                    states, edges, hashes, root, root, 0, pool, max(off, end - max_depth), end, max_depth
                 )
-                m_version[i, c] = versions[i, c]
+                slots[s, R_MVER + c] = trees[tid, VERSION]
             else:
                 st, ln = advance_match(
-                    s_len,
-                    s_link,
-                    s_count,
-                    s_edge,
-                    e_tok,
-                    e_to,
-                    e_next,
-                    h_key,
-                    h_val,
+                    states,
+                    edges,
+                    hashes,
                     root,
-                    m_state[i, c],
-                    m_len[i, c],
-                    new_tok,
-                    new_off[i],
-                    new_off[i + 1],
+                    slots[s, R_STATE + c],
+                    slots[s, R_MLEN + c],
+                    pool,
+                    off + slots[s, R_MATCHED],
+                    end,
                     max_depth,
                 )
-            m_state[i, c] = st
-            m_len[i, c] = ln
-            if budgets[i] <= 0:
+            slots[s, R_STATE + c] = st
+            slots[s, R_MLEN + c] = ln
+            if budget <= 0:
                 continue
-            n, used, score = draft_from(
-                s_len,
-                s_link,
-                s_count,
-                s_edge,
-                e_tok,
-                e_to,
-                e_next,
+            n, used, score = draft_best(
+                states,
+                edges,
+                cache,
+                trees[tid, T_STAMP],
                 root,
                 st,
                 ln,
-                budgets[i],
+                budget,
                 spec_factor,
                 spec_offset,
                 min_prob,
                 escape,
+                all_matches,
+                out_score[r],
+                out_tok[r],
+                out_prob[r],
+                out_sup[r],
                 tmp_tok,
                 tmp_prob,
+                tmp_sup,
             )
-            if n > 0 and score > out_score[i]:
-                out_tok[i, :n] = tmp_tok[:n]
-                out_prob[i, :n] = tmp_prob[:n]
-                out_len[i] = n
-                out_match[i] = used
-                out_score[i] = score
-                out_src[i] = c + 1
+            if n > 0:
+                out_info[r, I_LEN] = n
+                out_info[r, I_MATCH] = used
+                out_info[r, I_SOURCE] = c + 1
+                out_score[r] = score
+        slots[s, R_MATCHED] = end - off
 
 
 @njit(cache=True)
-def extend_rows(
-    s_len,
-    s_link,
-    s_count,
-    s_edge,
-    e_tok,
-    e_to,
-    e_next,
-    h_key,
-    h_val,
+def step_rows(
+    states,
+    edges,
+    hashes,
     meta,
-    roots,
-    lasts,
-    tok,
-    off,
+    cache,
+    trees,
+    seqs,
+    pool,
+    slots,
+    req_slots,
+    bases,
+    ends,
+    budgets,
+    src,
     row,
-    pos,
-    d_states,
-    d_edges,
-    d_hash,
+    draft,
+    max_depth,
+    spec_factor,
+    spec_offset,
+    min_prob,
+    escape,
+    all_matches,
+    out_tok,
+    out_prob,
+    out_sup,
+    out_info,
+    out_score,
 ):
-    """Appends tok[off[r]:off[r+1]] to the sequence ending at lasts[r] of tree roots[r], for rows r >= row,
-    starting at token `pos`. Updates lasts in place and adds each row's new states, edges and hash entries
-    to d_states / d_edges / d_hash. Stops early when the arena needs room; returns where it stopped as (row, pos), and
-    (len(roots), 0) when done."""
-    n_rows = roots.shape[0]
-    while row < n_rows:
-        end = off[row + 1]
-        if pos < end:
-            states0, edges0, hash0 = meta[0], meta[1], meta[2]
-            nxt, last = extend_tokens(
-                s_len,
-                s_link,
-                s_count,
-                s_edge,
-                e_tok,
-                e_to,
-                e_next,
-                h_key,
-                h_val,
-                meta,
-                roots[row],
-                lasts[row],
-                tok[:end],
-                pos,
-            )
-            lasts[row] = last
-            d_states[row] += meta[0] - states0
-            d_edges[row] += meta[1] - edges0
-            d_hash[row] += meta[2] - hash0
-            if nxt < end:
-                return row, nxt
-        row += 1
-        if row < n_rows:
-            pos = off[row]
-    return n_rows, 0
+    """A decode step for a whole batch in one call: commits every row's new tokens (resuming at `row`), then,
+    with `draft`, advances every row's match in each candidate tree and keeps its best-scoring draft.
+
+    Row r's request is slot req_slots[r]; after the step it holds ends[r] tokens, token j of it being
+    src[bases[r] + j], and budgets[r] caps its draft. Its candidate c's match state persists in the slot table and
+    advances over the tokens committed since the last draft; a candidate whose tree version changed
+    re-matches from the last `max_depth` tokens. The best draft over all candidates and match lengths wins
+    (earlier candidates and longer matches win ties); out_info[r] holds its length, match length and
+    source (candidate + 1; 0: none), out_sup the count behind each draft token.
+    Returns (row reached, status): anything but DONE means the caller must grow and call again.
+    """
+    row, status = _commit_rows(
+        states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row
+    )
+    if status != DONE or not draft:
+        return row, status
+    _draft_rows(
+        states,
+        edges,
+        hashes,
+        cache,
+        trees,
+        seqs,
+        pool,
+        slots,
+        req_slots,
+        budgets,
+        max_depth,
+        spec_factor,
+        spec_offset,
+        min_prob,
+        escape,
+        all_matches,
+        out_tok,
+        out_prob,
+        out_sup,
+        out_info,
+        out_score,
+    )
+    return row, DONE

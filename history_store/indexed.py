@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +147,7 @@ class IndexedHistory:
             if key in applied:
                 applied.discard(key)  # a key repeated in the batch was applied once
                 self.index.add_trajectory(*key, record.prompt_ids, record.response_ids)
-        _evict(self.index, result.evicted)
+        self.index.evict_keys(result.evicted)
         now = time.monotonic()
         if now >= self._next_gauge_update:
             # Summing over every problem costs O(problems): refresh the gauge on a timer, not per batch.
@@ -167,37 +167,42 @@ class IndexedHistory:
         self.close()
 
 
-def _evict(index: ProblemIndex, keys: Iterable[TrajectoryKey]) -> None:
-    """Evicts from the trees every epoch up to the newest evicted epoch of each problem."""
-    bounds: dict[str, int] = {}
-    for problem_id, epoch, _ in keys:
-        bounds[problem_id] = max(bounds.get(problem_id, -1), epoch + 1)
-    for problem_id, min_epoch in bounds.items():
-        index.evict_epochs_before(problem_id, min_epoch)
+@dataclass(frozen=True, slots=True)
+class Followed:
+    """What `follow` changed in the index: rollouts added (key, response length), the first epoch each
+    problem now keeps after evictions, rollouts quarantined by the writer, and whether the reader fell
+    behind the trimmed change log so the index was reloaded from the store (then the other fields are empty
+    and the index equals a fresh `load_index`)."""
+
+    added: list[tuple[TrajectoryKey, int]]
+    evicted: dict[str, int]
+    quarantined: list[TrajectoryKey]
+    reloaded: bool
 
 
-def follow(reader: HistoryReader, index: ProblemIndex, catch_up: CatchUp | None = None) -> bool:
-    """Brings `index` in step with what `reader` caught up on (calls `reader.catch_up()` unless given).
-
-    Returns False when the reader fell behind the trimmed sequence log: the caller must build a new index
-    with `load_index` (trees cannot drop records they cannot name).
-    """
+def follow(reader: HistoryReader, index: ProblemIndex, catch_up: CatchUp | None = None) -> Followed:
+    """Brings `index` in step with what `reader` caught up on (calls `reader.catch_up()` unless given), in
+    the order the writer applied the changes."""
     catch_up = reader.catch_up() if catch_up is None else catch_up
     if catch_up.reset:
-        return False
+        index.clear_history()
+        load_index(reader, index)
+        return Followed([], {}, [], reloaded=True)
+    added: list[tuple[TrajectoryKey, int]] = []
+    evicted: dict[str, int] = {}
+    quarantined: list[TrajectoryKey] = []
     for change in catch_up.changes:
         problem_id, epoch, sample = change.key
         if change.op == "added":
             record = reader.get(problem_id, epoch, sample)
-            if record is not None:  # None: evicted or quarantined later in the same catch-up
-                index.add_trajectory(problem_id, epoch, sample, record.prompt_ids, record.response_ids)
+            if record is not None and index.add_trajectory(  # None: evicted or quarantined since
+                problem_id, epoch, sample, record.prompt_ids, record.response_ids
+            ):
+                added.append((change.key, int(record.response_ids.size)))
         elif change.op == "removed":
-            index.evict_epochs_before(problem_id, epoch + 1)
-        else:
-            # The index removes whole epochs only: drop the problem's trees and re-add its stored records.
-            index.evict_epochs_before(problem_id, 2**32)
-            for record in reader.iter_trajectories(problem_id):
-                index.add_trajectory(
-                    problem_id, record.epoch, record.sample, record.prompt_ids, record.response_ids
-                )
-    return True
+            for problem, bound in index.evict_keys([change.key]).items():
+                evicted[problem] = max(evicted.get(problem, 0), bound)
+        else:  # quarantined: that record alone failed its checks; the rest of its epoch stays
+            index.remove_trajectory(problem_id, epoch, sample)
+            quarantined.append(change.key)
+    return Followed(added, evicted, quarantined, reloaded=False)

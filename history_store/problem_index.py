@@ -22,22 +22,64 @@ from history_store import _kernels as K
 from history_store.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
 
 SOURCE_NONE, SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL = 0, 1, 2, 3
-_N_CANDIDATES = 3
+
+
+def eviction_bounds(keys: Iterable[tuple[str, int, int]]) -> dict[str, int]:
+    """The store evicts whole epochs from the bottom of a problem's window: for evicted keys (problem, epoch,
+    sample), the first epoch each problem keeps (its newest evicted epoch + 1)."""
+    bounds: dict[str, int] = {}
+    for problem_id, epoch, _sample in keys:
+        bounds[problem_id] = max(bounds.get(problem_id, 0), epoch + 1)
+    return bounds
 
 
 @dataclass(frozen=True)
 class BatchDrafts:
-    """Drafts for a batch, row-aligned with the request keys. `probs` are path probabilities."""
+    """Drafts for a batch, row-aligned with the request keys. `probs` are path probabilities; `support` is
+    the occurrence count behind each draft token (how much evidence the tree had for it). The arrays are
+    views of the index's step buffers: valid until its next draft."""
 
     tokens: np.ndarray  # int32 (n, K)
     lengths: np.ndarray  # int32 (n,)
     probs: np.ndarray  # float32 (n, K)
+    support: np.ndarray  # int32 (n, K)
     match_lens: np.ndarray  # int32 (n,)
     scores: np.ndarray  # float64 (n,)
-    sources: np.ndarray  # int8 (n,): SOURCE_*
+    sources: np.ndarray  # int32 (n,): SOURCE_*
 
     def draft(self, row: int) -> list[int]:
         return self.tokens[row, : self.lengths[row]].tolist()
+
+
+class _StepBuffers:
+    """Per-batch arrays of the step kernel, allocated once for the largest batch seen and reused; the views
+    of the last batch size are kept too (a view costs about as much as a small numpy operation)."""
+
+    def __init__(self, rows: int, k: int) -> None:
+        self.tokens = np.zeros((rows, k), np.int32)
+        self.probs = np.zeros((rows, k), np.float32)
+        self.support = np.zeros((rows, k), np.int32)
+        self.info = np.zeros((rows, K.INFO_FIELDS), np.int32)
+        self.scores = np.zeros(rows, np.float64)
+        self._n = -1
+        self._views: tuple[BatchDrafts, tuple[np.ndarray, ...]] | None = None
+
+    def views(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
+        """The drafts of a batch of n rows, and the kernel's output arrays they view."""
+        if n != self._n or self._views is None:
+            out = (self.tokens[:n], self.probs[:n], self.support[:n], self.info[:n], self.scores[:n])
+            info = out[3]
+            drafts = BatchDrafts(
+                tokens=out[0],
+                lengths=info[:, K.I_LEN],
+                probs=out[1],
+                support=out[2],
+                match_lens=info[:, K.I_MATCH],
+                scores=out[4],
+                sources=info[:, K.I_SOURCE],
+            )
+            self._n, self._views = n, (drafts, out)
+        return self._views
 
 
 @dataclass
@@ -65,12 +107,6 @@ class _Request:
     seq_id: int
     live_key: str
     problem_id: str | None
-    buffer: np.ndarray
-    length: int = 0
-    pending: list[np.ndarray] = field(default_factory=list)
-
-    def context(self, n: int) -> np.ndarray:
-        return self.buffer[max(0, self.length - n) : self.length]
 
 
 class ProblemIndex:
@@ -104,9 +140,8 @@ class ProblemIndex:
         self._live: dict[str, _Live] = {}
         self._requests: dict[str, _Request] = {}
         self._free_slots: list[int] = []
-        self._m_state = np.zeros((0, _N_CANDIDATES), np.int32)
-        self._m_len = np.zeros((0, _N_CANDIDATES), np.int32)
-        self._m_version = np.zeros((0, _N_CANDIDATES), np.int64)
+        self.slots = np.zeros((0, K.SLOT_FIELDS), np.int64)  # the kernel's per-request table (see _kernels)
+        self._buffers = _StepBuffers(0, self.config.max_spec_tokens)
 
     # ---- history -------------------------------------------------------------------------------------
 
@@ -169,6 +204,10 @@ class ProblemIndex:
         problem = self._problems.get(problem_id)
         if problem is None:
             problem = self._problems[problem_id] = _Problem(SuffixTree(self.config, self.forest))
+            if self.use_history:
+                for req in self._requests.values():  # live requests of a problem that had no history yet
+                    if req.problem_id == problem_id:
+                        self.slots[req.slot, K.R_CAND] = problem.tree.tid
         if (epoch, sample) in problem.seq_of or epoch < self.window_start(problem_id, problem.newest_epoch):
             return False
         if self._global is not None and epoch > self._global_newest:
@@ -211,11 +250,54 @@ class ProblemIndex:
             self._drop_global((problem_id, e, s) for e, s in gone)
         return gone
 
+    def evict_keys(self, keys: Iterable[tuple[str, int, int]]) -> dict[str, int]:
+        """Follows a store's evictions: drops every epoch up to the newest evicted one of each problem.
+        Returns the bounds applied (see `eviction_bounds`)."""
+        bounds = eviction_bounds(keys)
+        for problem_id, min_epoch in bounds.items():
+            self.evict_epochs_before(problem_id, min_epoch)
+        return bounds
+
+    def remove_trajectory(self, problem_id: str, epoch: int, sample: int) -> bool:
+        """Drops one rollout (a store quarantined it) from its problem's tree and the global tree; the rest
+        of its epoch stays. Returns False when it was not indexed."""
+        problem = self._problems.get(problem_id)
+        if problem is None or (epoch, sample) not in problem.seq_of:
+            return False
+        seq_id = problem.seq_of.pop((epoch, sample))
+        del problem.lengths[(epoch, sample)]
+        if self.use_history:
+            problem.tree.remove(seq_id)
+        self._drop_global([(problem_id, epoch, sample)])
+        return True
+
+    def clear_history(self) -> None:
+        """Forgets every rollout (problem and global trees), keeping live requests: before reloading a store
+        whose change log a reader can no longer follow."""
+        for problem in self._problems.values():
+            if self.use_history:
+                problem.tree.remove_many(list(problem.tree.seq_ids))
+            problem.seq_of.clear()
+            problem.lengths.clear()
+            problem.newest_epoch = -1
+        if self._global is not None:
+            self._global.remove_many(list(self._global.seq_ids))
+        self._global_seq.clear()
+        self._global_fifo.clear()
+        self._global_newest = -1
+
+    def global_keys(self) -> list[tuple[str, int, int]]:
+        """Trajectory keys in the global tree, oldest first (the order its token cap drops them in)."""
+        return [key for key, _ in self._global_fifo if key in self._global_seq]
+
     def _add_global(self, key: tuple[str, int, int], tokens: np.ndarray) -> None:
         seq_id = self._global_next
         self._global_next += 1
+        # No re-match for requests drafting from the global tree: every finished rollout lands here, so a
+        # re-match would cost every row of the batch a full re-match whenever any request finishes, and on
+        # real rollouts it found nothing the request's held match and its live tree did not (replay, same
+        # figures). Additions never invalidate a held match (see advance_match); only rebuilds do.
         self._global.extend(seq_id, tokens)
-        self._global.invalidate_matches()
         self._global_seq[key] = seq_id
         self._global_fifo.append((key, tokens.shape[0]))
         if self._global.num_tokens > self.global_tokens:
@@ -257,8 +339,9 @@ class ProblemIndex:
 
     def start_request(
         self, request_key: str, problem_id: str | None, prompt_ids: Sequence[int] | np.ndarray
-    ) -> None:
-        """Registers an in-flight request with its prompt. Raises ValueError if the key is already live."""
+    ) -> int:
+        """Registers an in-flight request with its prompt; returns its slot (a dense id for `step`).
+        Raises ValueError if the key is already live."""
         if request_key in self._requests:
             raise ValueError(f"request {request_key!r} is already live")
         prompt = as_tokens(prompt_ids, "prompt_ids")
@@ -276,54 +359,52 @@ class ProblemIndex:
         seq_id = live.next_seq
         live.next_seq += 1
         live.active.add(seq_id)
+        # Room for the prompt and as much output again, so most requests never move in the pool.
+        q = live.tree.add_seq(seq_id, max(256, 2 * prompt.shape[0]))
+        live.tree.extend(seq_id, prompt)
         slot = self._take_slot()
-        buffer = np.empty(max(256, 2 * prompt.shape[0]), np.int32)
-        req = self._requests[request_key] = _Request(slot, seq_id, live_key, problem_id, buffer)
-        live.tree.extend(seq_id, [])  # the sequence exists even for an empty prompt
-        self._append(req, live, prompt)
+        self._requests[request_key] = _Request(slot, seq_id, live_key, problem_id)
+        row = self.slots[slot]
+        row[:] = 0
+        row[K.R_SEQ] = q
+        row[K.R_LIVE] = live.tree.tid
+        problem = self._problems.get(problem_id) if problem_id is not None else None
+        row[K.R_CAND] = problem.tree.tid if problem is not None and self.use_history else -1
+        row[K.R_CAND + 1] = live.tree.tid
+        row[K.R_CAND + 2] = self._global.tid if self._global is not None else -1
+        return slot
+
+    def slot(self, request_key: str) -> int:
+        """The slot of a live request. Raises KeyError for an unknown key."""
+        return self._requests[request_key].slot
+
+    def committed(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens (prompt and output) each slot's request has committed so far."""
+        return self.forest.seqs[self.slots[slots, K.R_SEQ], K.Q_LEN]
+
+    def request_tokens(self, request_key: str) -> np.ndarray:
+        """A copy of the prompt and output a live request committed. Raises KeyError for an unknown request."""
+        req = self._requests[request_key]
+        return self.forest.seq_tokens(self._live[req.live_key].tree.seq_row(req.seq_id)).copy()
 
     def append_request(self, request_key: str, tokens: Sequence[int] | np.ndarray) -> None:
         """Adds tokens committed this step to a live request. Raises KeyError for an unknown request."""
-        req = self._requests[request_key]
-        self._append(req, self._live[req.live_key], as_tokens(tokens))
+        self.append_batch([request_key], [tokens])
 
     def append_batch(self, request_keys: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
         """Adds each request's tokens committed this step, for a whole decode batch in one native call.
         Raises KeyError for an unknown request and ValueError/TypeError for bad tokens (nothing appended)."""
-        reqs = [self._requests[key] for key in request_keys]
-        if len(set(request_keys)) != len(reqs):
-            raise ValueError("a request key appears twice in one batch")
-        lengths = np.fromiter((len(t) for t in tokens), np.int64, len(reqs))
-        if lengths.shape[0] != len(reqs):
-            raise ValueError(f"{len(reqs)} request keys but {lengths.shape[0]} token lists")
-        off = np.zeros(len(reqs) + 1, np.int64)
-        np.cumsum(lengths, out=off[1:])
+        slots = self._slots_of(request_keys)
+        if len(tokens) != slots.shape[0]:
+            raise ValueError(f"{slots.shape[0]} request keys but {len(tokens)} token lists")
+        lengths = np.fromiter((len(t) for t in tokens), np.int64, slots.shape[0])
         parts = [np.asarray(t) for t in tokens]
         flat = as_tokens(np.concatenate(parts) if parts else [])
-        rows = np.nonzero(lengths)[0]
-        for i in rows:
-            self._buffer(reqs[i], flat[off[i] : off[i + 1]])
-        self.forest.extend_rows(
-            [self._live[reqs[i].live_key].tree for i in rows],
-            [reqs[i].seq_id for i in rows],
-            flat,
-            np.concatenate([off[rows], off[rows[-1] + 1 : rows[-1] + 2]]) if rows.size else off[:1],
-        )
-
-    def _buffer(self, req: _Request, toks: np.ndarray) -> None:
-        if req.length + toks.shape[0] > req.buffer.shape[0]:
-            grown = np.empty(2 * (req.length + toks.shape[0]), np.int32)
-            grown[: req.length] = req.buffer[: req.length]
-            req.buffer = grown
-        req.buffer[req.length : req.length + toks.shape[0]] = toks
-        req.length += toks.shape[0]
-        req.pending.append(toks)
-
-    def _append(self, req: _Request, live: _Live, toks: np.ndarray) -> None:
-        if toks.shape[0] == 0:
-            return
-        self._buffer(req, toks)
-        live.tree.extend(req.seq_id, toks)
+        have = self.committed(slots)
+        start = np.zeros(slots.shape[0], np.int64)
+        np.cumsum(lengths[:-1], out=start[1:])
+        # Token j of row i's request sits at flat[base + j] for the new ones: base = where they start - have.
+        self._run(slots, flat, start - have, have + lengths, np.zeros_like(slots), draft=False)
 
     def finish_request(self, request_key: str) -> None:
         """Ends a request. Its tokens stay draftable for siblings until they outweigh the live ones."""
@@ -333,7 +414,7 @@ class ProblemIndex:
         self._free_slots.append(req.slot)
         live = self._live[req.live_key]
         live.active.discard(req.seq_id)
-        live.dead_tokens += req.length
+        live.dead_tokens += int(self.forest.seqs[live.tree.seq_row(req.seq_id), K.Q_LEN])
         if not live.active:
             live.tree.close()
             del self._live[req.live_key]
@@ -342,93 +423,98 @@ class ProblemIndex:
             live.dead_tokens = 0
 
     def _take_slot(self) -> int:
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:
-            slot = self._m_state.shape[0]
-            grow = max(64, slot)
-            self._m_state = np.concatenate([self._m_state, np.zeros((grow, _N_CANDIDATES), np.int32)])
-            self._m_len = np.concatenate([self._m_len, np.zeros((grow, _N_CANDIDATES), np.int32)])
-            self._m_version = np.concatenate([self._m_version, np.zeros((grow, _N_CANDIDATES), np.int64)])
-            self._free_slots.extend(range(slot + grow - 1, slot, -1))
-        self._m_version[slot] = 0
-        return slot
+        if not self._free_slots:
+            size = self.slots.shape[0]
+            grow = max(64, size)
+            self.slots = np.concatenate([self.slots, np.zeros((grow, K.SLOT_FIELDS), np.int64)])
+            self._free_slots.extend(range(size + grow - 1, size - 1, -1))
+        return self._free_slots.pop()
+
+    def _slots_of(self, request_keys: Sequence[str]) -> np.ndarray:
+        requests = self._requests
+        slots = np.fromiter((requests[key].slot for key in request_keys), np.int64, len(request_keys))
+        if np.unique(slots).shape[0] != slots.shape[0]:
+            raise ValueError("a request key appears twice in one batch")
+        return slots
 
     # ---- drafting ------------------------------------------------------------------------------------
 
     def draft_batch(self, request_keys: Sequence[str], budgets: np.ndarray | Sequence[int]) -> BatchDrafts:
         """Drafts for every listed live request in one native call; budgets[i] caps row i's draft.
         Raises KeyError for an unknown request key."""
-        n = len(request_keys)
-        k = self.config.max_spec_tokens
-        budgets = np.minimum(np.asarray(budgets, np.int32), k)
-        roots = np.full((n, _N_CANDIDATES), -1, np.int32)
-        versions = np.zeros((n, _N_CANDIDATES), np.int64)
-        slots = np.empty(n, np.int64)
-        reqs = [self._requests[key] for key in request_keys]
-        g = self._global
-        for i, req in enumerate(reqs):
-            slots[i] = req.slot
-            problem = self._problems.get(req.problem_id) if req.problem_id is not None else None
-            if problem is not None and self.use_history:
-                roots[i, 0] = problem.tree.root
-                versions[i, 0] = problem.tree.version
-            live = self._live[req.live_key].tree
-            roots[i, 1] = live.root
-            versions[i, 1] = live.version
-            if g is not None:
-                roots[i, 2] = g.root
-                versions[i, 2] = g.version
-        new_parts = []
-        new_off = np.zeros(n + 1, np.int64)
-        for i, req in enumerate(reqs):
-            new_parts.extend(req.pending)
-            new_off[i + 1] = new_off[i] + sum(p.shape[0] for p in req.pending)
-            req.pending = []
-        m_state, m_len, m_version = self._m_state[slots], self._m_len[slots], self._m_version[slots]
-        stale = np.nonzero((m_version != versions).any(axis=1))[0]
-        ctx_off = np.zeros(n + 1, np.int64)
-        ctx_parts = []
-        depth = self.config.max_depth
-        lengths = np.zeros(n, np.int64)
-        for i in stale:
-            ctx = reqs[i].context(depth)
-            ctx_parts.append(ctx)
-            lengths[i] = ctx.shape[0]
-        ctx_off[1:] = np.cumsum(lengths)
-        out = BatchDrafts(
-            tokens=np.zeros((n, k), np.int32),
-            lengths=np.zeros(n, np.int32),
-            probs=np.zeros((n, k), np.float32),
-            match_lens=np.zeros(n, np.int32),
-            scores=np.zeros(n, np.float64),
-            sources=np.zeros(n, np.int8),
-        )
-        f = self.forest
-        cfg = self.config
-        K.draft_batch_kernel(
-            *f.arena[:9],
-            roots,
-            versions,
-            m_state,
-            m_len,
-            m_version,
-            np.concatenate(new_parts) if new_parts else np.empty(0, np.int32),
-            new_off,
-            np.concatenate(ctx_parts) if ctx_parts else np.empty(0, np.int32),
-            ctx_off,
-            budgets,
-            depth,
-            cfg.max_spec_factor,
-            cfg.max_spec_offset,
-            cfg.min_token_prob,
-            cfg.escape,
-            out.tokens,
-            out.lengths,
-            out.probs,
-            out.match_lens,
-            out.scores,
-            out.sources,
-        )
-        self._m_state[slots], self._m_len[slots], self._m_version[slots] = m_state, m_len, m_version
-        return out
+        slots = self._slots_of(request_keys)
+        return self.step(slots, np.empty(0, np.int32), np.zeros_like(slots), self.committed(slots), budgets)
+
+    def step(
+        self,
+        slots: np.ndarray,
+        src: np.ndarray,
+        base: np.ndarray,
+        end: np.ndarray,
+        budgets: np.ndarray | Sequence[int],
+    ) -> BatchDrafts:
+        """A decode step in one native call: commits each row's new tokens and drafts for every row.
+
+        Row i is the request in slots[i] (distinct live slots); after this step it holds end[i] tokens, and
+        its token j is src[base[i] + j] (so the new ones are src[base[i] + committed : base[i] + end[i]]);
+        budgets[i] caps its draft. src is int32 token ids (vLLM's token_ids_cpu, flattened, fits as is).
+        Raises ValueError for a negative token id (nothing of that row or later rows is committed).
+        """
+        return self._run(slots, src, base, end, budgets, draft=True)
+
+    def _run(
+        self,
+        slots: np.ndarray,
+        src: np.ndarray,
+        base: np.ndarray,
+        end: np.ndarray,
+        budgets: np.ndarray | Sequence[int],
+        draft: bool,
+    ) -> BatchDrafts:
+        n = slots.shape[0]
+        buf = self._buffers
+        if buf.tokens.shape[0] < n:
+            buf = self._buffers = _StepBuffers(max(n, 2 * buf.tokens.shape[0]), self.config.max_spec_tokens)
+        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = buf.views(n)
+        budgets = np.asarray(budgets)
+        f, cfg = self.forest, self.config
+        row = 0
+        while True:
+            row, status = K.step_rows(
+                f.states,
+                f.edges,
+                f.hashes,
+                f.meta,
+                f.cache,
+                f.trees,
+                f.seqs,
+                f.pool,
+                self.slots,
+                slots,
+                base,
+                end,
+                budgets,
+                src,
+                row,
+                draft,
+                cfg.max_depth,
+                cfg.max_spec_factor,
+                cfg.max_spec_offset,
+                cfg.min_token_prob,
+                cfg.escape,
+                cfg.all_matches,
+                out_tok,
+                out_prob,
+                out_sup,
+                out_info,
+                out_score,
+            )
+            if status == K.DONE:
+                return drafts
+            q = int(self.slots[slots[row], K.R_SEQ])
+            if status == K.NEED_POOL:
+                f.make_room(q, int(end[row]))
+            elif status == K.NEED_ARENA:
+                f.grow_for(int(self.slots[slots[row], K.R_LIVE]), q)
+            else:
+                raise ValueError(f"row {row} commits a negative token id")

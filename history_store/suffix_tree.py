@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class DraftConfig:
     escape: pseudo-count of "a continuation not seen yet" in each probability, count / (total + escape).
         Raw count ratios are overconfident on thin history (one sighting reads as certainty); 1.0 is PPM's
         method-A escape estimate. 0.0 gives SuffixDecoding's raw ratios.
+    all_matches: draft from every match length along the suffix links and keep the best-scoring draft
+        (SuffixDecoding's rule); False drafts from the longest match that has a continuation only.
     """
 
     max_depth: int = 64
@@ -45,6 +48,7 @@ class DraftConfig:
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
     escape: float = 1.0
+    all_matches: bool = True
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_spec_tokens < 0:
@@ -57,10 +61,12 @@ class DraftConfig:
 
 @dataclass(frozen=True)
 class Draft:
-    """Draft tokens, the path probability of each, the matched context length and the score (sum of probs)."""
+    """Draft tokens, the path probability and support (occurrence count) of each, the matched context length
+    and the score (sum of probs)."""
 
     tokens: np.ndarray
     probs: np.ndarray
+    support: np.ndarray
     match_len: int
     score: float
 
@@ -87,47 +93,48 @@ def as_tokens(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.nd
     return np.ascontiguousarray(arr)
 
 
+class Arena(NamedTuple):
+    """The automaton arrays every kernel takes first, in this order (see `_kernels`)."""
+
+    states: np.ndarray
+    edges: np.ndarray
+    hashes: np.ndarray
+    meta: np.ndarray
+
+
 class SuffixForest:
-    """The arena: growable numpy arrays holding the automata of many trees.
+    """The arena: growable tables holding the automata of many trees and the tokens of their sequences.
 
     Trees never free states one by one; a tree that drops sequences is rebuilt into fresh states and its old
-    states become garbage, which `compact()` reclaims once it outweighs the live part.
+    states become garbage, which `compact()` reclaims once it outweighs the live part. Sequence tokens live
+    in one pool (each sequence a segment with room to grow), so a kernel can read and extend any of them.
     """
 
     def __init__(self, capacity_tokens: int = 4096) -> None:
         self._allocate(capacity_tokens)
-        self.trees: list[SuffixTree] = []
+        self.trees = np.zeros((16, K.TREE_FIELDS), np.int64)
+        self._free_trees: list[int] = list(range(15, -1, -1))
+        self.live_trees: dict[int, SuffixTree] = {}
+        self.seqs = np.zeros((64, K.SEQ_FIELDS), np.int64)
+        self._free_seqs: list[int] = list(range(63, -1, -1))
+        self.pool = np.zeros(max(64, int(capacity_tokens)), np.int32)
+        self._pool_used = 0
+        self._pool_garbage = 0
         self._version = 0
 
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
-        self.s_len = np.zeros(2 * n, np.int32)
-        self.s_link = np.zeros(2 * n, np.int32)
-        self.s_count = np.zeros(2 * n, np.int32)
-        self.s_edge = np.zeros(2 * n, np.int32)
-        self.e_tok = np.zeros(3 * n, np.int32)
-        self.e_to = np.zeros(3 * n, np.int32)
-        self.e_next = np.zeros(3 * n, np.int32)
-        self.h_key = np.full(_pow2(2 * n), -1, np.int64)  # only high-degree states' edges are hashed
-        self.h_val = np.zeros(self.h_key.shape[0], np.int32)
+        self.states = np.zeros((2 * n, 4), np.int32)
+        self.edges = np.zeros((3 * n, 3), np.int32)
+        self.hashes = np.full((_pow2(2 * n), 3), -1, np.int32)  # only high-degree states' edges are hashed
         self.meta = np.zeros(3, np.int64)
+        # Keyed by state ids, which a compaction reuses: a fresh arena starts with an empty cache.
+        self.cache = np.full((K.CACHE_ENTRIES, 4), -1, np.int64)
         self.garbage_states = 0
 
     @property
-    def arena(self) -> tuple[np.ndarray, ...]:
-        """The arrays in the order every kernel takes them (see `_kernels`)."""
-        return (
-            self.s_len,
-            self.s_link,
-            self.s_count,
-            self.s_edge,
-            self.e_tok,
-            self.e_to,
-            self.e_next,
-            self.h_key,
-            self.h_val,
-            self.meta,
-        )
+    def arena(self) -> Arena:
+        return Arena(self.states, self.edges, self.hashes, self.meta)
 
     def next_version(self) -> int:
         self._version += 1
@@ -135,94 +142,139 @@ class SuffixForest:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes the arena has allocated."""
-        return sum(a.nbytes for a in self.arena)
+        """Bytes the arena, its tables and the token pool have allocated."""
+        return sum(a.nbytes for a in (*self.arena, self.cache, self.trees, self.seqs, self.pool))
 
-    def new_root(self) -> int:
-        self._grow(states=1, edges=0)
-        s_len, s_link, s_count, s_edge, *_, meta = self.arena
-        return int(K.new_state(s_len, s_link, s_count, s_edge, meta, 0, -1, 0))
+    # ---- trees and sequences -------------------------------------------------------------------------
 
-    def extend(self, root: int, last: int, tokens: np.ndarray) -> int:
-        """Appends tokens to the sequence ending at state `last` of the tree at `root`; returns the new end."""
+    def new_tree(self, tree: SuffixTree) -> int:
+        """A row in the tree table for `tree`, with a fresh root; returns its id."""
+        if not self._free_trees:
+            size = self.trees.shape[0]
+            self.trees = _resized(self.trees, 2 * size)
+            self._free_trees.extend(range(2 * size - 1, size - 1, -1))
+        tid = self._free_trees.pop()
+        self.live_trees[tid] = tree
+        self.trees[tid] = 0
+        self._new_root(tid)
+        return tid
+
+    def _new_root(self, tid: int) -> None:
+        self.grow(states=1, edges=0)
+        root = K.new_state(self.states, self.meta, 0, -1, 0)
+        version = self.next_version()
+        self.trees[tid, [K.ROOT, K.VERSION, K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS, K.T_STAMP]] = (
+            root,
+            version,
+            1,
+            0,
+            0,
+            0,
+            version,
+        )
+
+    def free_tree(self, tid: int) -> None:
+        self.garbage_states += int(self.trees[tid, K.T_STATES])
+        del self.live_trees[tid]
+        self._free_trees.append(tid)
+
+    def new_seq(self, capacity: int) -> int:
+        """A sequence row with room for `capacity` pooled tokens; returns its id."""
+        if not self._free_seqs:
+            size = self.seqs.shape[0]
+            self.seqs = _resized(self.seqs, 2 * size)
+            self._free_seqs.extend(range(2 * size - 1, size - 1, -1))
+        q = self._free_seqs.pop()
+        self.seqs[q] = 0
+        self.seqs[q, K.Q_OFF] = self._reserve(capacity)
+        self.seqs[q, K.Q_CAP] = capacity
+        return q
+
+    def free_seq(self, q: int) -> None:
+        self._pool_garbage += int(self.seqs[q, K.Q_CAP])
+        self._free_seqs.append(q)
+
+    def seq_tokens(self, q: int) -> np.ndarray:
+        off, length = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
+        return self.pool[off : off + length]
+
+    def make_room(self, q: int, length: int) -> None:
+        """Moves sequence q to a segment that holds `length` tokens (doubling, so appends stay O(1))."""
+        cap = int(self.seqs[q, K.Q_CAP])
+        if length <= cap:
+            return
+        new_cap = max(length, 2 * cap, 16)
+        off = self._reserve(new_cap)  # may compact the pool: read the old offset after it
+        old, used = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
+        self.pool[off : off + used] = self.pool[old : old + used]
+        self.seqs[q, K.Q_OFF] = off
+        self.seqs[q, K.Q_CAP] = new_cap
+        self._pool_garbage += cap
+
+    def _reserve(self, size: int) -> int:
+        if self._pool_used + size > self.pool.shape[0]:
+            if self._pool_garbage > max(self._pool_used - self._pool_garbage, 1 << 16):
+                self._compact_pool()
+            if self._pool_used + size > self.pool.shape[0]:
+                self.pool = _resized(self.pool, _grown(self.pool.shape[0], self._pool_used + size))
+        off = self._pool_used
+        self._pool_used += size
+        return off
+
+    def _compact_pool(self) -> None:
+        live = sorted(
+            (int(self.seqs[q, K.Q_OFF]), q) for tree in self.live_trees.values() for q in tree._seqs.values()
+        )
+        pos = 0
+        for off, q in live:  # ascending offsets: every move goes left, over data already moved
+            cap = int(self.seqs[q, K.Q_CAP])
+            used = int(self.seqs[q, K.Q_LEN])
+            self.pool[pos : pos + used] = self.pool[off : off + used]
+            self.seqs[q, K.Q_OFF] = pos
+            pos += cap
+        self._pool_used = pos
+        self._pool_garbage = 0
+
+    # ---- the automaton -------------------------------------------------------------------------------
+
+    def extend_tree(self, tid: int, qs: Sequence[int]) -> None:
+        """Feeds the pooled tokens of sequences qs not yet in tree `tid` into it, growing the arena as needed."""
+        arr = np.asarray(qs, np.int64)
         i = 0
-        while i < tokens.shape[0]:
-            i, last = K.extend_tokens(
-                *self.arena,
-                root,
-                last,
-                tokens,
-                i,
-            )
-            if i < tokens.shape[0]:
-                need = int(self.s_len[last]) + 2 + int(self.s_count[root])
-                self._grow(states=2 * (tokens.shape[0] - i) + 2, edges=need + 3 * (tokens.shape[0] - i))
-        return last
+        while i < arr.shape[0]:
+            i, status = K.extend_seqs(*self.arena, self.trees, self.seqs, self.pool, tid, arr, i)
+            if status != K.DONE:
+                self.grow_for(tid, int(arr[i]))
 
-    def extend_rows(
-        self, trees: Sequence[SuffixTree], seq_ids: Sequence[int], tokens: np.ndarray, off: np.ndarray
-    ) -> None:
-        """Appends tokens[off[i]:off[i+1]] to sequence seq_ids[i] of trees[i] (which must exist), for all
-        rows in one native call. Tokens must already be validated (`as_tokens`)."""
-        n = len(trees)
-        seqs = [t._seqs[s] for t, s in zip(trees, seq_ids, strict=True)]
-        roots = np.fromiter((t.root for t in trees), np.int32, n)
-        lasts = np.fromiter((q.last for q in seqs), np.int32, n)
-        d_states = np.zeros(n, np.int64)
-        d_edges = np.zeros(n, np.int64)
-        d_hash = np.zeros(n, np.int64)
-        row, pos = 0, int(off[0]) if n else 0
-        while row < n:
-            row, pos = K.extend_rows(
-                *self.arena,
-                roots,
-                lasts,
-                tokens,
-                off,
-                row,
-                pos,
-                d_states,
-                d_edges,
-                d_hash,
-            )
-            if row < n:
-                left = int(off[row + 1]) - pos
-                need = int(self.s_len[lasts[row]]) + 2 + int(self.s_count[roots[row]])
-                self._grow(states=2 * left + 2, edges=need + 3 * left)
-        for i, (tree, seq) in enumerate(zip(trees, seqs, strict=True)):
-            chunk = tokens[off[i] : off[i + 1]]
-            if chunk.shape[0]:
-                seq.last = int(lasts[i])
-                seq.tokens.append(chunk)
-                seq.length += chunk.shape[0]
-                tree.num_tokens += chunk.shape[0]
-                tree._n_states += int(d_states[i])
-                tree._n_edges += int(d_edges[i])
-                tree._n_hash += int(d_hash[i])
+    def grow_for(self, tid: int, q: int) -> None:
+        """Grows the arena for the rest of sequence q's tokens going into tree tid."""
+        left = int(self.seqs[q, K.Q_LEN] - self.seqs[q, K.Q_EXT])
+        last, root = int(self.seqs[q, K.Q_LAST]), int(self.trees[tid, K.ROOT])
+        need = int(self.states[last, K.LEN]) + 2 + int(self.states[root, K.COUNT])
+        self.grow(states=2 * left + 2, edges=need + 3 * left)
 
-    def _grow(self, states: int, edges: int) -> None:
+    def grow(self, states: int, edges: int) -> None:
         n_states, n_edges, n_hash = (int(x) for x in self.meta)
-        if n_states + states > self.s_len.shape[0]:
-            size = _grown(self.s_len.shape[0], n_states + states)
-            for name in ("s_len", "s_link", "s_count", "s_edge"):
-                setattr(self, name, _resized(getattr(self, name), size))
-        if n_edges + edges > self.e_tok.shape[0]:
-            size = _grown(self.e_tok.shape[0], n_edges + edges)
-            for name in ("e_tok", "e_to", "e_next"):
-                setattr(self, name, _resized(getattr(self, name), size))
-        if 2 * (n_hash + edges) > self.h_key.shape[0]:
-            size = _pow2(4 * (n_hash + edges))
-            h_key = np.empty(size, np.int64)
-            h_val = np.empty(size, np.int32)
-            K.rehash(h_key, h_val, self.e_tok, self.e_next, self.s_edge, n_states)
-            self.h_key, self.h_val = h_key, h_val
+        if n_states + states > self.states.shape[0]:
+            self.states = _resized(self.states, _grown(self.states.shape[0], n_states + states))
+        if n_edges + edges > self.edges.shape[0]:
+            self.edges = _resized(self.edges, _grown(self.edges.shape[0], n_edges + edges))
+        if 2 * (n_hash + edges) > self.hashes.shape[0]:
+            hashes = np.empty((_pow2(4 * (n_hash + edges)), 3), np.int32)
+            K.rehash(hashes, self.states, self.edges, n_states)
+            self.hashes = hashes
 
-    def register(self, tree: SuffixTree) -> None:
-        self.trees.append(tree)
-
-    def unregister(self, tree: SuffixTree) -> None:
-        self.trees.remove(tree)
-        self.garbage_states += tree.num_states
+    def rebuild(self, tid: int, count_garbage: bool) -> None:
+        """Rebuilds tree tid from its sequences' pooled tokens into fresh states (a new version)."""
+        if count_garbage:
+            self.garbage_states += int(self.trees[tid, K.T_STATES])
+        self._new_root(tid)
+        qs = list(self.live_trees[tid]._seqs.values())
+        self.seqs[qs, K.Q_LAST] = self.trees[tid, K.ROOT]
+        self.seqs[qs, K.Q_EXT] = 0
+        self.extend_tree(tid, qs)
+        if count_garbage:
+            self.maybe_compact()
 
     def maybe_compact(self) -> None:
         """Rebuilds every live tree into fresh arrays when garbage outweighs live states."""
@@ -232,9 +284,9 @@ class SuffixForest:
 
     def compact(self) -> None:
         """Rebuilds every live tree into freshly allocated arrays, dropping all garbage."""
-        self._allocate(sum(t.num_tokens for t in self.trees))
-        for tree in self.trees:
-            tree._rebuild(count_garbage=False)
+        self._allocate(int(self.trees[list(self.live_trees), K.T_TOKENS].sum()) if self.live_trees else 0)
+        for tid in list(self.live_trees):
+            self.rebuild(tid, count_garbage=False)
 
 
 def _pow2(n: int) -> int:
@@ -246,42 +298,24 @@ def _grown(current: int, needed: int) -> int:
 
 
 def _resized(arr: np.ndarray, size: int) -> np.ndarray:
-    out = np.zeros(size, arr.dtype)
+    out = np.zeros((size, *arr.shape[1:]), arr.dtype)
     out[: arr.shape[0]] = arr
     return out
-
-
-@dataclass
-class _Sequence:
-    last: int
-    tokens: list[np.ndarray] = field(default_factory=list)
-    length: int = 0
-
-    def all_tokens(self) -> np.ndarray:
-        if len(self.tokens) > 1:
-            self.tokens = [np.concatenate(self.tokens)]
-        return self.tokens[0] if self.tokens else np.empty(0, np.int32)
 
 
 class SuffixTree:
     """A set of token sequences indexed for drafting.
 
     extend(seq_id, tokens) appends to a sequence (created on first use); remove(seq_id) drops it whole;
-    speculate(context) drafts the likeliest continuation of the context's longest matching suffix.
+    speculate(context) drafts the likeliest continuation of the context's best-scoring matching suffix.
     Trees built on the same `SuffixForest` can be drafted from in one batched native call.
     """
 
     def __init__(self, config: DraftConfig | None = None, forest: SuffixForest | None = None) -> None:
         self.config = config or DraftConfig()
         self.forest = forest if forest is not None else SuffixForest()
-        self._seqs: dict[int, _Sequence] = {}
-        self.num_tokens = 0
-        self._n_states = 1
-        self._n_edges = 0
-        self._n_hash = 0
-        self.root = self.forest.new_root()
-        self.version = self.forest.next_version()
-        self.forest.register(self)
+        self._seqs: dict[int, int] = {}  # seq_id -> the forest's sequence row
+        self.tid = self.forest.new_tree(self)
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -291,40 +325,61 @@ class SuffixTree:
         return list(self._seqs)
 
     @property
+    def root(self) -> int:
+        return int(self.forest.trees[self.tid, K.ROOT])
+
+    @property
+    def version(self) -> int:
+        return int(self.forest.trees[self.tid, K.VERSION])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.forest.trees[self.tid, K.T_TOKENS])
+
+    @property
     def num_states(self) -> int:
-        return self._n_states
+        return int(self.forest.trees[self.tid, K.T_STATES])
 
     @property
     def memory_bytes(self) -> int:
         """Arena bytes this tree uses (16 per state, 12 per edge, 12 per hashed edge) plus its stored tokens."""
-        return 16 * self._n_states + 12 * self._n_edges + 12 * self._n_hash + 4 * self.num_tokens
+        row = self.forest.trees[self.tid]
+        return int(16 * row[K.T_STATES] + 12 * row[K.T_EDGES] + 12 * row[K.T_HASHED] + 4 * row[K.T_TOKENS])
 
-    def _extend_seq(self, last: int, toks: np.ndarray) -> int:
-        states, edges, hashed = (int(x) for x in self.forest.meta)
-        last = self.forest.extend(self.root, last, toks)
-        self._n_states += int(self.forest.meta[0]) - states
-        self._n_edges += int(self.forest.meta[1]) - edges
-        self._n_hash += int(self.forest.meta[2]) - hashed
-        return last
+    def seq_row(self, seq_id: int) -> int:
+        """The forest's sequence row of `seq_id` (a kernel's handle on it). Raises KeyError if unknown."""
+        return self._seqs[seq_id]
+
+    def add_seq(self, seq_id: int, capacity: int) -> int:
+        """Creates an empty sequence with room for `capacity` tokens; returns its row."""
+        if not isinstance(seq_id, int | np.integer):
+            raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__}")
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        q = self.forest.new_seq(capacity)
+        self.forest.seqs[q, K.Q_LAST] = self.root
+        self._seqs[seq_id] = q
+        return q
 
     def extend(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> None:
         """Appends tokens to sequence `seq_id` (creating it). Raises ValueError/TypeError on bad tokens."""
         toks = as_tokens(tokens)
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            if not isinstance(seq_id, int | np.integer):
-                raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__}")
-            seq = self._seqs[seq_id] = _Sequence(last=self.root)
+        q = self._seqs.get(seq_id)
+        if q is None:
+            q = self.add_seq(seq_id, toks.shape[0])
         if toks.shape[0] == 0:
             return
-        seq.last = self._extend_seq(seq.last, toks)
-        seq.tokens.append(toks)
-        seq.length += toks.shape[0]
-        self.num_tokens += toks.shape[0]
+        f = self.forest
+        length = int(f.seqs[q, K.Q_LEN])
+        f.make_room(q, length + toks.shape[0])
+        off = int(f.seqs[q, K.Q_OFF])
+        f.pool[off + length : off + length + toks.shape[0]] = toks
+        f.seqs[q, K.Q_LEN] = length + toks.shape[0]
+        f.extend_tree(self.tid, [q])
 
     def invalidate_matches(self) -> None:
         """Makes requests re-match against this tree (new sequences may offer longer matches)."""
-        self.version = self.forest.next_version()
+        self.forest.trees[self.tid, K.VERSION] = self.forest.next_version()
 
     def remove(self, seq_id: int) -> None:
         """Drops a whole sequence. Raises KeyError for an unknown seq_id."""
@@ -339,19 +394,8 @@ class SuffixTree:
         if not ids:
             return
         for s in ids:
-            self.num_tokens -= self._seqs.pop(s).length
-        self._rebuild(count_garbage=True)
-
-    def _rebuild(self, count_garbage: bool) -> None:
-        if count_garbage:
-            self.forest.garbage_states += self._n_states
-        self._n_states, self._n_edges, self._n_hash = 1, 0, 0
-        self.root = self.forest.new_root()
-        self.version = self.forest.next_version()
-        for seq in self._seqs.values():
-            seq.last = self._extend_seq(self.root, seq.all_tokens())
-        if count_garbage:
-            self.forest.maybe_compact()
+            self.forest.free_seq(self._seqs.pop(s))
+        self.forest.rebuild(self.tid, count_garbage=True)
 
     def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int | None = None) -> Draft:
         """Drafts a continuation of `context` (its last max_depth tokens are matched).
@@ -359,17 +403,22 @@ class SuffixTree:
         Returns a Draft; an empty one when no suffix of the context has a continuation in the tree.
         """
         cfg = self.config
-        budget = cfg.max_spec_tokens if max_tokens is None else int(max_tokens)
+        budget = max(cfg.max_spec_tokens if max_tokens is None else int(max_tokens), 0)
         ctx = as_tokens(context, "context")[-cfg.max_depth :]
         f = self.forest
+        root = self.root
         state, length = K.advance_match(
-            *f.arena[:9], self.root, self.root, 0, ctx, 0, ctx.shape[0], cfg.max_depth
+            f.states, f.edges, f.hashes, root, root, 0, ctx, 0, ctx.shape[0], cfg.max_depth
         )
-        out_tok = np.empty(max(budget, 0), np.int32)
-        out_prob = np.empty(max(budget, 0), np.float32)
-        n, match_len, score = K.draft_from(
-            *f.arena[:7],
-            self.root,
+        out_tok, tmp_tok = np.empty(budget, np.int32), np.empty(budget, np.int32)
+        out_prob, tmp_prob = np.empty(budget, np.float32), np.empty(budget, np.float32)
+        out_sup, tmp_sup = np.empty(budget, np.int32), np.empty(budget, np.int32)
+        n, match_len, score = K.draft_best(
+            f.states,
+            f.edges,
+            f.cache,
+            int(f.trees[self.tid, K.T_STAMP]),
+            root,
             state,
             length,
             budget,
@@ -377,16 +426,24 @@ class SuffixTree:
             cfg.max_spec_offset,
             cfg.min_token_prob,
             cfg.escape,
+            cfg.all_matches,
+            0.0,
             out_tok,
             out_prob,
+            out_sup,
+            tmp_tok,
+            tmp_prob,
+            tmp_sup,
         )
-        return Draft(out_tok[:n].copy(), out_prob[:n].copy(), int(match_len), float(score))
+        return Draft(
+            out_tok[:n].copy(), out_prob[:n].copy(), out_sup[:n].copy(), int(match_len), float(score)
+        )
 
     def to_bytes(self) -> bytes:
         """Compact serialized form: the sequences (the automaton is rebuilt on load)."""
         parts = [_SERIAL_MAGIC, struct.pack("<HI", _SERIAL_VERSION, len(self._seqs))]
-        for seq_id, seq in self._seqs.items():
-            toks = seq.all_tokens()
+        for seq_id, q in self._seqs.items():
+            toks = self.forest.seq_tokens(q)
             parts.append(struct.pack("<qI", seq_id, toks.shape[0]))
             parts.append(toks.astype("<i4", copy=False).tobytes())
         return b"".join(parts)
@@ -418,8 +475,9 @@ class SuffixTree:
         return tree
 
     def close(self) -> None:
-        """Releases the tree's place in the arena (its states become garbage)."""
-        self.forest.unregister(self)
+        """Releases the tree's place in the arena (its states and tokens become garbage)."""
+        for q in self._seqs.values():
+            self.forest.free_seq(q)
         self._seqs.clear()
-        self.num_tokens = 0
+        self.forest.free_tree(self.tid)
         self.forest.maybe_compact()

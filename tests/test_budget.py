@@ -1,4 +1,4 @@
-"""The speculation budget policy on its own: length classes, promotion, cost model fit, calibration, pay-off."""
+"""The speculation budget policy on its own: critical path, cost model fit, acceptance model, pay-off rule."""
 
 from __future__ import annotations
 
@@ -8,64 +8,82 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monitoring.metrics import CLASS_PROMOTIONS, COST_MODEL_COEFFICIENT
-from workers.budget import LONG, MEDIUM, SHORT, BudgetConfig, BudgetPolicy, CostModel
+from workers.budget import (
+    LONG,
+    SHORT,
+    SOURCE_LIVE,
+    SOURCE_PROBLEM,
+    BudgetConfig,
+    BudgetPolicy,
+    CostModel,
+    critical_weights,
+)
 
 
-def _policy_with_history(**overrides) -> BudgetPolicy:
-    policy = BudgetPolicy(BudgetConfig(max_tokens=8, **overrides))
-    for length in (20, 22, 25, 30):
-        policy.lengths.observe("short-problem", length)
-    for length in (400, 450, 500, 900):
-        policy.lengths.observe("long-problem", length)
-    return policy
+def _weights(
+    candidates: list[list[float]],
+    outputs: list[float],
+    speeds: list[float] | None = None,
+    pool: list[float] | None = None,
+    atypical: float = 0.0,
+) -> np.ndarray:
+    """critical_weights over rows whose equally likely lengths are given (an empty list: unknown), with
+    every problem's lengths `pool` (none by default)."""
+    pool = pool or [0.0]
+    width = max(len(pool), *(len(c) for c in candidates))
+    pool = np.sort(np.resize(np.asarray(pool, float), width))
+    quantiles = np.zeros((len(candidates), width))
+    for i, c in enumerate(candidates):
+        if c:
+            # Repeat to the common width: the same distribution.
+            quantiles[i] = np.sort(np.resize(np.asarray(c, float), width))
+    out = np.empty(len(candidates))
+    speeds = np.ones(len(candidates)) if speeds is None else np.asarray(speeds, float)
+    critical_weights(quantiles, pool, atypical, np.asarray(outputs, float), speeds, 64, out)
+    return out
 
 
-def test_short_requests_get_no_budget_while_the_tail_gets_the_full_budget() -> None:
-    policy = _policy_with_history()
-    policy.start("a", "short-problem")
-    policy.start("b", "long-problem")
-    policy.start("c", None)
-    budgets, classes = policy.budgets(["a", "b", "c"], np.array([0, 0, 0]), np.array([100, 100, 100]))
-    assert classes.tolist() == [SHORT, LONG, MEDIUM]
-    assert budgets.tolist() == [0, 8, 4]
+def test_the_request_sure_to_run_longest_is_the_critical_one() -> None:
+    w = _weights([[100, 110], [400, 420], [90, 90]], [0, 0, 0])
+    assert w[1] == pytest.approx(1.0) and w.sum() == pytest.approx(1.0)
 
 
-def test_a_lone_request_with_history_is_the_tail_and_gets_the_full_budget() -> None:
-    policy = _policy_with_history()
-    policy.start("a", "short-problem")
-    budgets, classes = policy.budgets(["a"], np.array([0]), np.array([100]))
-    assert classes.tolist() == [LONG] and budgets.tolist() == [8]
+def test_identical_or_unknown_requests_share_the_tail_evenly() -> None:
+    np.testing.assert_allclose(_weights([[200, 300]] * 4, [0] * 4), 0.25)
+    np.testing.assert_allclose(_weights([[]] * 32, [0] * 32), 1 / 32)
 
 
-def test_a_request_outliving_its_prediction_is_promoted() -> None:
-    policy = _policy_with_history()
-    policy.start("a", "short-problem")
-    policy.start("b", "long-problem")
-    before = CLASS_PROMOTIONS.labels(length_class="long")._value.get()
-    _, classes = policy.budgets(["a", "b"], np.array([10, 10]), np.array([100, 100]))
-    assert classes[0] == SHORT
-    # Past p50 the prediction becomes p90 (30), past that twice the output so far (400 -> horizon 500).
-    policy.budgets(["a", "b"], np.array([26, 26]), np.array([100, 100]))
-    _, classes = policy.budgets(["a", "b"], np.array([400, 400]), np.array([100, 100]))
-    assert classes[0] == LONG
-    assert CLASS_PROMOTIONS.labels(length_class="long")._value.get() == before + 1
+def test_progress_and_speed_move_the_tail() -> None:
+    # Same problem, but one request is far ahead: it finishes first, the other is the tail.
+    w = _weights([[300, 310], [300, 310]], [250, 10])
+    assert w[1] > 0.95
+    # A request that drafts well (3 tokens per step) finishes its 300 tokens before a plain one's 200.
+    w = _weights([[300], [200]], [0, 0], speeds=[3.0, 1.0])
+    assert w[1] > 0.95
 
 
-def test_budgets_never_exceed_headroom_and_zero_headroom_means_no_draft() -> None:
-    policy = _policy_with_history()
-    policy.start("a", "long-problem")
-    policy.start("b", "long-problem")
-    budgets, _ = policy.budgets(["a", "b"], np.array([0, 0]), np.array([3, -2]))
-    assert budgets.tolist() == [3, 0]
+def test_a_request_that_outlived_its_history_expects_to_run_as_long_again() -> None:
+    # 150 tokens against a history of 100-120, and nothing longer anywhere: about 150 more, longer than the
+    # fresh request's 130.
+    w = _weights([[100, 120], [130]], [150, 0])
+    assert w[0] == pytest.approx(1.0)
+    w = _weights([[100, 120], [170]], [150, 0])
+    assert w[1] == pytest.approx(1.0)
 
 
-def test_finished_requests_feed_their_problems_length_prediction() -> None:
-    policy = BudgetPolicy()
-    for i, length in enumerate((100, 120, 140)):
-        policy.start(str(i), "p")
-        policy.finish(str(i), length)
-    assert policy.lengths.predict("p") == (120, 140)
-    assert policy.lengths.predict("unknown") is None
+def test_a_request_that_outlived_its_problem_takes_the_lengths_of_all_problems() -> None:
+    # Its problem's answers are short, but answers of other problems run to 500: at 150 tokens it is no
+    # longer a short answer, and may well run to 500, past the fresh request's 300.
+    # Of the lengths past 150, two of three (500) outrun the fresh request.
+    w = _weights([[40, 44], [300, 300]], [150, 0], pool=[40, 300, 500, 500], atypical=0.1)
+    assert w[0] == pytest.approx(2 / 3, abs=0.05)
+
+
+def test_atypical_requests_keep_a_short_problems_request_on_the_tail_watch() -> None:
+    # At 30 tokens a short problem's request (history 40-44) may still be one of the atypical long ones.
+    typical = _weights([[40, 44], [300, 300]], [30, 0], pool=[40, 300, 500, 500], atypical=0.0)
+    atypical = _weights([[40, 44], [300, 300]], [30, 0], pool=[40, 300, 500, 500], atypical=0.2)
+    assert typical[0] == 0.0 and 0.05 < atypical[0] < 0.5
 
 
 def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() -> None:
@@ -77,6 +95,16 @@ def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() ->
         model.observe(active, tokens, 0.03 + 0.002 * active + 0.0005 * tokens)
     np.testing.assert_allclose(model.coefficients, [0.03, 0.002, 0.0005], rtol=0.05, atol=2e-4)
     assert COST_MODEL_COEFFICIENT.labels(coefficient="c_tok")._value.get() == pytest.approx(0.0005, rel=0.05)
+
+
+def test_cost_model_takes_the_scale_from_the_data_even_when_the_prior_is_far_off() -> None:
+    # A GPU-like verifier (8 ms a step, 35 us a token) against the CPU-like prior, with a batch size that never
+    # changes and no drafts: only the scale is identified, and the split keeps the prior's proportions.
+    model = CostModel(BudgetConfig())
+    for _ in range(40):
+        model.observe(96, 96, 0.008 + 0.0001 * 96 + 0.000035 * 96)
+    assert model.predict(96, 96) == pytest.approx(0.008 + 0.0001 * 96 + 0.000035 * 96, rel=0.01)
+    assert np.all(model.coefficients > 0)
 
 
 def test_cost_model_stays_defined_when_the_batch_size_never_changes() -> None:
@@ -92,40 +120,120 @@ def test_cost_model_rejects_impossible_steps() -> None:
         CostModel(BudgetConfig()).observe(2, 1, 0.1)
 
 
-def test_calibration_replaces_overconfident_tree_probabilities_with_observed_acceptance() -> None:
+def _start(policy: BudgetPolicy, problems: list[str | None], first: int = 0) -> list[int]:
+    """Starts one request per problem in slots first, first + 1, ..."""
+    slots = list(range(first, first + len(problems)))
+    for slot, problem in zip(slots, problems, strict=True):
+        policy.start(slot, problem)
+    return slots
+
+
+def _step(policy: BudgetPolicy, slots, outputs, probs, sources=SOURCE_PROBLEM, match=8):
+    n = len(slots)
+    budgets, _ = policy.budgets(np.asarray(slots), np.asarray(outputs), np.full(n, 100))
+    probs = np.asarray(probs, float)
+    lengths = np.minimum(budgets, (probs > 0).sum(axis=1))
+    support = np.full(probs.shape, 3)
+    kept = policy.truncate(lengths, probs, np.full(n, match), np.full(n, sources), support)
+    return budgets, kept
+
+
+def test_acceptance_model_learns_that_overconfident_tree_ratios_are_rejected() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=4))
-    # The tree says each next token follows with 0.9; the verifier rejects the first token of 40 drafts of 50
-    # and accepts all four of the other 10: 80 conditional trials, 40 accepted.
-    probs = np.tile(0.9 ** np.arange(1, 5), (50, 1))
-    classes = np.full(50, LONG)
-    accepted = np.where(np.arange(50) < 40, 0, 4)
-    policy.observe_acceptance(probs, np.full(50, 4), classes, accepted)
-    calibrated = policy.calibrator.calibrate(probs[:1], classes[:1])[0]
-    conditional = (40 + 8 * 0.9) / (80 + 8)
-    np.testing.assert_allclose(calibrated, conditional ** np.arange(1, 5))
+    slots = _start(policy, [f"p{i}" for i in range(50)])
+    probs = np.tile(0.95 ** np.arange(1, 5), (50, 1))
+    for active in range(1, 51):  # a GPU-like verifier: a drafted token costs little, so drafting goes on
+        policy.observe_step(active, 3 * active, 0.008 + 0.0001 * active + 0.00003 * 3 * active)
+    before = None
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        _step(policy, slots, [0] * 50, probs)
+        if before is None:
+            before = policy.last_predicted[0, 0]
+        # The verifier rejects the first token of a random 80% of the drafts and accepts the rest whole.
+        policy.observe_acceptance(np.array(slots), np.where(rng.random(50) < 0.8, 0, 4))
+    _, kept = _step(policy, slots, [0] * 50, probs)
+    assert before > 0.6
+    # From the tree's 0.95 to near the observed 0.2 (drafting, and so learning, slows as it gets there).
+    assert policy.last_predicted[:, 0].mean() < 0.35
+    assert kept.sum() < 0.2 * 50 * 4
 
 
-def test_calibration_learns_deep_positions_from_shallow_ones_when_the_tree_is_underconfident() -> None:
+def test_acceptance_model_learns_deep_positions_of_underconfident_thin_history() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=8))
-    # Thin history: the tree halves its path probability each token, but the drafts are always right. Only
-    # three positions were ever drafted; the pooled conditional still lifts all eight.
-    probs = np.tile(0.5 ** np.arange(1, 9), (100, 1))
-    classes = np.full(100, LONG)
-    policy.observe_acceptance(probs, np.full(100, 3), classes, np.full(100, 3))
-    calibrated = policy.calibrator.calibrate(probs[:1], classes[:1])[0]
-    assert calibrated[-1] > 0.75
-    assert np.all(np.diff(calibrated) <= 0)
-    assert policy.truncate(np.array([8]), probs[:1], classes[:1]).tolist() == [8]
+    slots = _start(policy, ["p"] * 20)
+    # One sighting each: the tree halves its path probability per token, yet every drafted token is right.
+    probs = np.tile(0.5 ** np.arange(1, 9), (20, 1))
+    for _ in range(30):
+        _, kept = _step(policy, slots, [0] * 20, probs, sources=SOURCE_LIVE, match=3)
+        policy.observe_acceptance(np.array(slots), kept)
+    _step(policy, slots, [0] * 20, probs, sources=SOURCE_LIVE, match=3)
+    assert policy.last_predicted[0, -1] > 0.7
+    assert np.all(np.diff(policy.last_predicted[0]) <= 0)
 
 
-def test_truncate_keeps_only_tokens_whose_acceptance_pays_for_their_verification() -> None:
-    policy = BudgetPolicy(BudgetConfig(max_tokens=4, prior_c_base=0.01, prior_c_seq=0.0, prior_c_tok=0.002))
-    probs = np.array([[0.9, 0.5, 0.15, 0.1], [0.9, 0.5, 0.15, 0.1]])
-    # Step of 2 requests verifying 2 + 8 tokens: 0.01 + 0.02 = 0.03 s. Long pays while p >= 0.002 / 0.03;
-    # medium gets half the step's value, so it needs p >= 0.002 / 0.015.
-    kept = policy.truncate(np.array([4, 4]), probs, np.array([LONG, MEDIUM]))
-    assert kept.tolist() == [4, 3]
-    assert policy.truncate(np.array([4]), probs[:1], np.array([SHORT])).tolist() == [0]
+def test_a_request_whose_drafts_keep_failing_stops_drafting_while_its_siblings_go_on() -> None:
+    policy = BudgetPolicy(BudgetConfig(max_tokens=4))
+    for length in (300, 310, 320, 330):
+        policy.lengths.observe("p", length)
+    slots = _start(policy, ["p"] * 8)
+    probs = np.tile([0.6, 0.45, 0.35, 0.3], (8, 1))
+    for _ in range(40):
+        policy.observe_step(8, 40, 0.05 + 0.001 * 8 + 0.001 * 40)
+        _step(policy, slots, [0] * 8, probs)
+        # Request 0 never gets a token accepted; the others get everything they draft.
+        policy.observe_acceptance(np.array(slots), np.where(np.arange(8) == 0, 0, 4))
+    _, kept = _step(policy, slots, [0] * 8, probs)
+    assert policy.last_predicted[0, 0] < 0.5 * policy.last_predicted[1, 0]
+    assert kept[0] < kept[1]
+
+
+def test_on_a_verifier_where_tokens_cost_most_of_a_step_only_the_tail_drafts() -> None:
+    # The CPU engine's case: 32 requests, each verified token costs as much as a tenth of the base step.
+    policy = BudgetPolicy(BudgetConfig(max_tokens=8))
+    for length in [180] * 12 + [192] * 4:
+        policy.lengths.observe("p", length)
+    slots = _start(policy, ["p"] * 32)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        active = int(rng.integers(8, 33))
+        tokens = active + int(rng.integers(0, 8 * active))
+        policy.observe_step(active, tokens, 0.03 + 0.0001 * active + 0.003 * tokens)
+    probs = np.tile(0.7 ** np.arange(1, 9), (32, 1))
+    _, kept = _step(policy, slots, [10] * 32, probs)
+    assert kept.sum() == 0, "32 equal requests: each one's share of the tail does not pay for a 3 ms token"
+    (lone,) = _start(policy, ["p"], first=32)
+    _, kept = _step(policy, [lone], [150], probs[:1])
+    assert kept[0] >= 2, "a lone request is the tail: its tokens save whole 30 ms steps"
+
+
+def test_the_tail_gets_long_class_and_a_well_known_short_request_does_not() -> None:
+    policy = BudgetPolicy(BudgetConfig(max_tokens=8))
+    rng = np.random.default_rng(0)
+    # Enough history that the short problem's answers are known to stay short (few ran past a prediction).
+    for _ in range(40):
+        policy.lengths.observe("short", int(rng.integers(20, 31)))
+        policy.lengths.observe("long", int(rng.integers(400, 901)))
+    for active in range(1, 40):
+        policy.observe_step(active, 2 * active, 0.01 + 0.0001 * active + 0.0001 * 2 * active)
+    slots = _start(policy, ["short", "long"])
+    budgets, classes = policy.budgets(np.array(slots), np.array([0, 0]), np.array([100, 3]))
+    assert classes[1] == LONG and budgets[1] == 3
+    assert classes[0] != LONG
+
+
+def test_outliving_every_recent_length_counts_a_promotion_once() -> None:
+    policy = BudgetPolicy()
+    for length in (100, 120):
+        policy.lengths.observe("p", length)
+    (slot,) = _start(policy, ["p"])
+    before = CLASS_PROMOTIONS.labels(length_class="long")._value.get()
+    for output in (50, 130, 140):
+        policy.budgets(np.array([slot]), np.array([output]), np.array([8]))
+    assert CLASS_PROMOTIONS.labels(length_class="long")._value.get() == before + 1
+    assert policy.lengths.predict("p") == (100, 120)
+    policy.lengths.forget("p")
+    assert policy.lengths.predict("p") is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -138,19 +246,33 @@ def test_budgets_and_truncation_stay_within_k_headroom_and_draft_length(outputs,
     policy = BudgetPolicy(BudgetConfig(max_tokens=k))
     for i, length in enumerate((5, 50, 500)):
         policy.lengths.observe(f"p{i}", length)
-    keys = [str(i) for i in range(len(outputs))]
-    for i, key in enumerate(keys):
-        policy.start(key, f"p{i % 4}")
-    budgets, classes = policy.budgets(keys, np.array(outputs), np.full(len(keys), headroom))
+    slots = np.array(_start(policy, [f"p{i % 4}" for i in range(len(outputs))]))
+    budgets, classes = policy.budgets(slots, np.array(outputs), np.full(len(slots), headroom))
     assert np.all(budgets >= 0) and np.all(budgets <= min(k, max(headroom, 0)))
-    probs = np.random.default_rng(len(outputs)).random((len(keys), k))
+    probs = np.random.default_rng(len(outputs)).random((len(slots), k))
     probs = -np.sort(-probs, axis=1)
-    kept = policy.truncate(budgets, probs, classes)
+    n = len(slots)
+    kept = policy.truncate(budgets, probs, np.full(n, 4), np.full(n, SOURCE_PROBLEM), np.ones((n, k)))
     assert np.all(kept >= 0) and np.all(kept <= budgets)
+    assert np.all((classes == SHORT) <= (budgets == 0))
+
+
+def test_a_reused_slot_starts_fresh() -> None:
+    policy = BudgetPolicy(BudgetConfig(max_tokens=4))
+    (slot,) = _start(policy, ["p"])
+    _step(policy, [slot], [5], [[0.9, 0.8, 0.7, 0.6]])
+    policy.observe_acceptance(np.array([slot]), np.array([0]))
+    policy.finish(slot)
+    policy.start(slot, "q")
+    assert policy._request_outcomes[slot].sum() == 0 and policy._kept[slot] == 0
+    # A finished request's late answer teaches nothing.
+    trials = policy.acceptance.trials
+    policy.observe_acceptance(np.array([slot]), np.array([2]))
+    assert policy.acceptance.trials == trials
 
 
 def test_invalid_configuration_is_rejected_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="short_fraction"):
-        BudgetConfig(short_fraction=0.8, long_fraction=0.5)
     with pytest.raises(ValueError, match="max_tokens"):
         BudgetConfig(max_tokens=0)
+    with pytest.raises(ValueError, match="request_decay"):
+        BudgetConfig(request_decay=1.5)

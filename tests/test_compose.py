@@ -415,10 +415,15 @@ def test_brokers_load_the_jmx_agent_the_local_brokers_use() -> None:
         assert held is not None and held[0] == agent_volume, f"{name}: agent jar not from kafka-jmx-agent"
         assert mounts(broker)[rules] == "./monitoring/prometheus/kafka-jmx.yml", name
         assert broker["depends_on"]["kafka-jmx-agent"]["condition"] == "service_completed_successfully"
+        # Kafka's tool scripts pass KAFKA_OPTS to their JVMs too: one in the health check would start a second
+        # agent on the broker's port and fail.
+        check = " ".join(broker["healthcheck"]["test"][1:])
+        assert re.search(r"(^|\s)KAFKA_OPTS= \S*kafka-broker-api-versions\.sh", check), check
 
 
-def trainer_config() -> Any:
-    """verl's config as the Ray head's trainer composes it (examples/verl plus the compose file's overrides)."""
+def trainer_config(replace: dict[str, str] | None = None) -> Any:
+    """verl's config as the Ray head's trainer composes it (examples/verl plus the compose file's overrides),
+    with the overrides named in `replace` given other values (the loopback rehearsal's paths) or added."""
     from hydra import compose, initialize_config_dir
 
     _flags, trainer = head_command()
@@ -426,6 +431,12 @@ def trainer_config() -> Any:
     config_dir = option(trainer, "--config-path")
     assert config_dir.startswith(f"{IMAGE_ROOT}/")
     overrides = [item for item in trainer[3:] if not item.startswith("--")]
+    replace = dict(replace or {})
+    overrides = [
+        f"{key}={replace.pop(key)}" if key in replace else item
+        for item in overrides
+        for key in [item.split("=", 1)[0]]
+    ] + [f"{key}={value}" for key, value in replace.items()]
     local_dir = REPO / config_dir.removeprefix(f"{IMAGE_ROOT}/")
     with initialize_config_dir(config_dir=str(local_dir), version_base=None):
         return compose(config_name=option(trainer, "--config-name"), overrides=overrides)
@@ -497,6 +508,21 @@ def test_ray_commands_parse_with_ray_start_and_workers_join_the_head() -> None:
         assert int(port) == head["port"], f"{name} joins port {port}, the head listens on {head['port']}"
     for name in ("ray-head", *ray_workers()):
         assert SERVICES[name]["network_mode"] == "host", f"{name}: Ray and NCCL need the host's network"
+
+
+def test_ray_nodes_on_one_host_take_worker_ports_from_separate_ranges() -> None:
+    ranges = {"ray-head": _ray_start_params(["--head", *head_command()[0]])}
+    ranges |= {name: _ray_start_params(command_of(svc)[2:]) for name, svc in ray_workers().items()}
+    spans = sorted((p["min_worker_port"], p["max_worker_port"], name) for name, p in ranges.items())
+    for (_low, high, name), (next_low, _high, next_name) in zip(spans, spans[1:], strict=False):
+        assert high < next_low, f"{name} and {next_name} share worker ports"
+    fixed = {
+        int(port)
+        for name, svc in SERVICES.items()
+        if svc.get("network_mode") == "host"
+        for port in host_network_ports(name, svc)
+    }
+    assert not any(low <= port <= high for low, high, _ in spans for port in fixed)
 
 
 def test_published_and_host_network_ports_do_not_collide() -> None:

@@ -11,8 +11,10 @@ from history_store.suffix_tree import DraftConfig, SuffixForest, SuffixTree
 
 
 def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: DraftConfig, budget: int):
-    """Brute force: the longest context suffix (<= max_depth) seen with a continuation, then the most
-    frequent continuation (ties: smaller token) while the path probability stays >= min_token_prob."""
+    """Brute force: for every context suffix (<= max_depth) seen with a continuation, longest first, the most
+    frequent continuation (ties: smaller token) while the path probability stays >= min_token_prob, at most
+    factor * match length + offset tokens; the draft with the highest sum of probabilities wins, the longer
+    match on ties (SuffixDecoding's rule). Without `all_matches`, only the longest such suffix drafts."""
 
     def continuations(pattern: list[int]) -> dict[int, int]:
         counts: dict[int, int] = {}
@@ -23,38 +25,48 @@ def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: Dra
                     counts[seq[end]] = counts.get(seq[end], 0) + 1
         return counts
 
+    def draft(path: list[int], cap: int) -> tuple[list[int], list, list[int], float]:
+        tokens, probs, support, prob, score = [], [], [], 1.0, 0.0
+        while len(tokens) < cap:
+            counts = continuations(path)
+            if not counts:
+                break
+            best = min(counts, key=lambda t: (-counts[t], t))
+            p = prob * counts[best] / (sum(counts.values()) + cfg.escape)
+            if p < cfg.min_token_prob:
+                break
+            prob = p
+            tokens.append(best)
+            probs.append(np.float32(p))
+            support.append(counts[best])
+            score += p
+            path = path + [best]
+        return tokens, probs, support, score
+
     ctx = context[-cfg.max_depth :]
+    best = ([], [], [], 0.0, 0)
     for match_len in range(len(ctx), 0, -1):
-        if continuations(ctx[len(ctx) - match_len :]):
+        path = ctx[len(ctx) - match_len :]
+        if not continuations(path):
+            continue
+        cap = min(budget, int(cfg.max_spec_factor * match_len + cfg.max_spec_offset))
+        tokens, probs, support, score = draft(path, cap)
+        if tokens and score > best[3]:
+            best = (tokens, probs, support, score, match_len)
+        if not cfg.all_matches:
             break
-    else:
-        return [], [], 0
-    cap = min(budget, int(cfg.max_spec_factor * match_len + cfg.max_spec_offset))
-    path = ctx[len(ctx) - match_len :]
-    tokens, probs, prob = [], [], 1.0
-    while len(tokens) < cap:
-        counts = continuations(path)
-        if not counts:
-            break
-        best = min(counts, key=lambda t: (-counts[t], t))
-        p = prob * counts[best] / (sum(counts.values()) + cfg.escape)
-        if p < cfg.min_token_prob:
-            break
-        prob = p
-        tokens.append(best)
-        probs.append(np.float32(p))
-        path = path + [best]
-    return tokens, probs, match_len
+    return best
 
 
 def assert_same_as_reference(tree: SuffixTree, seqs: dict[int, list[int]], context: list[int], budget: int):
     draft = tree.speculate(context, budget)
-    tokens, probs, match_len = reference_speculate(seqs, context, tree.config, budget)
+    tokens, probs, support, score, match_len = reference_speculate(seqs, context, tree.config, budget)
     assert draft.tokens.tolist() == tokens
     assert draft.probs.tolist() == [float(p) for p in probs]
+    assert draft.support.tolist() == support
     if tokens:
         assert draft.match_len == match_len
-        assert draft.score == pytest.approx(float(sum(float(p) for p in probs)), rel=1e-6)
+        assert draft.score == pytest.approx(score, rel=1e-9)
 
 
 SMALL_VOCAB = st.integers(min_value=0, max_value=5)
@@ -70,6 +82,7 @@ config = st.builds(
     max_spec_offset=st.sampled_from([0.0, 1.0]),
     min_token_prob=st.sampled_from([0.0, 0.1, 0.3]),
     escape=st.sampled_from([0.0, 1.0]),
+    all_matches=st.booleans(),
 )
 
 
@@ -121,7 +134,7 @@ def test_growing_the_arena_keeps_every_transition(degree):
     tree = SuffixTree(DraftConfig(min_token_prob=0.0), forest)
     tree.extend(0, list(range(1, degree + 2)))  # the root gets degree + 1 continuations
     before = [tree.speculate([t]).tokens.tolist() for t in range(1, degree + 1)]
-    forest._grow(states=0, edges=10_000)  # forces a rehash into a larger table
+    forest.grow(states=0, edges=10_000)  # forces a rehash into a larger table
     assert [tree.speculate([t]).tokens.tolist() for t in range(1, degree + 1)] == before
     assert all(before)
 

@@ -1,19 +1,27 @@
-"""Length-aware speculation budget: how many draft tokens each request may send to the verifier this step.
+"""Speculation budget: how many draft tokens each request sends to the verifier, from what each token is worth.
 
-Three parts, each fitted online from what the engine observes:
-- a length class per request (short / medium / long) from its problem's recent response lengths, relative to
-  the longest prediction in the live batch (the epoch's makespan horizon), promoted when the request outlives
-  its prediction. Short requests finish before the tail anyway: they get no draft tokens (DAS).
-- a verifier cost model, step seconds = c_base + c_seq x active requests + c_tok x tokens verified, fitted by
-  ridge least squares over recent measured steps (ridge toward the prior keeps it defined while the batch size
-  does not vary).
-- an acceptance calibrator: the tree's path probabilities are count ratios, overconfident on real rollouts (and
-  underconfident on thin history), so they are mapped to observed acceptance per (length class, bin of the
-  tree's per-token ratio), pooled over draft positions.
+A step costs c_base + c_seq x active + c_tok x verified tokens (`CostModel`, fitted online from measured
+steps). An epoch's makespan is then c_base x (steps of its last request) plus each request's own share,
+c_seq + c_tok x (1 + drafted), for every step it runs. So one more accepted token of request i saves
 
-The rule: a draft token is kept while its calibrated acceptance probability times the value of saving one step
-of its request pays for verifying it (c_tok). A budget of zero is always allowed. No vLLM import: the policy is
-tested on its own and reused by the replay.
+    value_i = (w_i x c_base + c_seq + c_tok x (1 + L_i)) / (1 + A_i)    seconds,
+
+where w_i is the probability that i is the last request of the batch to finish (`critical_weights`: from its
+problem's recent lengths, conditioned on what it has already produced, against every other live request),
+L_i and A_i its recent drafted and accepted tokens per step (one accepted token saves 1 / (1 + A_i) of its
+steps). A tail request's tokens save whole steps of the epoch; a request that finishes long before the tail
+saves only its own share. Draft token j is kept while
+
+    P(tokens 1..j accepted) x value_i >= c_tok,
+
+with P from `AcceptanceModel`: an online logistic model of each token's acceptance given the previous one was
+accepted, fitted on every verification outcome from the evidence the drafter gives (the tree's count ratio,
+match length, source tree, position) and from what the verifier said lately (the request's and its problem's
+recent acceptance). The tree's ratios alone are not acceptance probabilities: overconfident on diverse
+rollouts, underconfident on thin history. Zero drafts is always allowed and is what thin evidence gets.
+
+Per-request state lives in numpy arrays indexed by a dense slot (`start` hands one out), so a step has no
+Python loop over requests. No vLLM import: the engine's proposer and the trace replay run this same code.
 """
 
 from __future__ import annotations
@@ -22,31 +30,32 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, COST_MODEL_COEFFICIENT, LENGTH_CLASSES
 
+# Length classes, for dashboards: short = not worth drafting this step, long = likelier than average to be
+# the batch's last request, medium = the rest.
 SHORT, MEDIUM, LONG = 0, 1, 2
+# Sources of a draft, in ProblemIndex.draft_batch's numbering (0: no draft).
+SOURCE_PROBLEM, SOURCE_LIVE, SOURCE_GLOBAL = 1, 2, 3
+# Features of a draft token (see `_features_of`).
+N_FEATURES = 9
 
 
 @dataclass(frozen=True)
 class BudgetConfig:
-    """Tunables of the policy. Validated once; the defaults are what the CPU engine tests and benchmarks use."""
+    """Tunables of the policy. None is per model or per trace: costs and acceptance are fitted online."""
 
     # K: vLLM's num_speculative_tokens; no budget exceeds it (vLLM asserts accepted <= K).
     max_tokens: int = 8
-    # A request is short when its predicted length is below this fraction of the batch horizon (the longest
-    # prediction among live requests): it ends well before the tail, so drafting for it cannot shorten the epoch.
-    short_fraction: float = 0.25
-    # At or above this fraction of the horizon a request is on the tail: it gets the full budget.
-    long_fraction: float = 0.6
-    # Budget cap of medium requests as a fraction of K (DAS gives the tail the aggressive budgets).
-    medium_cap_fraction: float = 0.5
     # Recent response lengths kept per problem: about three epochs of 16 samples, the history window.
     lengths_per_problem: int = 48
-    # Cost model prior (seconds), used until enough steps are measured and as the ridge target: the CPU test
-    # model (SmolLM2-135M fp32 on two cores) verifies a token in about a millisecond on top of a ~60 ms step.
-    prior_c_base: float = 0.06
-    prior_c_seq: float = 0.004
+    # Cost model prior (seconds), used until enough steps are measured and as a weak ridge target. Only its
+    # ratios matter before the fit, and it is deliberately pessimistic about drafting: a verified token costs
+    # a fiftieth of a step (the CPU test model's order); GPU verifiers fit far cheaper tokens within steps.
+    prior_c_base: float = 0.05
+    prior_c_seq: float = 0.001
     prior_c_tok: float = 0.001
     # Steps kept for the fit: a few seconds of decoding, long enough to average noise, short enough to follow
     # load changes (other processes on the machine, batch size changes).
@@ -55,56 +64,28 @@ class BudgetConfig:
     min_fit_steps: int = 16
     # Ridge weight, relative to the data's scale; small: it only matters along directions the data leaves free.
     ridge: float = 1e-3
-    # Pseudo-observations at the tree's raw probability in each calibration cell: few enough that observed
-    # acceptance takes over after a few dozen drafts, enough that one rejection does not zero a cell.
-    calibration_prior: float = 8.0
-    # Probability bins of the calibrator (raw path probability in [0, 1]).
-    probability_bins: int = 10
+    # Acceptance model: per-step forgetting of its accumulated curvature (a few hundred steps of memory, so it
+    # follows policy drift across epochs) and the ridge that keeps it defined along features never seen.
+    acceptance_forgetting: float = 0.99
+    acceptance_ridge: float = 1.0
+    # Recent acceptance of a request decays by this factor per verified draft, of a problem per step.
+    request_decay: float = 0.7
+    problem_decay: float = 0.98
+    # Decay of a request's running drafted / accepted tokens per step.
+    rate_decay: float = 0.8
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.short_fraction <= self.long_fraction <= 1.0:
-            raise ValueError(
-                f"need 0 <= short_fraction <= long_fraction <= 1, got {self.short_fraction}, {self.long_fraction}"
-            )
-        if not 0.0 <= self.medium_cap_fraction <= 1.0:
-            raise ValueError(f"medium_cap_fraction must be in [0, 1], got {self.medium_cap_fraction}")
         if min(self.prior_c_base, self.prior_c_seq, self.prior_c_tok) < 0:
             raise ValueError("cost model priors must be >= 0")
-        if self.lengths_per_problem < 1 or self.cost_window < 3 or self.probability_bins < 1:
-            raise ValueError(
-                "lengths_per_problem >= 1, cost_window >= 3 and probability_bins >= 1 are required"
-            )
-        if self.min_fit_steps < 3 or self.calibration_prior <= 0 or self.ridge <= 0:
-            raise ValueError("min_fit_steps >= 3, calibration_prior > 0 and ridge > 0 are required")
-
-
-class LengthTracker:
-    """Recent response lengths per problem; predicts a new request's length from its problem's window."""
-
-    def __init__(self, per_problem: int) -> None:
-        self._per_problem = per_problem
-        self._lengths: dict[str, deque[int]] = {}
-
-    def observe(self, problem_id: str, length: int) -> None:
-        """Records one finished response of `problem_id` with `length` tokens."""
-        window = self._lengths.get(problem_id)
-        if window is None:
-            window = self._lengths[problem_id] = deque(maxlen=self._per_problem)
-        window.append(int(length))
-
-    def forget(self, problem_id: str) -> None:
-        """Drops a problem's lengths (its history was evicted)."""
-        self._lengths.pop(problem_id, None)
-
-    def predict(self, problem_id: str | None) -> tuple[int, int] | None:
-        """(p50, p90) of the problem's recent lengths, or None when it has no history."""
-        window = self._lengths.get(problem_id) if problem_id is not None else None
-        if not window:
-            return None
-        p50, p90 = np.percentile(np.fromiter(window, dtype=np.int64), [50, 90], method="inverted_cdf")
-        return int(p50), int(p90)
+        if self.lengths_per_problem < 1 or self.cost_window < 3:
+            raise ValueError("lengths_per_problem >= 1 and cost_window >= 3 are required")
+        if self.min_fit_steps < 3 or self.ridge <= 0 or self.acceptance_ridge <= 0:
+            raise ValueError("min_fit_steps >= 3, ridge > 0 and acceptance_ridge > 0 are required")
+        for name in ("acceptance_forgetting", "request_decay", "problem_decay", "rate_decay"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 class CostModel:
@@ -129,16 +110,24 @@ class CostModel:
             raise ValueError(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
         self._rows.append((1.0, float(active), float(tokens), float(seconds)))
         self._since_fit += 1
-        if len(self._rows) >= self._config.min_fit_steps and self._since_fit >= 4:
+        if len(self._rows) < self._config.min_fit_steps:
+            # Too few steps to fit: the prior's split at the measured scale.
+            self.coefficients = self._scaled_prior(np.asarray(self._rows))
+            self._publish()
+        elif self._since_fit >= 4:
             self._fit()
 
     def _fit(self) -> None:
         data = np.asarray(self._rows)
         x, y = data[:, :3], data[:, 3]
+        # The prior says how a step's time splits, not how long it is: scaled to the measured steps, it is the
+        # ridge target, which decides the split along directions the data leave free (a batch size that never
+        # changed, drafts that never varied) while the data set the overall scale.
+        prior = self._scaled_prior(data)
         gram = x.T @ x
         # Per-column weights make the ridge independent of the columns' scales (tokens dwarf the intercept).
         lam = self._config.ridge * np.diag(np.diag(gram))
-        rhs = x.T @ y + lam @ self._prior
+        rhs = x.T @ y + lam @ prior
         # Time never shrinks with more work: a coefficient that comes out negative is pinned at zero and the
         # others refitted without it (clamping alone would break the fit of the rest).
         free = np.ones(3, dtype=bool)
@@ -154,6 +143,9 @@ class CostModel:
         self._since_fit = 0
         self._publish()
 
+    def _scaled_prior(self, data: np.ndarray) -> np.ndarray:
+        return self._prior * (data[:, 3].sum() / max(float((data[:, :3] @ self._prior).sum()), 1e-12))
+
     def _publish(self) -> None:
         for name, value in zip(COST_COEFFICIENTS, self.coefficients, strict=True):
             COST_MODEL_COEFFICIENT.labels(coefficient=name).set(float(value))
@@ -164,173 +156,608 @@ class CostModel:
         return float(c_base + c_seq * active + c_tok * tokens)
 
 
-class AcceptanceCalibrator:
-    """Maps the tree's probabilities to observed acceptance.
+# ---------------------------------------------------------------------------------------------- kernels
 
-    The tree gives a path probability per draft position; its step ratio p_j / p_(j-1) is the tree's estimate
-    that token j is accepted once token j-1 was. The calibrator learns the real conditional acceptance per
-    (length class, bin of that ratio), pooled over positions: a deep position then borrows what shallow ones
-    taught (a per-position table never learns positions the rule has not yet dared to draft), and the
-    calibrated path probability is the running product of the calibrated conditionals.
+
+@njit(cache=True)
+def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
+    """out[i] = P(row i is the last of the batch to finish), rows independent.
+
+    Row i's total length is one of its problem's quantiles[i] (ascending, equally likely; all <= 0:
+    unknown) with probability 1 - atypical, or one of every problem's (`pool`) with probability `atypical`
+    (a request unlike its problem's history), conditioned on exceeding outputs[i]; remaining steps =
+    remaining tokens / speeds[i]. Conditioning is what moves the tail: a request that outlived nearly all of
+    its problem's lengths is left with the lengths of all problems that ran that long. Past every length
+    it expects to run as long again as it has (heavy tails: the longer it ran, the longer it runs). Unknown
+    rows share one length: they tie, and ties split evenly.
+    """
+    n, q = quantiles.shape
+    remaining = np.empty((n, 2 * q))
+    mass = np.empty((n, 2 * q))
+    used = np.zeros(n, np.int64)
+    horizon = 1.0
+    for i in range(n):
+        if quantiles[i, q - 1] <= 0.0:
+            continue
+        k = 0
+        total = 0.0
+        for c in range(2 * q):
+            length = quantiles[i, c] if c < q else pool[c - q]
+            if length > outputs[i]:
+                remaining[i, k] = (length - outputs[i]) / speeds[i]
+                mass[i, k] = (1.0 - atypical) if c < q else atypical
+                total += mass[i, k]
+                horizon = max(horizon, remaining[i, k])
+                k += 1
+        if total <= 0.0:
+            remaining[i, 0] = max(outputs[i], 1.0) / speeds[i]
+            horizon = max(horizon, remaining[i, 0])
+            mass[i, 0] = total = 1.0
+            k = 1
+        for c in range(k):
+            mass[i, c] /= total
+        used[i] = k
+    # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
+    below = np.zeros((n, n_bins))  # P(row ends in an earlier bin) + half of P(it ends in this bin)
+    bins = np.empty((n, 2 * q), np.int64)
+    for i in range(n):
+        k = used[i]
+        if k == 0:
+            below[i, n_bins - 1] = 0.5
+            bins[i, 0] = n_bins - 1
+            mass[i, 0] = 1.0
+            continue
+        pmf = np.zeros(n_bins)
+        for c in range(k):
+            b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
+            bins[i, c] = b
+            pmf[b] += mass[i, c]
+        cum = 0.0
+        for b in range(n_bins):
+            below[i, b] = cum + 0.5 * pmf[b]
+            cum += pmf[b]
+    # P(i last) = sum over its outcomes of P(outcome) x prod_{j != i} P(j ends before), ties counted half.
+    log_sum = np.zeros(n_bins)
+    zeros = np.zeros(n_bins, np.int64)
+    for j in range(n):
+        for b in range(n_bins):
+            if below[j, b] <= 0.0:
+                zeros[b] += 1
+            else:
+                log_sum[b] += np.log(below[j, b])
+    total = 0.0
+    for i in range(n):
+        acc = 0.0
+        for c in range(max(used[i], 1)):
+            b = bins[i, c]
+            if mass[i, c] > 0.0 and zeros[b] == 0:
+                acc += mass[i, c] * np.exp(log_sum[b] - np.log(below[i, b]))
+        out[i] = acc
+        total += acc
+    # The half-tie rule undercounts ties (n rows tied in one bin get 2^-(n-1) each instead of 1/n), and exactly
+    # one row is last: normalise. An underflowed total (hundreds of tied rows) means they all tie.
+    for i in range(n):
+        out[i] = out[i] / total if total > 0.0 else 1.0 / n
+
+
+@njit(cache=True)
+def _log_odds_gain(outcomes):
+    # Log odds of the accepted against the predicted share of tried tokens, from (accepted, predicted, tried)
+    # sums; half a pseudo-token each side keeps it finite, and no trials give 0.
+    accepted, predicted, tried = outcomes[0] + 0.5, outcomes[1] + 0.5, outcomes[2] + 1.0
+    return np.log(accepted / (tried - accepted)) - np.log(predicted / (tried - predicted))
+
+
+@njit(cache=True)
+def _features_of(probs, support, j, previous, match_len, source, request_gain, problem_gain, out):
+    """Features of draft token j for its acceptance given token j-1 was accepted: which tree drafted it (one
+    intercept per source: what the verifier taught about one source says nothing about another, e.g.
+    siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional ratio p_j / p_(j-1),
+    log match length, log position, how much better or worse than predicted the request's and the
+    problem's recent drafts did (0 without trials, so a request or problem that stopped drafting is not held
+    to its old failures forever), and the log of the occurrences behind the token (a ratio of 1/2 from one
+    sighting is weaker evidence than one from 100)."""
+    ratio = probs[j] / previous if previous > 0 else 0.0
+    ratio = min(max(ratio, 0.02), 0.98)
+    out[0] = 1.0 if source == SOURCE_PROBLEM else 0.0
+    out[1] = 1.0 if source == SOURCE_LIVE else 0.0
+    out[2] = 1.0 if source == SOURCE_GLOBAL else 0.0
+    out[3] = np.log(ratio / (1.0 - ratio))
+    out[4] = np.log1p(match_len) / 4.0
+    out[5] = np.log1p(j) / 2.0
+    out[6] = request_gain
+    out[7] = problem_gain
+    out[8] = np.log1p(support[j]) / 4.0
+
+
+# Pseudo-trials at the logistic model's own prediction in each recalibration bin.
+_RECALIBRATION_PRIOR = 20.0
+
+
+@njit(cache=True)
+def _recalibrated(p, table):
+    """The logistic model's conditional acceptance p mapped through observed acceptance in p's bin
+    (table[b] = accepted, tried): a logistic curve in these features is not exactly right at either end."""
+    b = min(int(p * table.shape[0]), table.shape[0] - 1)
+    return (table[b, 0] + _RECALIBRATION_PRIOR * p) / (table[b, 1] + _RECALIBRATION_PRIOR)
+
+
+@njit(cache=True)
+def _truncate_kernel(
+    probs,
+    support,
+    lengths,
+    match_lens,
+    sources,
+    slots,
+    slot_problem,
+    request_outcomes,
+    problem_outcomes,
+    weights,
+    recalibration,
+    value,
+    c_tok,
+    features,
+    kept_store,
+    drafted_rate,
+    accepted_rate,
+    rate_decay,
+    predicted,
+    kept,
+):
+    """Per row: each draft token's path acceptance probability (predicted[i, j]) and the kept prefix, the
+    tokens whose probability times the row's value pays for their verification (c_tok). Stores each slot's
+    features and kept length for learning, and decays the rates of rows that draft nothing."""
+    n, k = probs.shape
+    f = weights.shape[0]
+    for i in range(n):
+        s = slots[i]
+        request_gain = _log_odds_gain(request_outcomes[s])
+        problem_gain = _log_odds_gain(problem_outcomes[slot_problem[s]])
+        path = 1.0
+        previous = 1.0
+        keep = 0
+        for j in range(k):
+            if j >= lengths[i]:
+                predicted[i, j] = 0.0
+                continue
+            x = features[s, j]
+            _features_of(
+                probs[i], support[i], j, previous, match_lens[i], sources[i], request_gain, problem_gain, x
+            )
+            previous = probs[i, j]
+            z = 0.0
+            for c in range(f):
+                z += x[c] * weights[c]
+            path *= _recalibrated(1.0 / (1.0 + np.exp(-z)), recalibration)
+            predicted[i, j] = path
+            if path * value[i] >= c_tok:
+                keep = j + 1  # path probabilities never grow along a row: the kept tokens are a prefix
+        kept[i] = keep
+        kept_store[s] = keep
+        if keep == 0:
+            drafted_rate[s] *= rate_decay
+            accepted_rate[s] *= rate_decay
+
+
+@njit(cache=True)
+def _observe_kernel(
+    slots,
+    accepted,
+    kept_store,
+    features,
+    weights,
+    slot_problem,
+    request_outcomes,
+    problem_outcomes,
+    problem_stamp,
+    recalibration,
+    step,
+    request_decay,
+    problem_decay,
+    drafted_rate,
+    accepted_rate,
+    rate_decay,
+    gradient,
+    curvature,
+):
+    """Learns from verified drafts: slots[i] had its first accepted[i] kept tokens accepted. Token j is a trial
+    of its conditional acceptance when tokens 0..j-1 were accepted (j <= accepted), a success when it was
+    accepted too. Adds the log-likelihood gradient and curvature, and updates the slot's and its problem's
+    (accepted, predicted, tried) sums and the slot's drafted / accepted rates. Returns the trials."""
+    f = weights.shape[0]
+    trials = 0
+    outcome = np.zeros(3)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        length = kept_store[s]
+        if length == 0:
+            continue  # nothing drafted, or the answer came after the slot was reused
+        a = min(accepted[i], length)
+        drafted_rate[s] = rate_decay * drafted_rate[s] + (1.0 - rate_decay) * length
+        accepted_rate[s] = rate_decay * accepted_rate[s] + (1.0 - rate_decay) * a
+        outcome[:] = 0.0
+        for j in range(min(length, a + 1)):
+            x = features[s, j]
+            z = 0.0
+            for c in range(f):
+                z += x[c] * weights[c]
+            p = 1.0 / (1.0 + np.exp(-z))
+            y = 1.0 if j < a else 0.0
+            b = min(int(p * recalibration.shape[0]), recalibration.shape[0] - 1)
+            recalibration[b, 0] += y
+            recalibration[b, 1] += 1.0
+            outcome[0] += y
+            outcome[1] += p
+            outcome[2] += 1.0
+            w = p * (1.0 - p)
+            for c in range(f):
+                gradient[c] += (y - p) * x[c]
+                for d in range(c + 1):
+                    curvature[c, d] += w * x[c] * x[d]
+        trials += int(outcome[2])
+        for c in range(3):
+            request_outcomes[s, c] = request_decay * request_outcomes[s, c] + outcome[c]
+        problem = slot_problem[s]
+        if problem_stamp[problem] != step:
+            # Problems decay per step they are seen in, by the steps since they were last seen.
+            problem_outcomes[problem] *= problem_decay ** (step - problem_stamp[problem])
+            problem_stamp[problem] = step
+        for c in range(3):
+            problem_outcomes[problem, c] += outcome[c]
+        kept_store[s] = 0
+    for c in range(f):
+        for d in range(c):
+            curvature[d, c] = curvature[c, d]
+    return trials
+
+
+class AcceptanceModel:
+    """Online logistic regression of a draft token's acceptance given the previous token was accepted.
+
+    Fitted by one Newton step per verified batch on an exponentially forgetting log-likelihood (recursive
+    least squares for logistic regression), so it follows drift across epochs without a schedule. The
+    features and the per-batch gradient and curvature are computed by the policy's kernels.
     """
 
     def __init__(self, config: BudgetConfig) -> None:
-        self._bins = config.probability_bins
-        self._prior = config.calibration_prior
-        self._trials = np.zeros((len(LENGTH_CLASSES), self._bins))
-        self._accepted = np.zeros((len(LENGTH_CLASSES), self._bins))
+        self._forgetting = config.acceptance_forgetting
+        self._ridge = config.acceptance_ridge * np.eye(N_FEATURES)
+        # Start near the tree's own ratio, slightly discounted: overconfident ratios were the rule on real
+        # rollouts, and thin evidence should draft little until the verifier has spoken.
+        self.weights = np.zeros(N_FEATURES)
+        self.weights[:3], self.weights[3] = -0.5, 1.0
+        self._curvature = np.zeros((N_FEATURES, N_FEATURES))
+        # Observed acceptance by bin of the model's prediction (accepted, tried), forgotten like the fit.
+        self.recalibration = np.zeros((20, 2))
+        self.trials = 0
 
-    def _conditionals(self, probs: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, ...]:
-        probs = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
-        previous = np.concatenate([np.ones((probs.shape[0], 1)), probs[:, :-1]], axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(previous > 0, np.clip(probs / previous, 0.0, 1.0), 0.0)
-        bins = np.clip((ratio * self._bins).astype(np.int64), 0, self._bins - 1)
-        return ratio, np.broadcast_to(np.asarray(classes)[:, None], probs.shape), bins
-
-    def calibrate(self, probs: np.ndarray, classes: np.ndarray) -> np.ndarray:
-        """Calibrated acceptance probability of every draft position (path probabilities: non-increasing
-        along each row, since a token is accepted only if every earlier one is)."""
-        ratio, cls, bins = self._conditionals(probs, classes)
-        conditional = (self._accepted[cls, bins] + self._prior * ratio) / (
-            self._trials[cls, bins] + self._prior
-        )
-        return np.cumprod(conditional, axis=1)
-
-    def observe(
-        self, probs: np.ndarray, lengths: np.ndarray, classes: np.ndarray, accepted: np.ndarray
-    ) -> None:
-        """Records verification outcomes: row i drafted `lengths[i]` tokens, the first `accepted[i]` passed.
-        Token j is a trial of its conditional when every earlier token passed (j <= accepted)."""
-        _, cls, bins = self._conditionals(probs, classes)
-        pos = np.arange(cls.shape[1])[None, :]
-        tried = (pos < np.asarray(lengths)[:, None]) & (pos <= np.asarray(accepted)[:, None])
-        hit = tried & (pos < np.asarray(accepted)[:, None])
-        np.add.at(self._trials, (cls[tried], bins[tried]), 1.0)
-        np.add.at(self._accepted, (cls[hit], bins[hit]), 1.0)
-
-    def table(self) -> list[list[float]]:
-        """Observed conditional acceptance per (class, ratio bin) (NaN where nothing was tried)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            rate = np.where(self._trials > 0, self._accepted / self._trials, np.nan)
-        return rate.round(4).tolist()
+    def update(self, gradient: np.ndarray, curvature: np.ndarray, trials: int) -> None:
+        """One Newton step with a verified batch's log-likelihood gradient and curvature."""
+        self._curvature = self._forgetting * self._curvature + curvature
+        self.recalibration *= self._forgetting
+        step = np.linalg.solve(self._curvature + self._ridge, gradient)
+        # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
+        # predictions is small): move at most one logit unit per feature per batch; more data keeps coming.
+        self.weights = self.weights + step / max(1.0, float(np.abs(step).max()))
+        self.trials += trials
 
 
-@dataclass
-class _Request:
-    problem_id: str | None
-    predicted: int | None  # predicted response length (tokens); None: the problem has no history
-    p90: int | None
-    length_class: int = MEDIUM
-    promotions: int = 0
+# ---------------------------------------------------------------------------------------------- the policy
+
+
+class LengthModel:
+    """Each problem's response length distribution, as `QUANTILES` equally likely lengths per problem.
+
+    A problem's distribution mixes its recent lengths with, as if two more samples, its median times the
+    length / median ratios seen across all problems: a handful of samples understates how far the tail can
+    run, and problems vary alike relative to their own scale. Row 0 holds every problem's recent lengths, the
+    distribution of a problem without history. Quantiles are recomputed when a length arrives, so a decode
+    step only gathers rows.
+    """
+
+    QUANTILES = 16
+    # Weight of the shared shape in a problem's distribution, in samples.
+    _PSEUDO_SAMPLES = 2.0
+    # Length / problem-median ratios kept for that shape.
+    _RATIOS = 64
+
+    def __init__(self, per_problem: int) -> None:
+        self._ids: dict[str, int] = {}
+        self._lengths = np.zeros((1, per_problem))
+        self._count = np.zeros(1, np.int64)
+        self._next = np.zeros(1, np.int64)
+        self._ratios = np.zeros(self._RATIOS)
+        self._ratio_count = 0
+        self.quantiles = np.zeros((1, self.QUANTILES))
+        # Responses that ran past every quantile their problem predicted, of those that had a prediction.
+        self._beyond = 0
+        self._predicted = 0
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated (problems + the pool); per-problem arrays elsewhere grow to match."""
+        return self._lengths.shape[0]
+
+    def problem(self, problem_id: str) -> int:
+        """The problem's dense row (1, 2, ...), allocated on first sight."""
+        p = self._ids.get(problem_id)
+        if p is None:
+            p = self._ids[problem_id] = len(self._ids) + 1
+            if p >= self.capacity:
+                grow = max(64, p)
+                self._lengths = np.concatenate([self._lengths, np.zeros((grow, self._lengths.shape[1]))])
+                self._count = np.concatenate([self._count, np.zeros(grow, np.int64)])
+                self._next = np.concatenate([self._next, np.zeros(grow, np.int64)])
+                self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
+        return p
+
+    @property
+    def atypical(self) -> float:
+        """Share of responses unlike their problem's history: measured as those longer than every quantile
+        predicted for them (a 1/(2Q) share would be typical), with a prior of one in ten."""
+        return (self._beyond + 1.0) / (self._predicted + 10.0)
+
+    def rows(self, problems: np.ndarray) -> np.ndarray:
+        """Rows of `quantiles` for these problems: their own, or the pool's for problems without history."""
+        return np.where(self._count[problems] > 0, problems, 0)
+
+    def window(self, problem: int) -> np.ndarray:
+        return self._lengths[problem, : self._count[problem]]
+
+    def observe(self, problem_id: str, length: int) -> None:
+        """Records a finished response of `problem_id`."""
+        p = self.problem(problem_id)
+        if self._count[p]:
+            self._predicted += 1
+            self._beyond += bool(length > self.quantiles[p, -1])
+            self._ratios[self._ratio_count % self._RATIOS] = length / max(
+                float(np.median(self.window(p))), 1.0
+            )
+            self._ratio_count += 1
+        for row in (p, 0):
+            self._lengths[row, self._next[row]] = length
+            self._next[row] = (self._next[row] + 1) % self._lengths.shape[1]
+            self._count[row] = min(self._count[row] + 1, self._lengths.shape[1])
+        self._requantile(p, shared=True)
+        self._requantile(0, shared=False)
+
+    def forget(self, problem_id: str) -> None:
+        """Drops a problem's lengths (its history was evicted)."""
+        p = self._ids.get(problem_id)
+        if p is not None:
+            self._count[p] = self._next[p] = 0
+            self.quantiles[p] = 0.0
+
+    def predict(self, problem_id: str | None) -> tuple[int, int] | None:
+        """(p50, p90) of the problem's recent lengths, or None when it has none."""
+        p = self._ids.get(problem_id) if problem_id is not None else None
+        if p is None or not self._count[p]:
+            return None
+        p50, p90 = np.percentile(self.window(p), [50, 90], method="inverted_cdf")
+        return int(p50), int(p90)
+
+    def _requantile(self, row: int, shared: bool) -> None:
+        own = self.window(row)
+        n_ratios = min(self._ratio_count, self._RATIOS)
+        values, weights = own, np.full(own.shape[0], 1.0 / own.shape[0])
+        if shared and n_ratios:
+            alpha = self._PSEUDO_SAMPLES / (own.shape[0] + self._PSEUDO_SAMPLES)
+            values = np.concatenate([own, np.median(own) * self._ratios[:n_ratios]])
+            weights = np.concatenate([(1 - alpha) * weights, np.full(n_ratios, alpha / n_ratios)])
+        order = np.argsort(values)
+        cumulative = np.cumsum(weights[order])
+        levels = (np.arange(self.QUANTILES) + 0.5) / self.QUANTILES
+        picks = np.minimum(np.searchsorted(cumulative, levels * cumulative[-1]), values.shape[0] - 1)
+        self.quantiles[row] = values[order][picks]
 
 
 class BudgetPolicy:
-    """Per-step draft budgets for a decode batch. Not thread-safe: one instance per proposer."""
+    """Per-step draft budgets for a decode batch. Not thread-safe: one instance per proposer.
+
+    Requests are named by dense slots the caller chooses (the index's request slots): `start(slot, ...)`,
+    `finish(slot)`. A step: `budgets(slots, ...)` before drafting, `truncate(...)` on the drafts, then, once
+    the verifier has spoken, `observe_acceptance(slots, accepted)` for the drafted rows and
+    `observe_step(active, tokens, seconds)`.
+    """
+
+    # Grid of the remaining-steps distributions in `critical_weights`.
+    _BINS = 32
 
     def __init__(self, config: BudgetConfig | None = None) -> None:
         self.config = config or BudgetConfig()
-        self.lengths = LengthTracker(self.config.lengths_per_problem)
-        self.cost = CostModel(self.config)
-        self.calibrator = AcceptanceCalibrator(self.config)
-        self._requests: dict[str, _Request] = {}
         k = self.config.max_tokens
-        self._caps = np.array([0, round(k * self.config.medium_cap_fraction), k], dtype=np.int32)
+        self.cost = CostModel(self.config)
+        self.acceptance = AcceptanceModel(self.config)
+        self.lengths = LengthModel(self.config.lengths_per_problem)
+        # Recent (accepted, predicted, tried) tokens per problem row (row 0: requests without a problem).
+        self._problem_outcomes = np.zeros((1, 3))
+        self._problem_stamp = np.zeros(1, np.int64)  # the observe step that last decayed the row
+        self._step = 0
+        # Per slot: problem row, recent outcomes, drafted / accepted tokens per step, promotion, and the
+        # features and kept length of its last draft (learned from when the verifier answers).
+        self._slot_problem = np.zeros(0, np.int64)
+        self._request_outcomes = np.zeros((0, 3))
+        self._drafted_rate = np.zeros(0)
+        self._accepted_rate = np.zeros(0)
+        self._outlived = np.zeros(0, bool)
+        self._features = np.zeros((0, k, N_FEATURES))
+        self._kept = np.zeros(0, np.int64)  # kept draft tokens awaiting the verifier's answer
+        # The last budgets / truncate call.
+        self._value = np.zeros(0)
+        self._slots = np.zeros(0, np.int64)
+        self.last_predicted = np.zeros((0, k))
+        self.last_classes = np.zeros(0, np.int64)
 
-    def start(self, key: str, problem_id: str | None) -> None:
-        """Registers a new request; its prediction comes from its problem's recent lengths."""
-        predicted = self.lengths.predict(problem_id)
-        self._requests[key] = _Request(
-            problem_id, predicted[0] if predicted else None, predicted[1] if predicted else None
-        )
+    # ---- requests
 
-    def finish(self, key: str, response_len: int | None) -> None:
-        """Drops a request; a finished response's length (when known) feeds its problem's predictions."""
-        request = self._requests.pop(key, None)
-        if request is not None and request.problem_id is not None and response_len is not None:
-            self.lengths.observe(request.problem_id, response_len)
+    def start(self, slot: int, problem_id: str | None) -> None:
+        """Registers a new request in `slot` (dense: the tables grow when one lands past their end)."""
+        size = self._slot_problem.shape[0]
+        if slot >= size:
+            grown = max(2 * size, slot + 1, 64)
+            for name in (
+                "_slot_problem",
+                "_request_outcomes",
+                "_drafted_rate",
+                "_accepted_rate",
+                "_outlived",
+                "_features",
+                "_kept",
+            ):
+                old = getattr(self, name)
+                new = np.zeros((grown, *old.shape[1:]), old.dtype)
+                new[:size] = old
+                setattr(self, name, new)
+        # Problem row 0 (the pool) stands for requests without a problem.
+        self._slot_problem[slot] = self.lengths.problem(problem_id) if problem_id is not None else 0
+        grow = self.lengths.capacity - self._problem_outcomes.shape[0]
+        if grow > 0:
+            self._problem_outcomes = np.concatenate([self._problem_outcomes, np.zeros((grow, 3))])
+            self._problem_stamp = np.concatenate([self._problem_stamp, np.full(grow, self._step, np.int64)])
+        self._request_outcomes[slot] = 0.0
+        self._drafted_rate[slot] = self._accepted_rate[slot] = 0.0
+        self._outlived[slot] = False
+        self._kept[slot] = 0
+
+    def finish(self, slot: int) -> None:
+        """Ends a request (its slot may be reused by `start`)."""
+        self._kept[slot] = 0
+
+    # ---- the step
 
     def budgets(
-        self, keys: list[str], output_lens: np.ndarray, headroom: np.ndarray
-    ) -> tuple[np.ndarray, ...]:
-        """Maximum draft tokens per row and each row's length class.
+        self, slots: np.ndarray, output_lens: np.ndarray, headroom: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Maximum draft tokens per row (0 where even a sure token would not pay, else min(K, headroom)) and
+        each row's class (SHORT: no draft pays; LONG: likelier than average to finish last).
 
         Args:
-            keys: request key per row (each registered with `start`).
+            slots: the rows' slots (given to `start`).
             output_lens: tokens generated so far per row.
             headroom: most draft tokens each row may take (max_model_len - tokens - 1, and 0 for rows that
                 must not draft, e.g. partial prefills); negative values count as 0.
-
-        Raises:
-            KeyError: a key was not registered with `start`.
         """
-        n = len(keys)
-        classes = np.full(n, MEDIUM, dtype=np.int64)
-        predicted = np.zeros(n, dtype=np.float64)
-        known = np.zeros(n, dtype=bool)
-        for i, key in enumerate(keys):
-            request = self._requests[key]
-            if request.predicted is not None:
-                done = int(output_lens[i])
-                if done > request.predicted:
-                    # Outlived its prediction: from now on expect the problem's p90, or past that, twice what
-                    # it has produced (long-tail lengths are heavy-tailed: the longer it ran, the longer it runs).
-                    request.predicted = (
-                        request.p90 if request.p90 is not None and request.p90 > done else 2 * done
-                    )
-                    request.promotions += 1
-                predicted[i] = request.predicted
-                known[i] = True
-        if known.any():
-            horizon = predicted[known].max()
-            ratio = predicted / horizon
-            classes[known] = np.where(
-                ratio[known] < self.config.short_fraction,
-                SHORT,
-                np.where(ratio[known] >= self.config.long_fraction, LONG, MEDIUM),
-            )
-        for i, key in enumerate(keys):
-            request = self._requests[key]
-            if classes[i] > request.length_class and request.promotions:
-                CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[classes[i]]).inc()
-            request.length_class = int(classes[i])
-        budgets = np.minimum(self._caps[classes], np.maximum(np.asarray(headroom, dtype=np.int64), 0))
-        return budgets.astype(np.int32), classes
+        slots = np.asarray(slots, np.int64)
+        c_base, c_seq, c_tok = self.cost.coefficients
+        problems = self._slot_problem[slots]
+        rows = self.lengths.rows(problems)
+        quantiles = self.lengths.quantiles[rows]
+        outputs = np.asarray(output_lens, np.float64)
+        weights = np.empty(slots.shape[0])
+        critical_weights(
+            quantiles,
+            self.lengths.quantiles[0],
+            self.lengths.atypical,
+            outputs,
+            1.0 + self._accepted_rate[slots],
+            self._BINS,
+            weights,
+        )
+        # Outliving nearly every length expected of one's problem is the old "promotion" of a length class.
+        outlived = (rows > 0) & (outputs > quantiles[:, -1]) & ~self._outlived[slots]
+        if outlived.any():
+            self._outlived[slots[outlived]] = True
+            CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG]).inc(int(outlived.sum()))
+        tail = weights * c_base
+        own = c_seq + c_tok * (1.0 + self._drafted_rate[slots])
+        self._value = (tail + own) / (1.0 + self._accepted_rate[slots])
+        self._slots = slots
+        pays = self._value >= c_tok
+        # For dashboards: long = likelier than average to be the batch's last.
+        self.last_classes = np.where(~pays, SHORT, np.where(weights * slots.shape[0] >= 1.0, LONG, MEDIUM))
+        k = self.config.max_tokens
+        budgets = np.where(pays, np.clip(np.asarray(headroom, np.int64), 0, k), 0).astype(np.int32)
+        return budgets, self.last_classes
 
-    def truncate(self, lengths: np.ndarray, probs: np.ndarray, classes: np.ndarray) -> np.ndarray:
-        """Draft lengths after the pay-off rule: keep a token while calibrated acceptance x step value >= c_tok.
+    def truncate(
+        self,
+        lengths: np.ndarray,
+        probs: np.ndarray,
+        match_lens: np.ndarray,
+        sources: np.ndarray,
+        support: np.ndarray,
+    ) -> np.ndarray:
+        """Draft lengths after the pay-off rule, for the rows of the last `budgets` call.
 
-        The value of one accepted token is one saved step of its request: a full step for a long request (the
-        tail sets the epoch's makespan), its share of the step (1 / active) for a medium one.
+        Args:
+            lengths: tokens drafted per row (at most its budget).
+            probs: the tree's path probabilities (n, K).
+            match_lens: context suffix length the draft was matched on.
+            sources: which tree drafted it (ProblemIndex.SOURCE_*).
+            support: occurrences behind each draft token (n, K).
         """
-        lengths = np.asarray(lengths, dtype=np.int32)
-        active = len(lengths)
-        if active == 0 or not lengths.any():
-            return lengths
-        calibrated = self.calibrator.calibrate(probs, classes)
-        step = self.cost.predict(active, active + int(lengths.sum()))
-        value = np.where(classes == LONG, step, np.where(classes == MEDIUM, step / active, 0.0))
-        pays = calibrated * value[:, None] >= self.cost.coefficients[2]
-        # Calibrated path probabilities are non-increasing along a row, so the kept tokens are a prefix.
-        kept = pays.sum(axis=1).astype(np.int32)
-        return np.minimum(lengths, kept)
+        slots = self._slots
+        n, k = len(lengths), self.config.max_tokens
+        if n != slots.shape[0]:
+            raise ValueError(f"truncate got {n} rows but the last budgets call had {slots.shape[0]}")
+        self.last_predicted = np.empty((n, k))
+        kept = np.empty(n, np.int32)
+        _truncate_kernel(
+            np.asarray(probs, np.float64)[:, :k],
+            np.asarray(support, np.float64)[:, :k],
+            np.asarray(lengths, np.int64),
+            np.asarray(match_lens, np.float64),
+            np.asarray(sources, np.int64),
+            slots,
+            self._slot_problem,
+            self._request_outcomes,
+            self._problem_outcomes,
+            self.acceptance.weights,
+            self.acceptance.recalibration,
+            self._value,
+            float(self.cost.coefficients[2]),
+            self._features,
+            self._kept,
+            self._drafted_rate,
+            self._accepted_rate,
+            self.config.rate_decay,
+            self.last_predicted,
+            kept,
+        )
+        return kept
+
+    def observe_acceptance(self, slots: np.ndarray, accepted: np.ndarray) -> None:
+        """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed.
+        Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance model, the
+        requests' and their problems' recent outcomes, and the requests' drafted / accepted tokens per step."""
+        self._step += 1
+        gradient = np.zeros(N_FEATURES)
+        curvature = np.zeros((N_FEATURES, N_FEATURES))
+        trials = _observe_kernel(
+            np.asarray(slots, np.int64),
+            np.asarray(accepted, np.int64),
+            self._kept,
+            self._features,
+            self.acceptance.weights,
+            self._slot_problem,
+            self._request_outcomes,
+            self._problem_outcomes,
+            self._problem_stamp,
+            self.acceptance.recalibration,
+            self._step,
+            self.config.request_decay,
+            self.config.problem_decay,
+            self._drafted_rate,
+            self._accepted_rate,
+            self.config.rate_decay,
+            gradient,
+            curvature,
+        )
+        if trials:
+            self.acceptance.update(gradient, curvature, trials)
 
     def observe_step(self, active: int, tokens: int, seconds: float) -> None:
         """Feeds one measured verification step into the cost model."""
         self.cost.observe(active, tokens, seconds)
 
-    def observe_acceptance(
-        self, probs: np.ndarray, lengths: np.ndarray, classes: np.ndarray, accepted: np.ndarray
-    ) -> None:
-        """Feeds verification outcomes of the previous step's drafts into the calibrator."""
-        self.calibrator.observe(probs, lengths, classes, accepted)
-
     def snapshot(self) -> dict:
-        """Coefficients, live classes and the calibration table, for statistics and tests."""
-        counts = np.bincount([r.length_class for r in self._requests.values()], minlength=3)
+        """Cost model, acceptance model and the classes of the last step, for statistics and tests."""
+        counts = np.bincount(self.last_classes, minlength=3)
         return {
             "cost_model": dict(zip(COST_COEFFICIENTS, map(float, self.cost.coefficients), strict=True)),
             "cost_model_steps": self.cost.steps,
             "live_classes": dict(zip(LENGTH_CLASSES, map(int, counts), strict=True)),
-            "acceptance_by_class_ratio_bin": dict(zip(LENGTH_CLASSES, self.calibrator.table(), strict=True)),
+            "acceptance_weights": [round(float(w), 4) for w in self.acceptance.weights],
+            "acceptance_trials": int(self.acceptance.trials),
         }

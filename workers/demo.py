@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from history_store.problem_index import eviction_bounds
 from pipeline.schemas import TrajectoryRecord
 from workers.rollout import STRATEGIES, EngineOptions, Problem
 
@@ -373,11 +374,8 @@ class _ProposerEvictions:
         """The proposer already has these: the rollout worker pushed them at the end of the epoch."""
 
     def on_evicted(self, keys: Sequence[tuple[str, int, int]]) -> None:
-        newest: dict[str, int] = {}
-        for problem_id, epoch, _sample in keys:
-            newest[problem_id] = max(epoch, newest.get(problem_id, -1))
-        for problem_id, epoch in newest.items():
-            self.worker.evict(problem_id, epoch + 1)
+        for problem_id, min_epoch in eviction_bounds(keys).items():
+            self.worker.evict(problem_id, min_epoch)
 
 
 class _StrategyRun:

@@ -142,12 +142,7 @@ class ProblemIndexListener:
             self.index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
 
     def on_evicted(self, keys: Sequence[Key]) -> None:
-        # The store evicts whole epochs below a bound; one call per problem with the highest evicted epoch.
-        newest_evicted: dict[str, int] = {}
-        for problem_id, epoch, _sample in keys:
-            newest_evicted[problem_id] = max(epoch, newest_evicted.get(problem_id, -1))
-        for problem_id, epoch in newest_evicted.items():
-            self.index.evict_epochs_before(problem_id, epoch + 1)
+        self.index.evict_keys(keys)
 
 
 @dataclass

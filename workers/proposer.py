@@ -14,8 +14,15 @@ asks the budget policy how many tokens each row may draft, and drafts all rows i
 Request identity: row i of the batch is `runner.input_batch.req_ids[i]`; `runner.requests[id]` holds the
 prompt and `SamplingParams.extra_args` (`das_problem_id`, optional `das_epoch`, `das_sample`). vLLM builds the
 proposer inside the model runner's constructor and then calls `propose` from a runner method, so the runner is
-found once, on the first call, as the caller's `self` (checked by `runner.drafter is self`): no engine
-argument or RPC is needed for it, and servers that never call `collective_rpc` (verl's) work unchanged.
+found once, on the first call, up the calling stack: the first `self` that has an input batch and whose
+`drafter` is this proposer, or a wrapper holding it as `user_proposer` (some vLLM versions wrap custom
+proposers in `CustomClassProposer`). No engine argument or RPC is needed, so servers that never call
+`collective_rpc` (verl's) work unchanged; `collective_rpc("das_attach")` attaches explicitly.
+
+The step itself (`DasProposer.step`) needs no engine: request ids, token counts, the token matrix and the
+requests' descriptions. It registers joiners, finishes leavers, learns from the previous step's verification,
+asks the budget for per-row budgets, then commits every row's new tokens and drafts for the whole batch in
+one native call (`ProblemIndex.step`), and counts metrics once per step.
 
 History freshness:
 - embedded: the rollout driver pushes finished trajectories with `collective_rpc("das_add_trajectories")`;
@@ -35,33 +42,27 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from history_store.indexed import follow, load_index
 from history_store.problem_index import ProblemIndex
 from history_store.suffix_tree import DraftConfig
-from monitoring.metrics import (
-    ACCEPTED_TOKENS,
-    ACCEPTED_TOKENS_BY_POSITION,
-    DRAFT_LATENCY,
-    DRAFT_TOKENS,
-    DRAFT_TOKENS_BY_POSITION,
-    DRAFTS,
-    LENGTH_CLASSES,
-    SPEC_BUDGET,
-    STEP_DURATION,
-    position_label,
-)
 from workers.budget import MEDIUM, BudgetConfig, BudgetPolicy
+from workers.step_book import END, HEADROOM, OUTPUT, MetricsFlush, StepBook
 
 logger = logging.getLogger(__name__)
 
-# Sources reported by ProblemIndex.draft_batch, in its numbering.
-SOURCE_NAMES = ("none", "problem", "live", "global")
 MAX_PROBLEM_ID_LEN = 512
+# Frames searched above `propose` for the model runner: vLLM calls it from the runner's draft method, two or
+# three frames up depending on the version and wrapper.
+_RUNNER_SEARCH_DEPTH = 8
 
 
 def _env_float(name: str, default: float) -> float:
@@ -119,27 +120,14 @@ class ProposerSettings:
 class _Live:
     """A request the proposer has registered in the index."""
 
+    slot: int
     problem_id: str | None
     epoch: int | None
     sample: int | None
     prompt_len: int
-    fed: int  # tokens of prompt + output handed to the index so far
     max_tokens: int | None
     stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
-    # Prompt and output, kept only when the request names its (epoch, sample): added to history when it ends.
-    chunks: list[np.ndarray] | None = None
-
-
-@dataclass
-class _LastStep:
-    """What the previous step drafted, to learn acceptance and step cost from the next call."""
-
-    keys: list[str] = field(default_factory=list)
-    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
-    classes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    ended_at: float | None = None
 
 
 def parse_extra_args(extra_args: Any) -> tuple[str | None, int | None, int | None, str | None]:
@@ -179,13 +167,13 @@ def _is_output_rank() -> bool:
         return True
 
 
-def _natural_end(live: _Live, tokens: np.ndarray | None) -> int | None:
+def _natural_end(live: _Live, tokens: np.ndarray) -> int | None:
     """The response length vLLM returned if the request ended by itself: through its first stop token at or
     after min_tokens (accepted drafts may have run past it in the runner), or at max_tokens. None when it ended
-    otherwise (aborted, or a stop string), or when the proposer kept no tokens to tell."""
-    fed = live.fed - live.prompt_len
-    if tokens is not None and live.stop_ids:
-        response = tokens[live.prompt_len : live.fed]
+    otherwise (aborted, or a stop string). `tokens` is the request's prompt and committed output."""
+    fed = tokens.shape[0] - live.prompt_len
+    if live.stop_ids:
+        response = tokens[live.prompt_len :]
         stops = np.flatnonzero(np.isin(response[live.min_tokens :], list(live.stop_ids)))
         if stops.size:
             return live.min_tokens + int(stops[0]) + 1
@@ -218,23 +206,34 @@ class DasProposer:
         self.policy = BudgetPolicy(BudgetConfig(max_tokens=self.k))
         self.runner: Any = None
         self._live: dict[str, _Live] = {}
-        self._last = _LastStep()
+        self._slot_of: dict[str, int] = {}
+        self._step_no = 0
+        self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
+        self._last_tokens = 0
+        self._last_ended_at: float | None = None
+        self._verify_seconds: float | None = None
+        self._row_base = np.zeros(0, np.int64)
+        self._row_width = 0
         self._warned: set[str] = set()
         self._replica: Any = None
         self._next_catch_up = 0.0
-        # Label children resolved once: `labels()` costs a dict lookup and a lock per call.
-        self._draft_by_pos = [
-            DRAFT_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(self.k)
-        ]
-        self._accept_by_pos = [
-            ACCEPTED_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(self.k)
-        ]
-        self._budget_by_class = [SPEC_BUDGET.labels(length_class=c) for c in LENGTH_CLASSES]
+        self._book = StepBook(64, self.k)
+        self._metrics = MetricsFlush(self._book)
         self.reset_stats()
         # Compile the index's native kernels now, so the first real decode step is not slow.
         self.index.start_request("__warmup__", None, np.arange(8, dtype=np.int32))
         self.index.draft_batch(["__warmup__"], np.full(1, self.k, dtype=np.int32))
         self.index.finish_request("__warmup__")
+
+    @classmethod
+    def standalone(cls, k: int, max_model_len: int) -> DasProposer:
+        """A proposer outside vLLM (benchmarks, tests): the same object the engine builds from its config."""
+        return cls(
+            SimpleNamespace(
+                speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                model_config=SimpleNamespace(max_model_len=max_model_len),
+            )
+        )
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
@@ -244,25 +243,18 @@ class DasProposer:
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
         """Zeroes the counters `stats` reports (not the Prometheus metrics, which only grow)."""
-        self._stats = {
-            "steps": 0,
-            "rows": 0,
-            "drafts": 0,
-            "draft_tokens": 0,
-            "accepted_tokens": 0,
-            "verified_drafts": 0,
-            "draft_seconds": 0.0,
-            "budget_tokens": 0,
-            "errors": 0,
-            "malformed_requests": 0,
-            "sources": dict.fromkeys(SOURCE_NAMES, 0),
-            "accepted_by_position": [0] * self.k,
-            "drafted_by_position": [0] * self.k,
-        }
+        self._base = self._book.snapshot()
+        self._errors = 0
+        self._malformed = 0
+        self._draft_seconds = 0.0
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset, the live request count, and the budget policy's state."""
-        out = dict(self._stats)
+        self._metrics.flush()
+        out = self._book.since(self._base)
+        out["draft_seconds"] = self._draft_seconds
+        out["errors"] = self._errors
+        out["malformed_requests"] = self._malformed
         out["live_requests"] = len(self._live)
         out["budget_enabled"] = self.settings.budget
         out["drafting_rank"] = self.drafting
@@ -280,7 +272,7 @@ class DasProposer:
         from pipeline.schemas import TrajectoryRecord
 
         if self.runner is not None:
-            self._reap(set())
+            self._reap(self.runner.requests)
         added = 0
         for raw in records:
             record = raw if isinstance(raw, TrajectoryRecord) else TrajectoryRecord.model_validate(raw)
@@ -309,33 +301,41 @@ class DasProposer:
             os.environ.get("DAS_SECONDARY_DIR") or path.parent / f".{path.name}.secondary-{os.getpid()}"
         )
         self._replica = HistoryStore.open_secondary(path, secondary)
-        for item in self._replica.iter_trajectories():
-            self._add(item.problem_id, item.epoch, item.sample, item.prompt_ids, item.response_ids)
+        load_index(self._replica, self.index)
+        self._relearn_lengths()
 
-    def _catch_up(self, now: float) -> None:
-        self._next_catch_up = now + self.settings.catch_up_interval_s
-        change = self._replica.catch_up()
-        if change.reset:
-            for item in self._replica.iter_trajectories():
-                self._add(item.problem_id, item.epoch, item.sample, item.prompt_ids, item.response_ids)
+    def _relearn_lengths(self) -> None:
+        """The budget's length predictions from what the index holds (after a load from the replica)."""
+        for problem_id in self.index.problem_ids():
+            self.policy.lengths.forget(problem_id)
+            for length in self.index.problem_stats(problem_id)["response_lengths"]:
+                self.policy.lengths.observe(problem_id, length)
+
+    def catch_up(self) -> None:
+        """Brings the trees in step with the node's replica (the step does this every catch_up_interval_s)."""
+        self._next_catch_up = time.perf_counter() + self.settings.catch_up_interval_s
+        followed = follow(self._replica, self.index)
+        if followed.reloaded:
+            self._relearn_lengths()
             return
-        for problem_id, epoch, sample in change.added:
-            item = self._replica.get(problem_id, epoch, sample)
-            if item is not None:
-                self._add(problem_id, epoch, sample, item.prompt_ids, item.response_ids)
-        # The replica removes whole epochs from the bottom of a problem's window.
-        lowest_kept: dict[str, int] = {}
-        for problem_id, epoch, _ in change.removed:
-            lowest_kept[problem_id] = max(lowest_kept.get(problem_id, 0), epoch + 1)
-        for problem_id, min_epoch in lowest_kept.items():
-            self.evict(problem_id, min_epoch)
+        for (problem_id, _, _), length in followed.added:
+            self.policy.lengths.observe(problem_id, length)
+        for problem_id in followed.evicted:
+            self.policy.lengths.forget(problem_id)
 
     # ------------------------------------------------------------------ the decode step
     def _find_runner(self) -> Any:
-        # propose <- the runner's propose_draft_token_ids (self = runner); see the module docstring.
-        caller = sys._getframe(2).f_locals.get("self")
-        if getattr(caller, "drafter", None) is self and hasattr(caller, "input_batch"):
-            self.runner = caller
+        # vLLM calls propose from a model runner method; walk up to the first `self` that looks like a runner
+        # and drafts with this proposer (directly, or wrapped as `user_proposer`).
+        frame = sys._getframe(1)
+        for _ in range(_RUNNER_SEARCH_DEPTH):
+            frame = frame.f_back
+            if frame is None:
+                break
+            caller = frame.f_locals.get("self")
+            if hasattr(caller, "input_batch") and unwrap_proposer(getattr(caller, "drafter", None)) is self:
+                self.runner = caller
+                break
         return self.runner
 
     def propose(
@@ -346,179 +346,155 @@ class DasProposer:
         slot_mappings: Any = None,
     ) -> list[list[int]]:
         """Draft tokens per batch row (each at most K and within max_model_len), or [] where none."""
-        started = time.perf_counter()
         n = len(sampled_token_ids)
         if not self.drafting:
             return [[] for _ in range(n)]
+        if self.runner is None and self._find_runner() is None:
+            self._warn_once("runner", "DasProposer could not find the model runner: drafting disabled")
+            return [[] for _ in range(n)]
+        runner = self.runner
+        return self.step(runner.input_batch.req_ids[:n], num_tokens_no_spec, token_ids_cpu, runner.requests)
+
+    def step(
+        self,
+        req_ids: Sequence[str],
+        num_tokens: np.ndarray,
+        token_ids: np.ndarray,
+        requests: Mapping[str, Any],
+    ) -> list[list[int]]:
+        """One decode step for a batch, without an engine: row i is request req_ids[i], whose prompt and
+        output are token_ids[i, :num_tokens[i]] (int32); `requests` maps every unfinished request id to its
+        description (num_prompt_tokens, sampling_params with extra_args and max_tokens), as vLLM's runner
+        does. Requests missing from it finished. Returns each row's draft (at most K, within max_model_len).
+
+        Never raises: an unexpected error is logged and counted, and that step drafts nothing.
+        """
+        started = time.perf_counter()
+        n = len(req_ids)
         try:
-            if self.runner is None and self._find_runner() is None:
-                self._warn_once("runner", "DasProposer could not find the model runner: drafting disabled")
-                return [[] for _ in range(n)]
-            drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, started)
+            drafts = self._step(req_ids, num_tokens, token_ids, requests, started)
         except Exception:
             # The engine must survive whatever a request or the history holds; the error is logged and counted
             # (tests assert none happen) and this step simply drafts nothing.
-            self._stats["errors"] += 1
+            self._errors += 1
             logger.exception("DAS drafting failed; this step drafts nothing")
-            self._last = _LastStep(ended_at=time.perf_counter())
+            self._last_rows = 0
+            self._last_ended_at = time.perf_counter()
             return [[] for _ in range(n)]
-        elapsed = time.perf_counter() - started
-        self._stats["draft_seconds"] += elapsed
-        DRAFT_LATENCY.observe(elapsed)
-        self._last.ended_at = time.perf_counter()
+        ended = time.perf_counter()
+        self._draft_seconds += ended - started
+        self._metrics.step_done(ended - started, self._verify_seconds, ended)
+        self._last_ended_at = ended
         return drafts
 
-    def _propose(
-        self, sampled: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray, started: float
+    def _step(
+        self,
+        req_ids: Sequence[str],
+        num_tokens: np.ndarray,
+        token_ids: np.ndarray,
+        requests: Mapping[str, Any],
+        started: float,
     ) -> list[list[int]]:
-        runner = self.runner
-        n = len(sampled)
-        keys = [str(k) for k in runner.input_batch.req_ids[:n]]
-        # Requests that joined prefilled in the step just verified, and partial prefills commit nothing: either
-        # way that step's time does not measure decoding.
-        clean = all(sampled) and all(k in self._live for k in keys)
-        self._learn_from_last_step(keys, sampled, started, clean)
-        self._reap(set(keys))
-        committed = []
-        for i, key in enumerate(keys):
-            live = self._live.get(key)
-            if live is None:
-                live = self._start(key, runner.requests[key], token_ids[i])
-            count = int(num_tokens[i])
-            new = token_ids[i, live.fed : max(count, live.fed)]
-            committed.append(new)
-            if new.size:
-                if live.chunks is not None:
-                    live.chunks.append(new.copy())
-                live.fed = count
-        # One native call commits the whole batch's new tokens to the live trees.
-        self.index.append_batch(keys, committed)
+        n = len(req_ids)
+        self._reap(requests)
+        slot_of = self._slot_of
+        slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1, n)), np.int64, n)
+        joined = np.flatnonzero(slots < 0)
+        for i in joined.tolist():
+            key = req_ids[i]
+            slots[i] = self._start(key, requests[key], token_ids[i])
         if self._replica is not None and started >= self._next_catch_up:
-            self._catch_up(started)
-
-        # Rows that just prefilled part of a prompt commit nothing and must not draft.
-        headroom = np.array(
-            [min(self.k, self.max_model_len - int(num_tokens[i]) - 1) if sampled[i] else 0 for i in range(n)],
-            dtype=np.int64,
+            self.catch_up()
+        book = self._book
+        per_row, rows, accepted, every_row_new = book.prepare(
+            slots, num_tokens, self.index.committed(slots), self._step_no, self.max_model_len
         )
-        output_lens = np.array([self._live[k].fed - self._live[k].prompt_len for k in keys], dtype=np.int64)
+        end = per_row[END]
+        self._learn_from_last_step(rows, accepted, started, clean=joined.size == 0 and every_row_new)
         if self.settings.budget:
-            budgets, classes = self.policy.budgets(keys, output_lens, headroom)
+            budgets, classes = self.policy.budgets(slots, per_row[OUTPUT], per_row[HEADROOM])
         else:
-            budgets, classes = np.maximum(headroom, 0).astype(np.int32), np.full(n, MEDIUM, dtype=np.int64)
-        result = self.index.draft_batch(keys, budgets)
-        lengths = np.minimum(np.asarray(result.lengths[:n], dtype=np.int32), budgets)
-        probs = np.asarray(result.probs[:n], dtype=np.float32)
+            budgets, classes = per_row[HEADROOM], np.full(n, MEDIUM, dtype=np.int64)
+        # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
+        width = token_ids.shape[1]
+        if self._row_base.shape[0] < n or self._row_width != width:
+            self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
+            self._row_width = width
+        src = token_ids.reshape(-1) if token_ids.dtype == np.int32 else token_ids.astype(np.int32).reshape(-1)
+        result = self.index.step(slots, src, self._row_base[:n], end, budgets)
+        lengths = result.lengths
         if self.settings.budget:
-            lengths = self.policy.truncate(lengths, probs[:, : self.k], classes)
-        tokens = np.asarray(result.tokens)
+            lengths = self.policy.truncate(
+                lengths, result.probs, result.match_lens, result.sources, result.support
+            )
 
-        stats = self._stats
-        stats["steps"] += 1
-        stats["rows"] += n
-        stats["budget_tokens"] += int(budgets.sum())
-        drafted = int((lengths > 0).sum())
-        total = int(lengths.sum())
-        stats["drafts"] += drafted
-        stats["draft_tokens"] += total
-        for source, count in zip(
-            *np.unique(np.asarray(result.sources[:n])[lengths > 0], return_counts=True), strict=True
-        ):
-            stats["sources"][SOURCE_NAMES[int(source)]] += int(count)
-        if drafted:
-            DRAFTS.inc(drafted)
-            DRAFT_TOKENS.inc(total)
-            per_position = np.bincount(np.concatenate([np.arange(m) for m in lengths if m]), minlength=self.k)
-            for j, count in enumerate(per_position[: self.k]):
-                if count:
-                    self._draft_by_pos[j].inc(int(count))
-                    stats["drafted_by_position"][j] += int(count)
-        for c, budget in zip(classes, lengths, strict=True):
-            self._budget_by_class[c].observe(int(budget))
+        self._last_tokens = book.record(slots, lengths, classes, result.sources, budgets, self._step_no)
+        self._last_rows = n
+        self._step_no += 1
+        rows = result.tokens.tolist()
+        return [row[:m] for row, m in zip(rows, lengths.tolist(), strict=True)]
 
-        self._last = _LastStep(keys=keys, lengths=lengths, probs=probs[:, : self.k].copy(), classes=classes)
-        return [tokens[i, : lengths[i]].tolist() if lengths[i] else [] for i in range(n)]
-
-    def _learn_from_last_step(
-        self, keys: list[str], sampled: list[list[int]], now: float, clean: bool
-    ) -> None:
-        """Acceptance of the previous step's drafts (a row commits accepted + 1 tokens) and the step's cost."""
-        last = self._last
-        if not last.keys:
-            return
-        row_of = {key: i for i, key in enumerate(keys)}
-        rows, accepted = [], []
-        for j, key in enumerate(last.keys):
-            i = row_of.get(key)
-            if i is None or not last.lengths[j] or not sampled[i]:
-                continue
-            rows.append(j)
-            accepted.append(min(len(sampled[i]) - 1, int(last.lengths[j])))
-        if rows:
-            acc = np.asarray(accepted, dtype=np.int64)
-            idx = np.asarray(rows)
-            total = int(acc.sum())
-            self._stats["accepted_tokens"] += total
-            self._stats["verified_drafts"] += len(rows)
-            ACCEPTED_TOKENS.inc(total)
-            for j, count in enumerate(np.bincount(np.concatenate([np.arange(a) for a in acc]), minlength=1)):
-                if count and j < self.k:
-                    self._accept_by_pos[j].inc(int(count))
-                    self._stats["accepted_by_position"][j] += int(count)
-            self.policy.observe_acceptance(last.probs[idx], last.lengths[idx], last.classes[idx], acc)
+    def _learn_from_last_step(self, rows: np.ndarray, accepted: np.ndarray, now: float, clean: bool) -> None:
+        """Feeds the verified drafts of the previous step (their slots, tokens accepted) and the step's cost
+        to the budget."""
+        if rows.shape[0]:
+            self.policy.observe_acceptance(rows, accepted)
         # The interval from the previous return to this call is the verification step of the previous drafts
         # (an idle engine between batches always resumes with joining requests, so `clean` excludes it too).
-        if clean and last.ended_at is not None:
-            seconds = now - last.ended_at
-            active = len(last.keys)
-            STEP_DURATION.observe(seconds)
-            self.policy.observe_step(active, active + int(last.lengths.sum()), seconds)
+        self._verify_seconds = None
+        if clean and self._last_rows and self._last_ended_at is not None:
+            self._verify_seconds = now - self._last_ended_at
+            self.policy.observe_step(
+                self._last_rows, self._last_rows + self._last_tokens, self._verify_seconds
+            )
 
-    def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> _Live:
+    def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
         sampling = request.sampling_params
         problem_id, epoch, sample, problem = parse_extra_args(getattr(sampling, "extra_args", None))
         if problem is not None:
-            self._stats["malformed_requests"] += 1
+            self._malformed += 1
             self._warn_once(f"malformed:{key}", f"request {key}: {problem}; drafting from its own context")
         prompt_len = int(request.num_prompt_tokens)
-        self.index.start_request(key, problem_id, row_tokens[:prompt_len])
-        self.policy.start(key, problem_id)
-        live = _Live(
+        slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len])
+        self.policy.start(slot, problem_id)
+        self._live[key] = _Live(
+            slot,
             problem_id,
             epoch,
             sample,
-            prompt_len,
             prompt_len,
             getattr(sampling, "max_tokens", None),
             frozenset(getattr(sampling, "all_stop_token_ids", None) or ()),
             int(getattr(sampling, "min_tokens", 0) or 0),
         )
-        if problem_id is not None and epoch is not None and sample is not None:
-            live.chunks = [np.array(row_tokens[:prompt_len], dtype=np.int32)]
-        self._live[key] = live
-        return live
+        self._slot_of[key] = slot
+        self._book.start(slot, prompt_len)
+        return slot
 
     def _finish(self, key: str) -> None:
         live = self._live.pop(key)
-        response_len = None
-        if live.problem_id is not None:
-            tokens = np.concatenate(live.chunks) if live.chunks is not None else None
-            response_len = _natural_end(live, tokens)
+        del self._slot_of[key]
+        tokens = self.index.request_tokens(key)
+        response_len = _natural_end(live, tokens) if live.problem_id is not None else None
         self.index.finish_request(key)
         # Aborted requests (verl's partial rollouts, a client gone) and stop strings (matched in vLLM's front
         # end, which then aborts the request here) end early for reasons the runner does not show: they must
         # neither feed short lengths to the budget nor enter the history under a real key.
-        self.policy.finish(key, response_len)
-        if live.chunks is not None and response_len is not None:
+        self.policy.finish(live.slot)
+        if response_len is not None and (live.epoch is None or live.sample is None):
+            # A sibling that ended by itself tells how long this epoch runs: the budget learns it now (a
+            # request naming its epoch and sample teaches it through the history, just below).
+            self.policy.lengths.observe(live.problem_id, response_len)
+        if response_len is not None and live.epoch is not None and live.sample is not None:
             prompt, response = (
                 tokens[: live.prompt_len],
                 tokens[live.prompt_len : live.prompt_len + response_len],
             )
-            self._add(live.problem_id, int(live.epoch or 0), int(live.sample or 0), prompt, response)
+            self._add(live.problem_id, live.epoch, live.sample, prompt, response)
 
-    def _reap(self, present: set[str]) -> None:
-        """Finishes requests that left the engine (gone from `runner.requests`; preempted ones stay there)."""
-        for key in [k for k in self._live if k not in present and k not in self.runner.requests]:
+    def _reap(self, requests: Mapping[str, Any]) -> None:
+        """Finishes requests that left the engine (gone from `requests`; preempted ones stay there)."""
+        for key in self._live.keys() - requests.keys():
             self._finish(key)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -527,17 +503,30 @@ class DasProposer:
             logger.warning(message)
 
 
+def unwrap_proposer(drafter: Any) -> DasProposer | None:
+    """The DasProposer a runner drafts with: its drafter itself, or the user proposer a vLLM
+    `CustomClassProposer` wraps; None when it runs something else."""
+    for candidate in (drafter, getattr(drafter, "user_proposer", None)):
+        if isinstance(candidate, DasProposer):
+            return candidate
+    return None
+
+
 class DasWorkerExtension:
     """Methods mixed into vLLM's worker (`worker_extension_cls`), reachable with `collective_rpc(name)`."""
 
     def _das(self) -> DasProposer:
-        drafter = getattr(self.model_runner, "drafter", None)  # type: ignore[attr-defined]
-        if not isinstance(drafter, DasProposer):
+        proposer = unwrap_proposer(getattr(self.model_runner, "drafter", None))  # type: ignore[attr-defined]
+        if proposer is None:
             raise RuntimeError(
                 "the engine does not run DasProposer: pass speculative_config="
                 '{"method": "custom_class", "model": "workers.proposer.DasProposer", ...}'
             )
-        return drafter
+        return proposer
+
+    def das_attach(self) -> None:
+        """Hands the model runner to the proposer explicitly (it is otherwise found on the first step)."""
+        self._das().runner = self.model_runner  # type: ignore[attr-defined]
 
     def das_add_trajectories(self, records: list[dict[str, Any]]) -> int:
         """Adds finished trajectories to the proposer's history; returns how many were new."""

@@ -1,15 +1,26 @@
-"""`das bench replay`: what each drafting strategy would gain on recorded rollouts, before a GPU is spent.
+"""Trace replay: what each drafting strategy would gain on recorded rollouts, before a GPU is spent.
 
-Epochs run in order; all requests of an epoch run concurrently as one batch and are interleaved token by
-token, so in-flight siblings see each other as in a real batch. Each verification step a strategy drafts up
-to `max_draft` tokens per request; the longest prefix equal to the recorded continuation is accepted, plus
-one bonus token. For a fixed drafter, exact-match acceptance on sampled rollouts equals rejection
-sampling's acceptance in expectation. A finished rollout enters history at once (as the indexer would).
+Each epoch's requests run concurrently as one batch, interleaved token by token in recorded order. A draft is
+verified by exact match against the recorded continuation: for a fixed drafter, exact-match acceptance on
+sampled rollouts equals rejection sampling's acceptance in expectation. A finished rollout enters history at
+once (as the indexer would), and its length is revealed to the budget policy.
 
-Tokens per step hides the long tail, so the replay also projects each epoch's makespan with the verifier
-cost model step = c_base + c_seq * active requests + c_tok * tokens verified; requests leave the batch as
-they finish. Defaults are the reference figures' constants (8 ms, 0.1 ms, 0.035 ms: a 7B model on one
-H100-class GPU at decode batch sizes).
+Tokens per step hides the long tail, so the replay projects each epoch's makespan with the verifier cost
+model step = c_base + c_seq * active requests + c_tok * tokens verified; requests leave the batch as they
+finish. The default constants are a 7B model on one H100-class GPU at decode batch sizes (8 ms, 0.1 ms,
+0.035 ms); two more models bracket it: memory-bound (c_tok 0.01 ms) and compute-bound (c_tok 0.1 ms, c_seq
+0.3 ms). Only `das` depends on the cost model (its budget fits it online from the simulated step times,
+starting from the same prior as in the engine), so every other strategy is simulated once and its steps
+costed under each model.
+
+Strategies:
+- none, ngram (vLLM's prompt lookup, n 2-4);
+- suffix-global: SuffixDecoding as vLLM ships it: one tree of all responses (in-flight ones too) and the
+  request's own context, raw count ratios, min_token_prob 0.1, max_spec_factor 1;
+- suffix-problem: the same rules on per-problem history trees with the request's own context;
+- das-unbudgeted: DAS's composed drafter (problem history, in-flight siblings, global tree) at K;
+- das: the same drafter with the budget policy of workers/budget.py, as the engine runs it;
+- oracle: perfect foresight on das's own drafts: each draft cut to the tokens that will be accepted.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ import gzip
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +42,10 @@ from history_store.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.budget import BudgetConfig, BudgetPolicy
 
-STRATEGIES = ("none", "ngram", "suffix-global", "das-problem", "das-unbudgeted", "das")
+STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgeted", "das", "oracle")
+# Strategies whose steps do not depend on the cost model.
+COST_FREE = tuple(s for s in STRATEGIES if s != "das")
+CALIBRATION_BINS = 10
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,16 @@ class CostModel:
 
     def step(self, active: int, verified: int) -> float:
         return self.c_base + self.c_seq * active + self.c_tok * verified
+
+
+def cost_models(default: CostModel) -> dict[str, CostModel]:
+    """The default model and the two that bracket it: memory-bound (verifying a token is nearly free) and
+    compute-bound (tokens and sequences cost more)."""
+    return {
+        "default": default,
+        "memory-bound": dataclasses.replace(default, c_tok=1e-5),
+        "compute-bound": dataclasses.replace(default, c_tok=1e-4, c_seq=3e-4),
+    }
 
 
 def load_traces(path: str | Path) -> list[TrajectoryRecord]:
@@ -85,33 +109,220 @@ def ngram_draft(ctx: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     return np.empty(0, ctx.dtype)
 
 
-class _Request:
-    __slots__ = ("key", "record", "response", "pos", "context", "ctx_len")
+@njit(cache=True)
+def _accepted_prefix(drafts, kept, responses, starts, positions, remaining, out):
+    """out[i] = how many of row i's first kept[i] draft tokens match its recorded continuation."""
+    for i in range(drafts.shape[0]):
+        n = min(kept[i], remaining[i])
+        a = 0
+        base = starts[i] + positions[i]
+        while a < n and drafts[i, a] == responses[base + a]:
+            a += 1
+        out[i] = a
 
-    def __init__(self, key: str, record: TrajectoryRecord) -> None:
-        self.key = key
-        self.record = record
-        self.response = np.asarray(record.response_ids, np.int32)
-        self.pos = 0
-        prompt = np.asarray(record.prompt_ids, np.int32)
-        self.context = np.empty(prompt.shape[0] + self.response.shape[0], np.int32)
-        self.context[: prompt.shape[0]] = prompt
-        self.ctx_len = prompt.shape[0]
+
+def _suffix_rules(config: DraftConfig) -> DraftConfig:
+    # SuffixDecoding's own rules: raw count ratios, probability floor 0.1, match-length factor 1.
+    return dataclasses.replace(
+        config, escape=0.0, min_token_prob=0.1, max_spec_factor=1.0, max_spec_offset=0.0
+    )
 
 
 def _index_for(strategy: str, config: DraftConfig, window: int) -> ProblemIndex | None:
     if strategy in ("none", "ngram"):
         return None
     if strategy == "suffix-global":
-        # SuffixDecoding as it is: one global tree of responses (active ones included), the request's own
-        # context, and its raw count ratios as probabilities.
-        config = dataclasses.replace(config, escape=0.0)
-        return ProblemIndex(window_epochs=1_000_000, config=config, use_history=False, live_scope="all")
-    if strategy == "das-problem":
-        return ProblemIndex(window_epochs=window, config=config, use_global=False)
-    if strategy in ("das", "das-unbudgeted"):
+        return ProblemIndex(
+            window_epochs=1_000_000, config=_suffix_rules(config), use_history=False, live_scope="all"
+        )
+    if strategy == "suffix-problem":
+        return ProblemIndex(
+            window_epochs=1_000_000, config=_suffix_rules(config), use_global=False, live_scope="request"
+        )
+    if strategy == "das-unbudgeted":
         return ProblemIndex(window_epochs=window, config=config)
+    if strategy in ("das", "oracle"):
+        # The budget (or foresight) decides where a draft ends, not the tree's raw probability floor: as in
+        # the engine (workers/proposer.py) with the budget on.
+        return ProblemIndex(window_epochs=window, config=dataclasses.replace(config, min_token_prob=0.0))
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
+@dataclass
+class _Calibration:
+    """Predicted path acceptance probability vs outcome, per probability bin: count, sum p, sum y, sum (p-y)^2."""
+
+    bins: np.ndarray = field(default_factory=lambda: np.zeros((CALIBRATION_BINS, 4)))
+
+    def add(self, predicted: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
+        pos = np.arange(predicted.shape[1])[None, :]
+        mask = pos < lengths[:, None]
+        p = predicted[mask]
+        y = (pos < accepted[:, None])[mask].astype(np.float64)
+        b = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
+        for column, values in enumerate((np.ones_like(p), p, y, (p - y) ** 2)):
+            self.bins[:, column] += np.bincount(b, values, minlength=CALIBRATION_BINS)
+
+    def report(self) -> dict | None:
+        count = self.bins[:, 0]
+        if not count.sum():
+            return None
+        table = [
+            {
+                "bin": [i / CALIBRATION_BINS, (i + 1) / CALIBRATION_BINS],
+                "tokens": int(count[i]),
+                "mean_predicted": round(float(self.bins[i, 1] / count[i]), 4),
+                "observed": round(float(self.bins[i, 2] / count[i]), 4),
+            }
+            for i in range(CALIBRATION_BINS)
+            if count[i]
+        ]
+        return {"brier": round(float(self.bins[:, 3].sum() / count.sum()), 5), "reliability": table}
+
+
+@dataclass
+class Simulation:
+    """What one strategy did: per epoch, the (active requests, verified tokens) of every step."""
+
+    strategy: str
+    epochs: list[int]
+    steps: list[np.ndarray]  # per epoch, (n_steps, 2) int64
+    tokens: list[int]  # per epoch
+    requests: list[int]  # per epoch
+    per_request: np.ndarray  # (n, 4): length, steps, drafted, accepted
+    tree_calibration: _Calibration
+    policy_calibration: _Calibration | None
+
+
+def simulate(
+    records: list[TrajectoryRecord],
+    strategy: str,
+    config: DraftConfig,
+    window: int = 3,
+    cost: CostModel | None = None,
+    ngram_range: tuple[int, int] = (2, 4),
+    progress: Callable[[str], None] | None = None,
+) -> Simulation:
+    """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online."""
+    cost = cost or CostModel()
+    index = _index_for(strategy, config, window)
+    k = config.max_spec_tokens
+    # The same policy the engine runs, with the engine's prior: it must learn the verifier from step times.
+    policy = BudgetPolicy(BudgetConfig(max_tokens=k)) if strategy == "das" else None
+    by_epoch: dict[int, list[TrajectoryRecord]] = defaultdict(list)
+    for r in records:
+        by_epoch[r.epoch].append(r)
+    sim = Simulation(
+        strategy,
+        [],
+        [],
+        [],
+        [],
+        np.zeros((0, 4), np.int64),
+        _Calibration(),
+        _Calibration() if policy else None,
+    )
+    per_request = []
+    for epoch in sorted(by_epoch):
+        batch = by_epoch[epoch]
+        n_req = len(batch)
+        keys = [f"{r.problem_id}/{r.epoch}/{r.sample}" for r in batch]
+        lengths = np.array([len(r.response_ids) for r in batch], np.int64)
+        starts = np.zeros(n_req + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        responses = np.fromiter((t for r in batch for t in r.response_ids), np.int32, int(starts[-1]))
+        prompts = [np.asarray(r.prompt_ids, np.int32) for r in batch]
+        if index is not None:
+            # The policy names requests by the index's slots, as in the engine.
+            slots = np.array(
+                [
+                    index.start_request(key, r.problem_id, p)
+                    for key, r, p in zip(keys, batch, prompts, strict=True)
+                ]
+            )
+            if policy is not None:
+                for slot, r in zip(slots, batch, strict=True):
+                    policy.start(int(slot), r.problem_id)
+        pos = np.zeros(n_req, np.int64)
+        stats = np.zeros((n_req, 3), np.int64)  # steps, drafted, accepted
+        active = np.nonzero(lengths > 0)[0]
+        step_log = []
+        while active.size:
+            n = active.size
+            remaining = lengths[active] - pos[active]
+            act_keys = [keys[i] for i in active]
+            # As in the engine, the first token comes from the prefill, before anything was drafted.
+            room = np.where(pos[active] > 0, k, 0)
+            if strategy in ("none", "ngram"):
+                drafts = np.zeros((n, k), np.int32)
+                kept = np.zeros(n, np.int64)
+                if strategy == "ngram":
+                    for row in np.nonzero(room)[0]:
+                        i = active[row]
+                        context = np.concatenate([prompts[i], responses[starts[i] : starts[i] + pos[i]]])
+                        draft = ngram_draft(context, ngram_range[0], ngram_range[1], k)
+                        drafts[row, : draft.shape[0]] = draft
+                        kept[row] = draft.shape[0]
+            else:
+                budgets = policy.budgets(slots[active], pos[active], room)[0] if policy is not None else room
+                result = index.draft_batch(act_keys, budgets)
+                drafts = result.tokens
+                kept = np.minimum(result.lengths, budgets).astype(np.int64)
+                if policy is not None:
+                    kept = policy.truncate(
+                        kept, result.probs, result.match_lens, result.sources, result.support
+                    )
+                    kept = kept.astype(np.int64)
+            accepted = np.zeros(n, np.int64)
+            _accepted_prefix(drafts, kept, responses, starts[active], pos[active], remaining, accepted)
+            if strategy == "oracle":
+                kept = accepted.copy()
+            if index is not None and strategy != "oracle":
+                sim.tree_calibration.add(result.probs.astype(np.float64), kept, accepted)
+            if policy is not None:
+                sim.policy_calibration.add(policy.last_predicted, kept, accepted)
+            advance = np.minimum(accepted + 1, remaining)
+            verified = int(kept.sum()) + n
+            step_log.append((n, verified))
+            stats[active, 0] += 1
+            stats[active, 1] += kept
+            stats[active, 2] += accepted
+            if index is not None:
+                index.append_batch(
+                    act_keys,
+                    [
+                        responses[starts[i] + pos[i] : starts[i] + pos[i] + a]
+                        for i, a in zip(active, advance, strict=True)
+                    ],
+                )
+            pos[active] += advance
+            if policy is not None:
+                policy.observe_acceptance(slots[active][kept > 0], accepted[kept > 0])
+                policy.observe_step(n, verified, cost.step(n, verified))
+            done = active[pos[active] >= lengths[active]]
+            for i in done:
+                r = batch[i]
+                if index is not None:
+                    index.finish_request(keys[i])
+                    index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
+                if policy is not None:
+                    policy.finish(int(slots[i]))
+                    policy.lengths.observe(r.problem_id, len(r.response_ids))
+            active = active[pos[active] < lengths[active]]
+        for i in np.nonzero(lengths == 0)[0]:
+            if index is not None:
+                index.finish_request(keys[i])
+            if policy is not None:
+                policy.finish(int(slots[i]))
+        per_request.append(np.column_stack([lengths, stats]))
+        sim.epochs.append(epoch)
+        sim.steps.append(np.array(step_log, np.int64).reshape(-1, 2))
+        sim.tokens.append(int(lengths.sum()))
+        sim.requests.append(n_req)
+        if progress:
+            progress(f"{strategy}: epoch {epoch} done")
+    sim.per_request = np.concatenate(per_request)
+    return sim
 
 
 def replay(
@@ -120,156 +331,100 @@ def replay(
     config: DraftConfig,
     window: int = 3,
     cost: CostModel | None = None,
-    ngram_range: tuple[int, int] = (2, 4),
-    progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """Replays the records with one strategy; returns its totals and breakdowns."""
+    """One strategy's summary under one cost model (`simulate`, then `summarize`)."""
     cost = cost or CostModel()
-    if strategy == "das":
-        # As in the engine (workers/proposer.py): with the budget on, the calibrated pay-off rule, not the
-        # tree's raw probability floor, decides where a draft ends.
-        config = dataclasses.replace(config, min_token_prob=0.0)
-    index = _index_for(strategy, config, window)
-    k = config.max_spec_tokens
-    # DAS proper: the same length-aware policy the engine runs, its cost model fed the simulated step times.
-    policy = (
-        BudgetPolicy(
-            BudgetConfig(
-                max_tokens=k, prior_c_base=cost.c_base, prior_c_seq=cost.c_seq, prior_c_tok=cost.c_tok
-            )
-        )
-        if strategy == "das"
-        else None
+    return summarize(simulate(records, strategy, config, window, cost), cost)
+
+
+def makespan(steps: np.ndarray, cost: CostModel) -> float:
+    """Projected seconds of one epoch's steps (active, verified) under `cost`."""
+    return float(
+        (cost.c_base + cost.c_seq * steps[:, 0] + cost.c_tok * steps[:, 1]).sum() if steps.size else 0.0
     )
-    by_epoch: dict[int, list[TrajectoryRecord]] = defaultdict(list)
-    for r in records:
-        by_epoch[r.epoch].append(r)
-    per_epoch = []
-    per_request: list[tuple[int, int, int, int]] = []  # (length, steps, drafted, accepted)
-    for epoch in sorted(by_epoch):
-        reqs = [_Request(f"{r.problem_id}/{r.epoch}/{r.sample}", r) for r in by_epoch[epoch]]
-        if index is not None:
-            for q in reqs:
-                index.start_request(q.key, q.record.problem_id, q.context[: q.ctx_len])
-        if policy is not None:
-            for q in reqs:
-                policy.start(q.key, q.record.problem_id)
-        steps = {q.key: [0, 0, 0] for q in reqs}  # steps, drafted, accepted
-        active = [q for q in reqs if q.response.shape[0] > 0]
-        makespan = 0.0
-        n_steps = 0
-        while active:
-            keys = [q.key for q in active]
-            pos = np.array([q.pos for q in active], np.int64)
-            # As in the engine, the first token comes from the prefill, before anything was drafted.
-            room = np.where(pos > 0, k, 0)
-            if policy is not None:
-                budgets, classes = policy.budgets(keys, pos, room)
-                drafts = index.draft_batch(keys, budgets)
-                kept = policy.truncate(drafts.lengths, drafts.probs, classes)
-                accepted_now = np.zeros(len(active), np.int32)
-            elif index is not None:
-                drafts = index.draft_batch(keys, room.astype(np.int32))
-                kept = np.minimum(drafts.lengths, room)
-            verified = 0
-            committed = []
-            for row, q in enumerate(active):
-                if strategy == "ngram" and q.pos > 0:
-                    draft = ngram_draft(q.context[: q.ctx_len], ngram_range[0], ngram_range[1], k)
-                elif index is not None:
-                    draft = drafts.tokens[row, : kept[row]]
-                else:
-                    draft = q.response[:0]
-                target = q.response[q.pos : q.pos + draft.shape[0]]
-                n = min(draft.shape[0], target.shape[0])
-                mismatch = np.nonzero(draft[:n] != target[:n])[0]
-                accepted = int(mismatch[0]) if mismatch.size else n
-                advance = min(accepted + 1, q.response.shape[0] - q.pos)
-                verified += draft.shape[0] + 1
-                new = q.response[q.pos : q.pos + advance]
-                q.context[q.ctx_len : q.ctx_len + advance] = new
-                q.ctx_len += advance
-                q.pos += advance
-                s = steps[q.key]
-                s[0] += 1
-                s[1] += draft.shape[0]
-                s[2] += accepted
-                if policy is not None:
-                    accepted_now[row] = accepted
-                committed.append(new)
-            if index is not None:
-                index.append_batch(keys, committed)
-            step_s = cost.step(len(active), verified)
-            makespan += step_s
-            if policy is not None:
-                policy.observe_acceptance(drafts.probs, kept, classes, accepted_now)
-                policy.observe_step(len(active), verified, step_s)
-            n_steps += 1
-            still = []
-            for q in active:
-                if q.pos < q.response.shape[0]:
-                    still.append(q)
-                elif index is not None:
-                    index.finish_request(q.key)
-                    if policy is not None:
-                        policy.finish(q.key, q.response.shape[0])
-                    r = q.record
-                    index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
-            active = still
-        for q in reqs:
-            if index is not None and q.response.shape[0] == 0:
-                index.finish_request(q.key)
-            per_request.append((q.response.shape[0], *steps[q.key]))
-        tokens = sum(q.response.shape[0] for q in reqs)
-        e_steps = sum(steps[q.key][0] for q in reqs)
-        per_epoch.append(
+
+
+def summarize(sim: Simulation, cost: CostModel) -> dict:
+    """Totals, per-epoch and per-length-quartile rows, wasted tokens and calibration of one simulation."""
+    arr = sim.per_request
+    tokens, steps, drafted, accepted = (int(x) for x in arr.sum(axis=0))
+    bounds = np.cumsum([0, *sim.requests])
+    per_epoch = [
+        {
+            "epoch": epoch,
+            "requests": n_req,
+            "tokens": n_tok,
+            "steps": int(s[:, 0].sum()),
+            "draft_tokens": int(arr[bounds[e] : bounds[e + 1], 2].sum()),
+            "accepted_tokens": int(arr[bounds[e] : bounds[e + 1], 3].sum()),
+            "batch_steps": int(s.shape[0]),
+            "mean_accepted_per_step": n_tok / max(int(s[:, 0].sum()), 1),
+            "projected_makespan_s": makespan(s, cost),
+        }
+        for e, (epoch, n_req, n_tok, s) in enumerate(
+            zip(sim.epochs, sim.requests, sim.tokens, sim.steps, strict=True)
+        )
+    ]
+    quartiles = []
+    order = np.argsort(arr[:, 0], kind="stable")
+    for i, part in enumerate(np.array_split(order, 4)):
+        sub = arr[part]
+        quartiles.append(
             {
-                "epoch": epoch,
-                "requests": len(reqs),
-                "tokens": tokens,
-                "steps": e_steps,
-                "draft_tokens": sum(steps[q.key][1] for q in reqs),
-                "accepted_tokens": sum(steps[q.key][2] for q in reqs),
-                "batch_steps": n_steps,
-                "mean_accepted_per_step": tokens / max(e_steps, 1),
-                "projected_makespan_s": makespan,
+                "quartile": i + 1,
+                "response_len_range": [int(sub[:, 0].min()), int(sub[:, 0].max())] if sub.size else [0, 0],
+                "mean_accepted_per_step": float(sub[:, 0].sum() / max(sub[:, 1].sum(), 1)),
+                "acceptance_rate": float(sub[:, 3].sum() / sub[:, 2].sum()) if sub[:, 2].sum() else None,
             }
         )
-        if progress:
-            progress(f"{strategy}: epoch {epoch} done")
-    return _summary(strategy, per_epoch, per_request)
-
-
-def _summary(strategy: str, per_epoch: list[dict], per_request: list[tuple[int, int, int, int]]) -> dict:
-    arr = np.array(per_request, np.int64).reshape(-1, 4)
-    tokens, steps, drafted, accepted = (int(x) for x in arr.sum(axis=0))
-    quartiles = []
-    if arr.shape[0]:
-        order = np.argsort(arr[:, 0], kind="stable")
-        for i, part in enumerate(np.array_split(order, 4)):
-            sub = arr[part]
-            quartiles.append(
-                {
-                    "quartile": i + 1,
-                    "response_len_range": [int(sub[:, 0].min()), int(sub[:, 0].max())]
-                    if sub.size
-                    else [0, 0],
-                    "mean_accepted_per_step": float(sub[:, 0].sum() / max(sub[:, 1].sum(), 1)),
-                    "acceptance_rate": float(sub[:, 3].sum() / sub[:, 2].sum()) if sub[:, 2].sum() else None,
-                }
-            )
-    return {
-        "strategy": strategy,
+    out = {
+        "strategy": sim.strategy,
         "tokens": tokens,
         "steps": steps,
         "mean_accepted_per_step": tokens / max(steps, 1),
         "acceptance_rate": accepted / drafted if drafted else None,
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
+        "wasted_verification_tokens": drafted - accepted,
         "projected_makespan_s": sum(e["projected_makespan_s"] for e in per_epoch),
         "per_epoch": per_epoch,
         "per_length_quartile": quartiles,
     }
+    calibration = {"tree_ratio": sim.tree_calibration.report()}
+    if sim.policy_calibration is not None:
+        calibration["budget_policy"] = sim.policy_calibration.report()
+    if any(calibration.values()):
+        out["calibration"] = calibration
+    return out
+
+
+def compare(results: dict[str, dict]) -> dict:
+    """das against none per epoch, and the share of the none -> oracle gap each strategy closes."""
+    out: dict = {}
+    none, oracle = results.get("none"), results.get("oracle")
+    if none and oracle:
+        gap = none["projected_makespan_s"] - oracle["projected_makespan_s"]
+        out["oracle_gap_closed"] = {
+            name: round((none["projected_makespan_s"] - r["projected_makespan_s"]) / gap, 4)
+            if gap > 0
+            else None
+            for name, r in results.items()
+            if name not in ("none", "oracle")
+        }
+    if none and "das" in results:
+        out["das_vs_none_per_epoch"] = [
+            {
+                "epoch": a["epoch"],
+                "none_s": round(a["projected_makespan_s"], 4),
+                "das_s": round(b["projected_makespan_s"], 4),
+                "change": round(b["projected_makespan_s"] / a["projected_makespan_s"] - 1, 4),
+            }
+            for a, b in zip(none["per_epoch"], results["das"]["per_epoch"], strict=True)
+        ]
+    contenders = {n: r["projected_makespan_s"] for n, r in results.items() if n != "oracle"}
+    if contenders:
+        out["best_non_oracle"] = min(contenders, key=contenders.get)
+    return out
 
 
 def run(
@@ -277,30 +432,66 @@ def run(
     strategies: Iterable[str] = STRATEGIES,
     config: DraftConfig | None = None,
     window: int = 3,
-    cost: CostModel | None = None,
+    costs: dict[str, CostModel] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """Replays a trace file with each strategy; the JSON `das bench replay` prints."""
+    """Replays a trace file with each strategy under each cost model; the JSON `das bench replay` prints."""
     config = config or DraftConfig()
-    cost = cost or CostModel()
+    costs = costs or cost_models(CostModel())
+    strategies = list(strategies)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
     records = load_traces(path)
-    results = {s: replay(records, s, config, window, cost) for s in strategies}
+    shared = {
+        s: simulate(records, s, config, window, progress=progress) for s in strategies if s in COST_FREE
+    }
+    by_cost = {}
+    for name, cost in costs.items():
+        results = {}
+        for s in strategies:
+            sim = shared.get(s) or simulate(records, s, config, window, cost, progress=progress)
+            results[s] = summarize(sim, cost)
+        by_cost[name] = {"coefficients": dataclasses.asdict(cost), "strategies": results, **compare(results)}
     return {
         "trace": str(path),
         "records": len(records),
-        "config": {**config.__dict__, "window_epochs": window},
-        "cost_model": cost.__dict__,
-        "strategies": results,
+        "config": {**dataclasses.asdict(config), "window_epochs": window},
+        "cost_models": by_cost,
     }
 
 
 def main_table(result: dict) -> str:
-    lines = [f"{'strategy':15s} {'tok/step':>9s} {'accept':>8s} {'makespan s':>11s}"]
-    for name, r in result["strategies"].items():
-        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+    """One table per cost model: tokens per step, acceptance, wasted tokens, makespan, oracle gap closed."""
+    lines = []
+    for name, block in result["cost_models"].items():
+        c = block["coefficients"]
         lines.append(
-            f"{name:15s} {r['mean_accepted_per_step']:9.3f} {acc:>8s} {r['projected_makespan_s']:11.2f}"
+            f"cost model {name}: c_base {c['c_base'] * 1e3:g} ms, c_seq {c['c_seq'] * 1e3:g} ms, "
+            f"c_tok {c['c_tok'] * 1e3:g} ms"
         )
-    return "\n".join(lines)
+        lines.append(
+            f"{'strategy':15s} {'tok/step':>9s} {'accept':>7s} {'wasted':>9s} {'makespan s':>11s} {'gap':>6s}"
+        )
+        gap = block.get("oracle_gap_closed", {})
+        for s, r in block["strategies"].items():
+            acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+            share = f"{gap[s]:.2f}" if gap.get(s) is not None else "-"
+            lines.append(
+                f"{s:15s} {r['mean_accepted_per_step']:9.3f} {acc:>7s} {r['wasted_verification_tokens']:9d} "
+                f"{r['projected_makespan_s']:11.2f} {share:>6s}"
+            )
+        if "das_vs_none_per_epoch" in block:
+            per_epoch = ", ".join(f"{e['change']:+.1%}" for e in block["das_vs_none_per_epoch"])
+            lines.append(f"das vs none per epoch: {per_epoch}")
+        calibration = block["strategies"].get("das", {}).get("calibration", {})
+        if calibration.get("budget_policy"):
+            lines.append(
+                f"das acceptance Brier: policy {calibration['budget_policy']['brier']:.4f}, "
+                f"tree ratio {calibration['tree_ratio']['brier']:.4f}"
+            )
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def dumps(result: dict) -> str:

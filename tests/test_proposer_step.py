@@ -1,0 +1,205 @@
+"""The proposer outside vLLM: it finds the runner whichever shape vLLM wraps it in, its step drafts from
+history and learns from verification, and it follows the node's replica (a real RocksDB secondary) the same
+way the history service's own reader does: quarantine drops one record, a reload drops what left the store,
+and the global tree keeps the writer's apply order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from _store_workload import Workload
+from rocksdict import Options, Rdict
+
+from history_store import layout
+from history_store.indexed import load_index
+from history_store.problem_index import ProblemIndex
+from history_store.store import HistoryStore
+from pipeline.schemas import TrajectoryRecord
+from workers.proposer import DasProposer
+
+K = 8
+MAX_LEN = 4096
+WORKLOAD = Workload(problems=3, epochs=2, samples=3, min_len=30, max_len=60)
+
+
+class StandInRunner:
+    """What the proposer reads of vLLM's model runner: the batch's request ids and the requests; vLLM calls
+    `propose` from a runner method, as `draft` does here."""
+
+    def __init__(self, drafter: object) -> None:
+        self.drafter = drafter
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.token_ids = np.zeros((4, MAX_LEN), np.int32)
+        self.num_tokens = np.zeros(4, np.int32)
+
+    def add(self, row: int, key: str, prompt: list[int], problem_id: str) -> None:
+        self.input_batch.req_ids.append(key)
+        self.requests[key] = SimpleNamespace(
+            num_prompt_tokens=len(prompt),
+            sampling_params=SimpleNamespace(extra_args={"das_problem_id": problem_id}, max_tokens=None),
+        )
+        self.token_ids[row, : len(prompt)] = prompt
+        self.num_tokens[row] = len(prompt)
+
+    def commit(self, row: int, tokens: list[int]) -> None:
+        n = int(self.num_tokens[row])
+        self.token_ids[row, n : n + len(tokens)] = tokens
+        self.num_tokens[row] = n + len(tokens)
+
+    def draft(self, sampled: list[list[int]]) -> list[list[int]]:
+        return self.drafter.propose(sampled, self.num_tokens, self.token_ids)
+
+
+class CustomClassProposer:
+    """The wrapper some vLLM versions put around a custom proposer."""
+
+    def __init__(self, user_proposer: DasProposer) -> None:
+        self.user_proposer = user_proposer
+
+    def propose(self, *args: object, **kwargs: object) -> list[list[int]]:
+        return self.user_proposer.propose(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "CustomClassProposer"])
+def test_the_runner_is_found_whether_or_not_vllm_wraps_the_proposer(wrapped: bool) -> None:
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    history = list(range(100, 160))
+    proposer.add_trajectories(
+        [{"problem_id": "p", "epoch": 0, "sample": 0, "prompt_ids": [1, 2, 3], "response_ids": history}]
+    )
+    runner = StandInRunner(CustomClassProposer(proposer) if wrapped else proposer)
+    runner.add(0, "r0", [1, 2, 3], "p")
+    runner.commit(0, history[:1])  # the prefill's sampled token
+    drafts = runner.draft([history[:1]])
+    assert proposer.runner is runner
+    assert drafts[0] and drafts[0] == history[1 : 1 + len(drafts[0])]
+    # Verification accepts the whole draft plus one token; the next step learns that acceptance.
+    accepted = drafts[0] + [history[1 + len(drafts[0])]]
+    runner.commit(0, accepted)
+    runner.draft([accepted])
+    stats = proposer.stats()
+    assert stats["accepted_tokens"] == len(drafts[0]) and stats["errors"] == 0
+
+
+def test_a_request_that_ends_by_itself_with_epoch_and_sample_enters_its_problem_history() -> None:
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    runner = StandInRunner(proposer)
+    response = list(range(500, 540))
+    runner.add(0, "r0", [7, 8, 9], "q")
+    runner.requests["r0"].sampling_params.extra_args.update(das_epoch=0, das_sample=1)
+    runner.requests["r0"].sampling_params.max_tokens = len(response)  # it ends by itself, at max_tokens
+    runner.commit(0, response)
+    runner.draft([response])
+    del runner.requests["r0"]  # vLLM drops a finished request from the runner
+    runner.input_batch.req_ids.clear()
+    runner.draft([])
+    stats = proposer.index.problem_stats("q")
+    assert stats["samples"] == 1 and stats["response_lengths"] == [len(response)]
+
+
+def _proposer_on(replica: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> DasProposer:
+    monkeypatch.setenv("DAS_HISTORY_DIR", str(replica))
+    monkeypatch.setenv("DAS_SECONDARY_DIR", str(tmp_path / "secondary"))
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    proposer.load_model()
+    return proposer
+
+
+def _alter_stored_bytes(path: Path, key: tuple[str, int, int]) -> None:
+    """Flips a token bit of one stored record behind the writer's back (the writer must be closed)."""
+    families = {name: Options(raw_mode=True) for name in layout.COLUMN_FAMILIES}
+    db = Rdict(str(path), Options(raw_mode=True), column_families=families)
+    family = db.get_column_family(layout.CF_TRAJECTORIES)
+    raw = bytearray(family[layout.trajectory_key(*key)])
+    raw[-5] ^= 0x10
+    family[layout.trajectory_key(*key)] = bytes(raw)
+    del family
+    db.close()
+
+
+def test_a_quarantined_record_leaves_the_proposer_alone_not_its_whole_epoch(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "replica"
+    with HistoryStore(path, window_epochs=3) as store:
+        store.apply(WORKLOAD.stream())
+    proposer = _proposer_on(path, tmp_path, monkeypatch)
+    assert proposer.index.problem_stats("problem-1")["samples"] == WORKLOAD.epochs * WORKLOAD.samples
+    bad = ("problem-1", 1, 0)
+    _alter_stored_bytes(path, bad)
+    with HistoryStore(path) as store:
+        assert store.get(*bad) is None  # the writer finds the damage and quarantines the record
+        proposer.catch_up()
+    stats = proposer.index.problem_stats("problem-1")
+    assert stats["epochs"] == [0, 1]
+    assert stats["samples"] == WORKLOAD.epochs * WORKLOAD.samples - 1
+
+
+def test_a_reload_after_the_change_log_was_trimmed_drops_what_left_the_store(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "replica"
+    with HistoryStore(path, window_epochs=3, sequence_retention=2) as store:
+        store.apply(WORKLOAD.stream())
+    proposer = _proposer_on(path, tmp_path, monkeypatch)
+    assert proposer.index.problem_stats("problem-0")["epochs"] == [0, 1]
+    # The window shrinks to one epoch (epoch 0 leaves the store), then enough writes trim the change log past
+    # what the proposer has read: it can only reload.
+    with HistoryStore(path, window_epochs=1, sequence_retention=2) as store:
+        store.apply([WORKLOAD.record(p, 1, 9) for p in range(WORKLOAD.problems)])
+        proposer.catch_up()
+        fresh = ProblemIndex(window_epochs=3)
+        load_index(store, fresh)
+    for p in range(WORKLOAD.problems):
+        problem_id = f"problem-{p}"
+        assert proposer.index.problem_stats(problem_id)["epochs"] == [1]
+        assert proposer.index.problem_stats(problem_id) == fresh.problem_stats(problem_id)
+    assert proposer.index.global_keys() == fresh.global_keys()
+
+
+def test_the_global_tree_follows_the_writers_apply_order_not_key_order(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "replica"
+
+    def record(problem_id: str, sample: int) -> TrajectoryRecord:
+        return TrajectoryRecord(
+            problem_id=problem_id, epoch=0, sample=sample, prompt_ids=[1], response_ids=[2, 3, sample]
+        )
+
+    first = [record("zeta", 1), record("alpha", 2), record("mid", 0)]
+    later = [record("beta", 5), record("alpha", 0)]
+    with HistoryStore(path, window_epochs=3) as store:
+        store.apply(first)
+        proposer = _proposer_on(path, tmp_path, monkeypatch)
+        store.apply(later)
+        proposer.catch_up()
+    applied = [(r.problem_id, r.epoch, r.sample) for r in first + later]
+    assert proposer.index.global_keys() == applied
+
+
+def test_metrics_of_a_step_are_tallied_once_per_step_and_match_per_row_observations() -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, cls: str) -> float:
+        return REGISTRY.get_sample_value(name, {"length_class": cls}) or 0.0
+
+    classes = ("short", "medium", "long")
+    before = {
+        c: (sample("das_speculation_budget_tokens_count", c), sample("das_speculation_budget_tokens_sum", c))
+        for c in classes
+    }
+    drafted_before = REGISTRY.get_sample_value("das_draft_tokens_total") or 0.0
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    history = list(range(200, 260))
+    proposer.add_trajectories(
+        [{"problem_id": "m", "epoch": 0, "sample": 0, "prompt_ids": [4, 5], "response_ids": history}]
+    )
+    runner = StandInRunner(proposer)
+    for row in range(3):
+        runner.add(row, f"m{row}", [4, 5], "m")
+        runner.commit(row, history[: row + 1])
+    drafts = runner.draft([history[:1]] * 3)
+    rows_counted = sum(sample("das_speculation_budget_tokens_count", c) - before[c][0] for c in classes)
+    tokens_counted = sum(sample("das_speculation_budget_tokens_sum", c) - before[c][1] for c in classes)
+    assert rows_counted == 3
+    assert tokens_counted == sum(map(len, drafts)) > 0
+    assert (REGISTRY.get_sample_value("das_draft_tokens_total") or 0.0) - drafted_before == tokens_counted

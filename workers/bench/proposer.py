@@ -1,0 +1,259 @@
+"""`das bench proposer`: the proposer's whole decode step outside vLLM, on real trees built from a trace.
+
+Workload: every epoch of the trace but the last goes into the history (as the replica would have it). The
+last epoch's rollouts are then decoded by `DasProposer.step` exactly as vLLM's runner would call it: a token
+matrix like `token_ids_cpu` (prompt, then output), request descriptions with `das_problem_id`/`das_epoch`/
+`das_sample` in `extra_args`, continuous batching at a fixed batch size (a finished request's row goes to the
+next one, cycling through the epoch's rollouts with fresh sample numbers). Each step a row commits the longest
+prefix of its draft that equals the recorded continuation, plus one token, as verification would. So every
+step registers and finishes requests, commits tokens, asks the budget, drafts, learns acceptance, counts
+metrics and adds finished rollouts to the history: the proposer's real work, minus the engine.
+
+Reported per request per step: the whole step, the native kernel alone (`_kernels.step_rows`, timed by
+wrapping it for the run), and the budget policy's Python (`budgets` + `truncate` + its observe calls).
+Times are the thread's CPU time (`time.thread_time`), which other processes on a loaded machine inflate far
+less than wall time (they still share caches); the whole step's wall time is reported beside it.
+Bytes allocated per step come from a separate tracemalloc pass (tracing slows the step).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from history_store import _kernels
+from workers.bench.replay import load_traces
+from workers.proposer import DasProposer
+
+BATCHES = (1, 64, 256)
+TARGET_US_PER_REQUEST = {1: 15.0, 64: 4.0, 256: 2.5}  # batch 1: the whole step, not per request
+
+
+class _Timed:
+    """Wraps `owner.name` so every call's wall time adds up in `seconds` (restored by `restore`)."""
+
+    def __init__(self, owner: Any, names: tuple[str, ...]) -> None:
+        self.owner = owner
+        self.saved = {name: getattr(owner, name) for name in names}
+        self.seconds = 0.0
+        for name, fn in self.saved.items():
+            setattr(owner, name, self._wrap(fn))
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        return timed
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.owner, name, fn)
+
+
+@dataclass
+class _Row:
+    key: str
+    prompt_len: int
+    response: np.ndarray
+    pos: int = 0  # response tokens committed
+
+
+class _Batch:
+    """The engine's side of the step: rows, the token matrix, request descriptions, verification."""
+
+    def __init__(self, records: list[Any], batch: int, max_len: int, first_epoch: int) -> None:
+        self.records = records
+        self.batch = batch
+        self.epoch = first_epoch
+        self.token_ids = np.zeros((batch, max_len), np.int32)
+        self.num_tokens = np.zeros(batch, np.int32)
+        self.rows: list[_Row | None] = [None] * batch
+        self.requests: dict[str, Any] = {}
+        self.next_record = 0
+        self.served = 0
+        self.committed = 0
+        for i in range(batch):
+            self._admit(i)
+
+    def _admit(self, i: int) -> None:
+        record = self.records[self.next_record % len(self.records)]
+        lap = self.next_record // len(self.records)
+        self.next_record += 1
+        key = f"req-{self.next_record}"
+        prompt = np.asarray(record.prompt_ids, np.int32)
+        response = np.asarray(record.response_ids, np.int32)
+        self.token_ids[i, : prompt.shape[0]] = prompt
+        # The prompt's prefill samples the first response token before the first draft, as in vLLM.
+        self.token_ids[i, prompt.shape[0]] = response[0]
+        self.num_tokens[i] = prompt.shape[0] + 1
+        self.rows[i] = _Row(key, prompt.shape[0], response, pos=1)
+        extra = {
+            "das_problem_id": record.problem_id,
+            "das_epoch": self.epoch + lap,
+            "das_sample": record.sample,
+        }
+        self.requests[key] = SimpleNamespace(
+            num_prompt_tokens=prompt.shape[0],
+            sampling_params=SimpleNamespace(extra_args=extra, max_tokens=response.shape[0]),
+        )
+
+    def req_ids(self) -> list[str]:
+        return [row.key for row in self.rows]  # type: ignore[union-attr]
+
+    def verify(self, drafts: list[list[int]]) -> None:
+        """Commits each row's accepted draft prefix plus one token; a finished row takes the next request."""
+        for i, draft in enumerate(drafts):
+            row = self.rows[i]
+            target = row.response[row.pos : row.pos + len(draft)]
+            n = min(len(draft), target.shape[0])
+            mismatch = np.flatnonzero(np.asarray(draft[:n], np.int32) != target[:n])
+            accepted = int(mismatch[0]) if mismatch.size else n
+            advance = min(accepted + 1, row.response.shape[0] - row.pos)
+            start = row.prompt_len + row.pos
+            self.token_ids[i, start : start + advance] = row.response[row.pos : row.pos + advance]
+            row.pos += advance
+            self.num_tokens[i] = row.prompt_len + row.pos
+            self.committed += advance
+            if row.pos >= row.response.shape[0]:
+                del self.requests[row.key]
+                self.served += 1
+                self._admit(i)
+
+
+def _build(records: list[Any], k: int, max_len: int) -> tuple[DasProposer, list[Any], int]:
+    last = max(r.epoch for r in records)
+    proposer = DasProposer.standalone(k, max_len)
+    proposer.add_trajectories([r for r in records if r.epoch < last])
+    live = [r for r in records if r.epoch == last and len(r.response_ids) > 0]
+    return proposer, live, last
+
+
+def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) -> dict:
+    max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + k + 2
+    proposer, live, last = _build(records, k, max_len)
+    engine = _Batch(live, batch, max_len, last)
+    for _ in range(warmup):
+        engine.verify(proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests))
+    proposer.reset_stats()
+    kernel = _Timed(_kernels, ("step_rows",))
+    policy = _Timed(
+        proposer.policy, ("budgets", "truncate", "observe_acceptance", "observe_step", "start", "finish")
+    )
+    committed0 = engine.committed
+    step_s = wall_s = 0.0
+    per_step = []
+    try:
+        for _ in range(steps):
+            req_ids = engine.req_ids()
+            start, wall = time.thread_time(), time.perf_counter()
+            drafts = proposer.step(req_ids, engine.num_tokens, engine.token_ids, engine.requests)
+            wall_s += time.perf_counter() - wall
+            per_step.append(time.thread_time() - start)
+            engine.verify(drafts)
+        step_s = sum(per_step)
+    finally:
+        kernel.restore()
+        policy.restore()
+    stats = proposer.stats()
+    if stats["errors"]:
+        raise RuntimeError(f"the proposer reported {stats['errors']} errors; see the log")
+    per = 1e6 / (steps * batch)
+    rows = steps * batch
+    result = {
+        "batch": batch,
+        "steps": steps,
+        "step_us_per_request": round(step_s * per, 3),
+        "native_us_per_request": round(kernel.seconds * per, 3),
+        "policy_us_per_request": round(policy.seconds * per, 3),
+        "other_python_us_per_request": round((step_s - kernel.seconds - policy.seconds) * per, 3),
+        "native_share": round(kernel.seconds / step_s, 3),
+        "step_us": round(1e6 * step_s / steps, 2),
+        # The median and 10th-percentile steps resist other processes' bursts on a shared machine better than
+        # the mean (the 10th percentile also skips the steps where requests finish: it flatters).
+        "step_median_us_per_request": round(1e6 * float(np.median(per_step)) / batch, 3),
+        "step_p10_us_per_request": round(1e6 * float(np.percentile(per_step, 10)) / batch, 3),
+        "step_wall_us_per_request": round(wall_s * per, 3),
+        "tokens_per_step": round((engine.committed - committed0) / rows, 3),
+        "accepted_tokens_per_draft": round(stats["accepted_tokens"] / max(stats["verified_drafts"], 1), 3),
+        "draft_tokens_per_row": round(stats["draft_tokens"] / rows, 3),
+        "requests_finished": engine.served,
+    }
+    result.update(_kernel_split(proposer, engine))
+    result.update(_allocations(proposer, engine, min(steps, 50)))
+    return result
+
+
+def _kernel_split(proposer: DasProposer, engine: _Batch, calls: int = 200, repeats: int = 7) -> dict:
+    """The batch's `ProblemIndex.step` with nothing new to commit, timed best-of-`repeats` (the least
+    disturbed run), once with every budget at 0 (matching only) and once with budget K (matching and
+    drafting): what drafting costs, apart from the rest of the step. Repeating is exact: with no new tokens
+    the matches stay where they are."""
+    index = proposer.index
+    # A step registers the rows that joined after the last verification (nothing is verified after it).
+    proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests)
+    slots = np.array([index.slot(key) for key in engine.req_ids()], np.int64)
+    end = index.committed(slots)
+    src, base = np.empty(0, np.int32), np.zeros_like(slots)
+    out = {}
+    for name, budget in (("match_only", 0), ("match_and_draft", proposer.k)):
+        budgets = np.full(slots.shape[0], budget, np.int64)
+        index.step(slots, src, base, end, budgets)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.thread_time()
+            for _ in range(calls):
+                index.step(slots, src, base, end, budgets)
+            best = min(best, time.thread_time() - start)
+        out[f"index_step_{name}_best_us_per_request"] = round(1e6 * best / (calls * slots.shape[0]), 3)
+    return out
+
+
+def _allocations(proposer: DasProposer, engine: _Batch, steps: int) -> dict:
+    """Python-heap bytes a step holds at its peak and still holds when it returns (its drafts included),
+    traced by tracemalloc; numba's allocations inside kernels are not traced."""
+    peaks, kept = [], []
+    tracemalloc.start()
+    try:
+        for _ in range(steps):
+            req_ids = engine.req_ids()
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            drafts = proposer.step(req_ids, engine.num_tokens, engine.token_ids, engine.requests)
+            current, peak = tracemalloc.get_traced_memory()
+            peaks.append(peak - before)
+            kept.append(current - before)  # the returned drafts included
+            engine.verify(drafts)
+    finally:
+        tracemalloc.stop()
+    return {
+        "allocated_bytes_per_step_peak": int(np.median(peaks)),
+        "allocated_bytes_per_step_kept": int(np.median(kept)),
+    }
+
+
+def run(trace: str | Path, k: int = 8, steps: int = 400, warmup: int = 50, batches=BATCHES) -> dict:
+    """The JSON `das bench proposer` prints."""
+    records = load_traces(trace)
+    load_before = os.getloadavg()
+    results = [_run_batch(records, b, k, steps, warmup) for b in batches]
+    return {
+        "trace": str(trace),
+        "k": k,
+        "budget": os.environ.get("DAS_BUDGET", "on"),
+        "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
+        "batches": results,
+        "targets_us_per_request": {str(b): t for b, t in TARGET_US_PER_REQUEST.items()},
+    }
