@@ -16,8 +16,10 @@ The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel firs
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
   meta    int64 [3]: states, edges and hash entries in use.
 Bookkeeping tables beside it (int64, one row each):
-  trees   [T, 6]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
-          and the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS.
+  trees   [T, 7]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
+          the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS, and T_STAMP (changes whenever its counts do).
+  cache   int64 [CACHE_ENTRIES, 4]: direct-mapped cache of high-degree states' best continuation (see
+          `_best_child`), 2 MiB per arena.
   seqs    [Q, 5]: where a sequence's tokens live in the token pool (Q_OFF, Q_LEN, Q_CAP), its end state
           (Q_LAST) and how many of its tokens the automaton has taken in (Q_EXT).
   slots   [S, 15]: a live request's sequence (R_SEQ) and live tree (R_LIVE), its candidate trees (R_CAND..,
@@ -38,8 +40,11 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)
 LEN, LINK, COUNT, EDGE = 0, 1, 2, 3
 TOK, TO, NEXT = 0, 1, 2
 H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
-ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
-TREE_FIELDS = 6
+ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS, T_STAMP = 0, 1, 2, 3, 4, 5, 6
+TREE_FIELDS = 7
+# The best-continuation cache (see `_best_child`): state, its tree's stamp, best edge, total count.
+C_STATE, C_STAMP, C_EDGE, C_TOTAL = 0, 1, 2, 3
+CACHE_ENTRIES = 1 << 16
 Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
 SEQ_FIELDS = 5
 N_CANDIDATES = 3
@@ -225,6 +230,7 @@ def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, q):
     )
     seqs[q, Q_LAST] = last
     seqs[q, Q_EXT] = stop - off
+    trees[tid, T_STAMP] += 1  # counts changed: cached best continuations of this tree are stale
     trees[tid, T_TOKENS] += stop - start
     trees[tid, T_STATES] += meta[0] - s0
     trees[tid, T_EDGES] += meta[1] - e0
@@ -287,7 +293,43 @@ def advance_match(states, edges, hashes, root, state, length, tokens, lo, hi, ma
 
 
 @njit(cache=True)
-def _draft_path(states, edges, state, cap, min_prob, escape, floor, out_tok, out_prob, out_sup):
+def _best_child(states, edges, cache, stamp, state):
+    """(edge, count) of a state's most frequent continuation (ties: the smaller token) and the total count of
+    its continuations; edge -1 when it has none.
+
+    Short child lists are scanned. A state with more than HASHED_DEGREE children (the short matches, with
+    hundreds of continuations) is looked up in a direct-mapped cache keyed by state and its tree's stamp,
+    which changes whenever the tree's counts do, so a hit is exact; a miss scans and fills the entry.
+    """
+    best_e = np.int64(-1)
+    best_c = -1
+    total = 0
+    seen = 0
+    slot = np.int64(-1)
+    e = np.int64(states[state, EDGE])
+    while e != -1:
+        if seen == HASHED_DEGREE:
+            slot = _slot(np.int64(state), cache.shape[0] - 1)
+            if cache[slot, C_STATE] == state and cache[slot, C_STAMP] == stamp:
+                hit = cache[slot, C_EDGE]
+                return hit, states[edges[hit, TO], COUNT], cache[slot, C_TOTAL]
+        c = states[edges[e, TO], COUNT]
+        total += c
+        if c > best_c or (c == best_c and edges[e, TOK] < edges[best_e, TOK]):
+            best_c = c
+            best_e = e
+        seen += 1
+        e = np.int64(edges[e, NEXT])
+    if slot >= 0:
+        cache[slot, C_STATE] = state
+        cache[slot, C_STAMP] = stamp
+        cache[slot, C_EDGE] = best_e
+        cache[slot, C_TOTAL] = total
+    return best_e, best_c, total
+
+
+@njit(cache=True)
+def _draft_path(states, edges, cache, stamp, state, cap, min_prob, escape, floor, out_tok, out_prob, out_sup):
     """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
     the smaller token id. out_sup gets each token's count (its support). Returns (tokens, score), or (0, 0.0)
@@ -296,19 +338,9 @@ def _draft_path(states, edges, state, cap, min_prob, escape, floor, out_tok, out
     score = 0.0
     n = 0
     while n < cap:
-        e = np.int64(states[state, EDGE])
-        if e == -1:
+        best_e, best_c, total = _best_child(states, edges, cache, stamp, state)
+        if best_e == -1:
             break
-        best_e = np.int64(-1)
-        best_c = -1
-        total = 0
-        while e != -1:
-            c = states[edges[e, TO], COUNT]
-            total += c
-            if c > best_c or (c == best_c and edges[e, TOK] < edges[best_e, TOK]):
-                best_c = c
-                best_e = e
-            e = np.int64(edges[e, NEXT])
         p = prob * best_c / (total + escape)
         if p < min_prob:
             break
@@ -328,6 +360,8 @@ def _draft_path(states, edges, state, cap, min_prob, escape, floor, out_tok, out
 def draft_best(
     states,
     edges,
+    cache,
+    stamp,
     root,
     state,
     length,
@@ -361,7 +395,7 @@ def draft_best(
             if cap <= best:  # a score never exceeds the draft length, and shorter matches cap lower
                 break
             n, score = _draft_path(
-                states, edges, state, cap, min_prob, escape, best, tmp_tok, tmp_prob, tmp_sup
+                states, edges, cache, stamp, state, cap, min_prob, escape, best, tmp_tok, tmp_prob, tmp_sup
             )
             if n > 0 and score > best:
                 out_tok[:n] = tmp_tok[:n]
@@ -408,6 +442,7 @@ def _draft_rows(
     states,
     edges,
     hashes,
+    cache,
     trees,
     seqs,
     pool,
@@ -471,6 +506,8 @@ def _draft_rows(
             n, used, score = draft_best(
                 states,
                 edges,
+                cache,
+                trees[tid, T_STAMP],
                 root,
                 st,
                 ln,
@@ -502,6 +539,7 @@ def step_rows(
     edges,
     hashes,
     meta,
+    cache,
     trees,
     seqs,
     pool,
@@ -545,6 +583,7 @@ def step_rows(
         states,
         edges,
         hashes,
+        cache,
         trees,
         seqs,
         pool,

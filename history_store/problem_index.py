@@ -485,6 +485,7 @@ class ProblemIndex:
                 f.edges,
                 f.hashes,
                 f.meta,
+                f.cache,
                 f.trees,
                 f.seqs,
                 f.pool,

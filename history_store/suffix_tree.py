@@ -128,6 +128,8 @@ class SuffixForest:
         self.edges = np.zeros((3 * n, 3), np.int32)
         self.hashes = np.full((_pow2(2 * n), 3), -1, np.int32)  # only high-degree states' edges are hashed
         self.meta = np.zeros(3, np.int64)
+        # Keyed by state ids, which a compaction reuses: a fresh arena starts with an empty cache.
+        self.cache = np.full((K.CACHE_ENTRIES, 4), -1, np.int64)
         self.garbage_states = 0
 
     @property
@@ -141,7 +143,7 @@ class SuffixForest:
     @property
     def memory_bytes(self) -> int:
         """Bytes the arena, its tables and the token pool have allocated."""
-        return sum(a.nbytes for a in (*self.arena, self.trees, self.seqs, self.pool))
+        return sum(a.nbytes for a in (*self.arena, self.cache, self.trees, self.seqs, self.pool))
 
     # ---- trees and sequences -------------------------------------------------------------------------
 
@@ -160,13 +162,15 @@ class SuffixForest:
     def _new_root(self, tid: int) -> None:
         self.grow(states=1, edges=0)
         root = K.new_state(self.states, self.meta, 0, -1, 0)
-        self.trees[tid, [K.ROOT, K.VERSION, K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS]] = (
+        version = self.next_version()
+        self.trees[tid, [K.ROOT, K.VERSION, K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS, K.T_STAMP]] = (
             root,
-            self.next_version(),
+            version,
             1,
             0,
             0,
             0,
+            version,
         )
 
     def free_tree(self, tid: int) -> None:
@@ -412,6 +416,8 @@ class SuffixTree:
         n, match_len, score = K.draft_best(
             f.states,
             f.edges,
+            f.cache,
+            int(f.trees[self.tid, K.T_STAMP]),
             root,
             state,
             length,

@@ -201,6 +201,8 @@ def _kernel_split(proposer: DasProposer, engine: _Batch, calls: int = 200, repea
     drafting): what drafting costs, apart from the rest of the step. Repeating is exact: with no new tokens
     the matches stay where they are."""
     index = proposer.index
+    # A step registers the rows that joined after the last verification (nothing is verified after it).
+    proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests)
     slots = np.array([index.slot(key) for key in engine.req_ids()], np.int64)
     end = index.committed(slots)
     src, base = np.empty(0, np.int32), np.zeros_like(slots)
