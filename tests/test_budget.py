@@ -178,12 +178,14 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_while_its_siblings_g
         policy.lengths.observe("p", length)
     slots = _start(policy, ["p"] * 8)
     probs = np.tile([0.6, 0.45, 0.35, 0.3], (8, 1))
+    # Request 0 is far ahead of its siblings, so it is not the tail: its tokens save only its own share.
+    outputs = [250] + [0] * 7
     for _ in range(40):
         policy.observe_step(8, 40, 0.05 + 0.001 * 8 + 0.001 * 40)
-        _step(policy, slots, [0] * 8, probs)
+        _step(policy, slots, outputs, probs)
         # Request 0 never gets a token accepted; the others get everything they draft.
         policy.observe_acceptance(np.array(slots), np.where(np.arange(8) == 0, 0, 4))
-    _, kept = _step(policy, slots, [0] * 8, probs)
+    _, kept = _step(policy, slots, outputs, probs)
     assert policy.last_predicted[0, 0] < 0.5 * policy.last_predicted[1, 0]
     assert kept[0] < kept[1]
 

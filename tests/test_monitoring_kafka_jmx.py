@@ -8,6 +8,7 @@ import json
 import os
 import re
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +47,16 @@ def jmx_ports() -> list[int]:
             "`bash scripts/kafka.sh down && bash scripts/kafka.sh up && source .kafka/env.sh` (make test does this)."
         )
     # The cluster's three brokers (the first target is the single broker).
-    return [int(target.rsplit(":", 1)[1]) for target in targets.split(",")[1:]]
+    ports = [int(target.rsplit(":", 1)[1]) for target in targets.split(",")[1:]]
+    for port in ports:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).close()
+        except OSError as exc:
+            pytest.fail(
+                f"no JMX exporter on 127.0.0.1:{port} ({exc}): the brokers run without the agent (started before "
+                "scripts/kafka.sh loaded it). Restart them: `bash scripts/kafka.sh down && bash scripts/kafka.sh up`."
+            )
+    return ports
 
 
 @pytest.fixture(scope="module")

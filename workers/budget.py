@@ -62,6 +62,8 @@ class BudgetConfig:
     cost_window: int = 256
     # Steps measured before the fit replaces the prior.
     min_fit_steps: int = 16
+    # Steps between refits (a fit costs tens of microseconds; the window moves slowly).
+    refit_every: int = 8
     # Ridge weight, relative to the data's scale; small: it only matters along directions the data leaves free.
     ridge: float = 1e-3
     # Acceptance model: per-step forgetting of its accumulated curvature (a few hundred steps of memory, so it
@@ -81,8 +83,10 @@ class BudgetConfig:
             raise ValueError("cost model priors must be >= 0")
         if self.lengths_per_problem < 1 or self.cost_window < 3:
             raise ValueError("lengths_per_problem >= 1 and cost_window >= 3 are required")
-        if self.min_fit_steps < 3 or self.ridge <= 0 or self.acceptance_ridge <= 0:
-            raise ValueError("min_fit_steps >= 3, ridge > 0 and acceptance_ridge > 0 are required")
+        if self.min_fit_steps < 3 or self.refit_every < 1 or self.ridge <= 0 or self.acceptance_ridge <= 0:
+            raise ValueError(
+                "min_fit_steps >= 3, refit_every >= 1, ridge > 0 and acceptance_ridge > 0 are required"
+            )
         for name in ("acceptance_forgetting", "request_decay", "problem_decay", "rate_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -105,7 +109,7 @@ class CostModel:
         return len(self._rows)
 
     def observe(self, active: int, tokens: int, seconds: float) -> None:
-        """Adds one measured step; refits every few steps (the fit costs ~50 us, a step tens of ms)."""
+        """Adds one measured step; refits every `refit_every` steps."""
         if active <= 0 or tokens < active or not np.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
         self._rows.append((1.0, float(active), float(tokens), float(seconds)))
@@ -114,7 +118,7 @@ class CostModel:
             # Too few steps to fit: the prior's split at the measured scale.
             self.coefficients = self._scaled_prior(np.asarray(self._rows))
             self._publish()
-        elif self._since_fit >= 4:
+        elif self._since_fit >= self._config.refit_every:
             self._fit()
 
     def _fit(self) -> None:
@@ -415,10 +419,13 @@ def _observe_kernel(
 class AcceptanceModel:
     """Online logistic regression of a draft token's acceptance given the previous token was accepted.
 
-    Fitted by one Newton step per verified batch on an exponentially forgetting log-likelihood (recursive
-    least squares for logistic regression), so it follows drift across epochs without a schedule. The
-    features and the per-batch gradient and curvature are computed by the policy's kernels.
+    Fitted by a Newton step per `MIN_TRIALS` verified tokens or more on an exponentially forgetting
+    log-likelihood (recursive least squares for logistic regression), so it follows drift across epochs
+    without a schedule. The policy's kernels add each verified batch's log-likelihood gradient and curvature
+    to `gradient` and `curvature`; a small batch (batch size 1) waits for more before the step's solve.
     """
+
+    MIN_TRIALS = 64
 
     def __init__(self, config: BudgetConfig) -> None:
         self._forgetting = config.acceptance_forgetting
@@ -428,19 +435,28 @@ class AcceptanceModel:
         self.weights = np.zeros(N_FEATURES)
         self.weights[:3], self.weights[3] = -0.5, 1.0
         self._curvature = np.zeros((N_FEATURES, N_FEATURES))
+        self.gradient = np.zeros(N_FEATURES)
+        self.curvature = np.zeros((N_FEATURES, N_FEATURES))
+        self._pending = 0
         # Observed acceptance by bin of the model's prediction (accepted, tried), forgotten like the fit.
         self.recalibration = np.zeros((20, 2))
         self.trials = 0
 
-    def update(self, gradient: np.ndarray, curvature: np.ndarray, trials: int) -> None:
-        """One Newton step with a verified batch's log-likelihood gradient and curvature."""
-        self._curvature = self._forgetting * self._curvature + curvature
-        self.recalibration *= self._forgetting
-        step = np.linalg.solve(self._curvature + self._ridge, gradient)
-        # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
-        # predictions is small): move at most one logit unit per feature per batch; more data keeps coming.
-        self.weights = self.weights + step / max(1.0, float(np.abs(step).max()))
+    def added(self, trials: int) -> None:
+        """`trials` more verified tokens are in `gradient` and `curvature`: a Newton step once enough are."""
         self.trials += trials
+        self._pending += trials
+        if self._pending < self.MIN_TRIALS:
+            return
+        self._curvature = self._forgetting * self._curvature + self.curvature
+        self.recalibration *= self._forgetting
+        step = np.linalg.solve(self._curvature + self._ridge, self.gradient)
+        # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
+        # predictions is small): move at most one logit unit per feature per step; more data keeps coming.
+        self.weights = self.weights + step / max(1.0, float(np.abs(step).max()))
+        self.gradient[:] = 0.0
+        self.curvature[:] = 0.0
+        self._pending = 0
 
 
 # ---------------------------------------------------------------------------------------------- the policy
@@ -722,8 +738,6 @@ class BudgetPolicy:
         Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance model, the
         requests' and their problems' recent outcomes, and the requests' drafted / accepted tokens per step."""
         self._step += 1
-        gradient = np.zeros(N_FEATURES)
-        curvature = np.zeros((N_FEATURES, N_FEATURES))
         trials = _observe_kernel(
             np.asarray(slots, np.int64),
             np.asarray(accepted, np.int64),
@@ -741,11 +755,11 @@ class BudgetPolicy:
             self._drafted_rate,
             self._accepted_rate,
             self.config.rate_decay,
-            gradient,
-            curvature,
+            self.acceptance.gradient,
+            self.acceptance.curvature,
         )
         if trials:
-            self.acceptance.update(gradient, curvature, trials)
+            self.acceptance.added(trials)
 
     def observe_step(self, active: int, tokens: int, seconds: float) -> None:
         """Feeds one measured verification step into the cost model."""

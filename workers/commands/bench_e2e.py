@@ -12,6 +12,8 @@ import json
 import sys
 from typing import Any
 
+from workers.cli_types import NON_NEGATIVE, POSITIVE
+
 STRATEGIES = ("none", "ngram", "das")
 
 
@@ -122,12 +124,12 @@ def register(cli) -> None:
         run=_bench,
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--max-tokens", type=int, default=256, help="response length cap per request")
-    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens for ngram and das")
+    parser.add_argument("--max-tokens", type=POSITIVE, default=256, help="response length cap per request")
+    parser.add_argument("--k", type=POSITIVE, default=8, help="num_speculative_tokens for ngram and das")
     parser.add_argument(
-        "--batch1-problems", type=int, default=2, help="problems run one at a time at batch 1"
+        "--batch1-problems", type=NON_NEGATIVE, default=2, help="problems run one at a time at batch 1"
     )
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=POSITIVE, default=1024)
     parser.add_argument(
         "--budget", default="on", choices=["on", "off"], help="DAS length-aware budget policy"
     )

@@ -12,30 +12,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from workers.cli_types import NON_NEGATIVE, POSITIVE, number
+
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="das", choices=["none", "ngram", "das"], help="drafting method")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs over the problem set")
-    parser.add_argument("--samples", type=int, default=4, help="samples per problem per epoch (RL's n)")
+    parser.add_argument("--epochs", type=POSITIVE, default=2, help="epochs over the problem set")
+    parser.add_argument("--samples", type=POSITIVE, default=4, help="samples per problem per epoch (RL's n)")
     parser.add_argument("--problems", type=Path, help="JSON Lines of {problem_id, prompt | prompt_ids}")
     parser.add_argument(
-        "--num-problems", type=int, default=4, help="built-in problems used without --problems"
+        "--num-problems", type=POSITIVE, default=4, help="built-in problems used without --problems"
     )
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL: 1.0)")
+    parser.add_argument("--temperature", type=number(0), default=1.0, help="sampling temperature (RL: 1.0)")
     parser.add_argument(
         "--temperatures",
         type=_temperature_schedule,
         help="one temperature per epoch, comma-separated (e.g. 1.0,0.85,0.7,0.55: a policy that sharpens "
         "during RL); replaces --temperature",
     )
-    parser.add_argument("--seed", type=int, default=0, help="engine-wide sampling seed")
-    parser.add_argument("--max-tokens", type=int, default=256, help="response length cap")
-    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="engine batch size")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=0, help="engine-wide sampling seed")
+    parser.add_argument("--max-tokens", type=POSITIVE, default=256, help="response length cap")
+    parser.add_argument("--k", type=POSITIVE, default=8, help="num_speculative_tokens")
+    parser.add_argument("--max-num-seqs", type=POSITIVE, default=16, help="engine batch size")
+    parser.add_argument("--max-model-len", type=POSITIVE, default=2048)
     parser.add_argument(
         "--kv-cache-mib",
-        type=int,
+        type=POSITIVE,
         default=512,
         help="KV cache size (SmolLM2 float32: 45 KiB per token; size it for max-num-seqs full requests)",
     )
