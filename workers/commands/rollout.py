@@ -18,10 +18,18 @@ from workers.cli_types import NON_NEGATIVE, POSITIVE, number
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="das", choices=["none", "ngram", "das"], help="drafting method")
     parser.add_argument("--epochs", type=POSITIVE, default=2, help="epochs over the problem set")
+    parser.add_argument(
+        "--first-epoch",
+        type=NON_NEGATIVE,
+        default=0,
+        help="number of the first epoch (continue a run: its history epochs keep their numbers)",
+    )
     parser.add_argument("--samples", type=POSITIVE, default=4, help="samples per problem per epoch (RL's n)")
     parser.add_argument("--problems", type=Path, help="JSON Lines of {problem_id, prompt | prompt_ids}")
     parser.add_argument(
-        "--num-problems", type=POSITIVE, default=4, help="built-in problems used without --problems"
+        "--num-problems",
+        type=POSITIVE,
+        help="use the first N problems (default: all of --problems, or 4 built-in ones without it)",
     )
     parser.add_argument("--temperature", type=number(0), default=1.0, help="sampling temperature (RL: 1.0)")
     parser.add_argument(
@@ -75,11 +83,13 @@ def _temperature_schedule(raw: str) -> tuple[float, ...]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("epochs", "samples", "num_problems", "max_tokens", "k", "max_num_seqs", "kv_cache_mib"):
+    for name in ("epochs", "samples", "max_tokens", "k", "max_num_seqs", "kv_cache_mib"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0:
-        raise ValueError("--temperature must be >= 0")
+    if args.temperature < 0 or args.first_epoch < 0:
+        raise ValueError("--temperature and --first-epoch must be >= 0")
+    if args.num_problems is not None and args.num_problems < 1:
+        raise ValueError("--num-problems must be >= 1")
     # Before the engine is built: a missing file must not cost a model load (and a restart loop of them).
     if args.problems is not None and not args.problems.is_file():
         raise ValueError(f"--problems {args.problems}: no such file")
@@ -87,9 +97,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperatures gives {len(args.temperatures)} values for {args.epochs} epochs")
 
 
-def epoch_temperature(args: argparse.Namespace, epoch: int) -> float:
-    """The sampling temperature of `epoch`: its entry of --temperatures, else --temperature."""
-    return args.temperatures[epoch] if args.temperatures is not None else args.temperature
+def epoch_temperature(args: argparse.Namespace, index: int) -> float:
+    """The sampling temperature of this run's `index`-th epoch: its entry of --temperatures, else --temperature."""
+    return args.temperatures[index] if args.temperatures is not None else args.temperature
 
 
 def _loop(args: argparse.Namespace, sink: Callable[[Any], None] | None) -> list[dict[str, Any]]:
@@ -122,9 +132,9 @@ def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | No
 
     tokenizer = llm.get_tokenizer()
     problems = (
-        load_problems(args.problems, tokenizer)
+        load_problems(args.problems, tokenizer)[: args.num_problems]
         if args.problems
-        else builtin_problems(tokenizer, args.num_problems)
+        else builtin_problems(tokenizer, args.num_problems or 4)
     )
     index, count = args.shard
     problems = problems[index::count]
@@ -132,9 +142,9 @@ def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | No
         raise ValueError(f"--shard {index}/{count} selects no problem")
     worker = RolloutWorker(llm, args.strategy, sink=sink)
     reports = []
-    for epoch in range(args.epochs):
-        sampling = {"temperature": epoch_temperature(args, epoch), "max_tokens": args.max_tokens}
-        report, _ = worker.run_epoch(problems, epoch, args.samples, sampling)
+    for nth in range(args.epochs):
+        sampling = {"temperature": epoch_temperature(args, nth), "max_tokens": args.max_tokens}
+        report, _ = worker.run_epoch(problems, args.first_epoch + nth, args.samples, sampling)
         line = {**report.to_json(), "temperature": sampling["temperature"]}
         proposer = line.pop("proposer")
         if proposer is not None:
@@ -143,7 +153,7 @@ def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | No
         reports.append(line)
         if not args.json:
             print(
-                f"epoch {epoch}: {line['requests']} requests, {line['wall_s']:.1f} s, {line['tokens_per_s']:.1f} tok/s, "
+                f"epoch {report.epoch}: {line['requests']} requests, {line['wall_s']:.1f} s, {line['tokens_per_s']:.1f} tok/s, "
                 f"acceptance {line['acceptance_rate']:.2f}, {line['mean_accepted_per_step']:.2f} accepted/step, "
                 f"latency p50 {line['latency_p50_s']:.2f} s p99 {line['latency_p99_s']:.2f} s "
                 f"max {line['latency_max_s']:.2f} s",
@@ -200,7 +210,8 @@ def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> d
         name: getattr(args, name)
         for name in ("k", "max_num_seqs", "max_tokens", "max_model_len", "budget", "seed", "samples")
     }
-    settings["temperatures"] = [epoch_temperature(args, epoch) for epoch in range(args.epochs)]
+    settings["first_epoch"] = args.first_epoch
+    settings["temperatures"] = [epoch_temperature(args, index) for index in range(args.epochs)]
     return {"strategy": args.strategy, "out": str(args.out), "settings": settings, "epochs": reports}
 
 
