@@ -2,15 +2,16 @@
 
 A step costs c_base + c_seq x active + c_tok x verified tokens (`CostModel`, fitted online from measured
 steps). An epoch's makespan is then c_base x (steps of its last request) plus each request's own share,
-c_seq + c_tok x (1 + drafted), for every step it runs. So one more accepted token of request i saves
+c_seq + c_tok, for every step it runs, plus c_tok for every draft token verified. A request needs one step
+fewer for each accepted draft token, so that token saves
 
-    value_i = (w_i x c_base + c_seq + c_tok x (1 + L_i)) / (1 + A_i)    seconds,
+    value_i = w_i x c_base + c_seq + c_tok    seconds,
 
 where w_i is the probability that i is the last request of the batch to finish (`critical_weights`: from its
-problem's recent lengths, conditioned on what it has already produced, against every other live request),
-L_i and A_i its recent drafted and accepted tokens per step (one accepted token saves 1 / (1 + A_i) of its
-steps). A tail request's tokens save whole steps of the epoch; a request that finishes long before the tail
-saves only its own share. Draft token j is kept while
+problem's recent lengths, conditioned on what it has already produced and on its recent tokens per step,
+against every other live request). A tail request's tokens save whole steps of the epoch; a request that
+finishes long before the tail saves only its own share (on a verifier where c_seq is small next to c_tok, as
+on the CPU, nothing at all). Draft token j is kept while
 
     P(tokens 1..j accepted) x value_i >= c_tok,
 
@@ -73,7 +74,7 @@ class BudgetConfig:
     # Recent acceptance of a request decays by this factor per verified draft, of a problem per step.
     request_decay: float = 0.7
     problem_decay: float = 0.98
-    # Decay of a request's running drafted / accepted tokens per step.
+    # Decay of a request's running accepted tokens per step (its speed, for the tail probability).
     rate_decay: float = 0.8
 
     def __post_init__(self) -> None:
@@ -303,7 +304,6 @@ def _truncate_kernel(
     c_tok,
     features,
     kept_store,
-    drafted_rate,
     accepted_rate,
     rate_decay,
     predicted,
@@ -311,7 +311,7 @@ def _truncate_kernel(
 ):
     """Per row: each draft token's path acceptance probability (predicted[i, j]) and the kept prefix, the
     tokens whose probability times the row's value pays for their verification (c_tok). Stores each slot's
-    features and kept length for learning, and decays the rates of rows that draft nothing."""
+    features and kept length for learning, and decays the speed of rows that draft nothing."""
     n, k = probs.shape
     f = weights.shape[0]
     for i in range(n):
@@ -340,7 +340,6 @@ def _truncate_kernel(
         kept[i] = keep
         kept_store[s] = keep
         if keep == 0:
-            drafted_rate[s] *= rate_decay
             accepted_rate[s] *= rate_decay
 
 
@@ -359,7 +358,6 @@ def _observe_kernel(
     step,
     request_decay,
     problem_decay,
-    drafted_rate,
     accepted_rate,
     rate_decay,
     gradient,
@@ -368,7 +366,7 @@ def _observe_kernel(
     """Learns from verified drafts: slots[i] had its first accepted[i] kept tokens accepted. Token j is a trial
     of its conditional acceptance when tokens 0..j-1 were accepted (j <= accepted), a success when it was
     accepted too. Adds the log-likelihood gradient and curvature, and updates the slot's and its problem's
-    (accepted, predicted, tried) sums and the slot's drafted / accepted rates. Returns the trials."""
+    (accepted, predicted, tried) sums and the slot's accepted tokens per step. Returns the trials."""
     f = weights.shape[0]
     trials = 0
     outcome = np.zeros(3)
@@ -378,7 +376,6 @@ def _observe_kernel(
         if length == 0:
             continue  # nothing drafted, or the answer came after the slot was reused
         a = min(accepted[i], length)
-        drafted_rate[s] = rate_decay * drafted_rate[s] + (1.0 - rate_decay) * length
         accepted_rate[s] = rate_decay * accepted_rate[s] + (1.0 - rate_decay) * a
         outcome[:] = 0.0
         for j in range(min(length, a + 1)):
@@ -590,11 +587,10 @@ class BudgetPolicy:
         self._problem_outcomes = np.zeros((1, 3))
         self._problem_stamp = np.zeros(1, np.int64)  # the observe step that last decayed the row
         self._step = 0
-        # Per slot: problem row, recent outcomes, drafted / accepted tokens per step, promotion, and the
+        # Per slot: problem row, recent outcomes, accepted tokens per step, promotion, and the
         # features and kept length of its last draft (learned from when the verifier answers).
         self._slot_problem = np.zeros(0, np.int64)
         self._request_outcomes = np.zeros((0, 3))
-        self._drafted_rate = np.zeros(0)
         self._accepted_rate = np.zeros(0)
         self._outlived = np.zeros(0, bool)
         self._features = np.zeros((0, k, N_FEATURES))
@@ -615,7 +611,6 @@ class BudgetPolicy:
             for name in (
                 "_slot_problem",
                 "_request_outcomes",
-                "_drafted_rate",
                 "_accepted_rate",
                 "_outlived",
                 "_features",
@@ -632,7 +627,7 @@ class BudgetPolicy:
             self._problem_outcomes = np.concatenate([self._problem_outcomes, np.zeros((grow, 3))])
             self._problem_stamp = np.concatenate([self._problem_stamp, np.full(grow, self._step, np.int64)])
         self._request_outcomes[slot] = 0.0
-        self._drafted_rate[slot] = self._accepted_rate[slot] = 0.0
+        self._accepted_rate[slot] = 0.0
         self._outlived[slot] = False
         self._kept[slot] = 0
 
@@ -675,9 +670,9 @@ class BudgetPolicy:
         if outlived.any():
             self._outlived[slots[outlived]] = True
             CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG]).inc(int(outlived.sum()))
-        tail = weights * c_base
-        own = c_seq + c_tok * (1.0 + self._drafted_rate[slots])
-        self._value = (tail + own) / (1.0 + self._accepted_rate[slots])
+        # One accepted token is one step fewer for its request: its own share of that step always, and the
+        # whole step when the request is the batch's last.
+        self._value = weights * c_base + c_seq + c_tok
         self._slots = slots
         pays = self._value >= c_tok
         # For dashboards: long = likelier than average to be the batch's last.
@@ -725,7 +720,6 @@ class BudgetPolicy:
             float(self.cost.coefficients[2]),
             self._features,
             self._kept,
-            self._drafted_rate,
             self._accepted_rate,
             self.config.rate_decay,
             self.last_predicted,
@@ -736,7 +730,7 @@ class BudgetPolicy:
     def observe_acceptance(self, slots: np.ndarray, accepted: np.ndarray) -> None:
         """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed.
         Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance model, the
-        requests' and their problems' recent outcomes, and the requests' drafted / accepted tokens per step."""
+        requests' and their problems' recent outcomes, and the requests' accepted tokens per step."""
         self._step += 1
         trials = _observe_kernel(
             np.asarray(slots, np.int64),
@@ -752,7 +746,6 @@ class BudgetPolicy:
             self._step,
             self.config.request_decay,
             self.config.problem_decay,
-            self._drafted_rate,
             self._accepted_rate,
             self.config.rate_decay,
             self.acceptance.gradient,
