@@ -11,20 +11,22 @@ The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel firs
           = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
           degree in its tree), EDGE (head of the state's outgoing-edge list)
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
-  hashes  int64 [n, 2]: key (state << 32 | token, -1 empty), edge id. Only states with more than
+  hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
   meta    int64 [3]: states, edges and hash entries in use.
 Bookkeeping tables beside it (int64, one row each):
-  trees   [T, 6]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
-          and the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS.
+  trees   [T, 7]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
+          the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS, and T_STAMP (changes whenever its counts do).
+  cache   int64 [CACHE_ENTRIES, 4]: direct-mapped cache of high-degree states' best continuation (see
+          `_best_child`), 2 MiB per arena.
   seqs    [Q, 5]: where a sequence's tokens live in the token pool (Q_OFF, Q_LEN, Q_CAP), its end state
           (Q_LAST) and how many of its tokens the automaton has taken in (Q_EXT).
   slots   [S, 15]: a live request's sequence (R_SEQ) and live tree (R_LIVE), its candidate trees (R_CAND..,
           -1 for none), how far its match states have read its sequence (R_MATCHED), and per candidate the
           match state, length and the tree version it was matched against.
-Packing fields into 2-D tables keeps a kernel call to a few arguments: unboxing costs about 0.15 us per
-array argument (and more per member of a tuple), which is most of a batch-1 step.
+Packing fields into 2-D tables keeps a kernel call to a few arguments: numba unboxes every array argument
+on every call (a tuple's members cost more than plain arguments), and at batch 1 that is most of a call.
 """
 
 from __future__ import annotations
@@ -32,24 +34,23 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-EMPTY = np.int64(-1)
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
 LEN, LINK, COUNT, EDGE = 0, 1, 2, 3
 TOK, TO, NEXT = 0, 1, 2
-ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
-TREE_FIELDS = 6
+H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
+ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS, T_STAMP = 0, 1, 2, 3, 4, 5, 6
+TREE_FIELDS = 7
+# The best-continuation cache (see `_best_child`): state, its tree's stamp, best edge, total count.
+C_STATE, C_STAMP, C_EDGE, C_TOTAL = 0, 1, 2, 3
+CACHE_ENTRIES = 1 << 16
 Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
 SEQ_FIELDS = 5
 N_CANDIDATES = 3
 R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
 R_STATE, R_MLEN, R_MVER = 6, 9, 12
 SLOT_FIELDS = 15
-# A batch row: its request slot, where its tokens start in `src` (token j of the request is src[base + j]),
-# how many tokens the request has after this step, and its draft budget.
-W_SLOT, W_BASE, W_END, W_BUDGET = 0, 1, 2, 3
-ROW_FIELDS = 4
 # Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft).
 I_LEN, I_MATCH, I_SOURCE = 0, 1, 2
 INFO_FIELDS = 3
@@ -76,26 +77,26 @@ def find_edge(states, edges, hashes, state, tok):
         e = np.int64(edges[e, NEXT])
     if e == -1:
         return np.int64(-1)
-    key = (np.int64(state) << 32) | np.int64(tok)
     mask = hashes.shape[0] - 1
-    i = _slot(key, mask)
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
     while True:
-        k = hashes[i, 0]
-        if k == key:
-            return hashes[i, 1]
-        if k == EMPTY:
+        k = hashes[i, H_STATE]
+        if k == state and hashes[i, H_TOKEN] == tok:
+            return np.int64(hashes[i, H_EDGE])
+        if k == -1:
             return np.int64(-1)
         i = (i + 1) & mask
 
 
 @njit(cache=True)
-def _hash_put(hashes, key, edge):
+def _hash_put(hashes, state, tok, edge):
     mask = hashes.shape[0] - 1
-    i = _slot(key, mask)
-    while hashes[i, 0] != EMPTY:
+    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
+    while hashes[i, H_STATE] != -1:
         i = (i + 1) & mask
-    hashes[i, 0] = key
-    hashes[i, 1] = edge
+    hashes[i, H_STATE] = state
+    hashes[i, H_TOKEN] = tok
+    hashes[i, H_EDGE] = edge
 
 
 @njit(cache=True)
@@ -127,11 +128,11 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
     if degree == HASHED_DEGREE + 1:  # just crossed the threshold: hash every edge of the state
         x = np.int64(e)
         while x != -1:
-            _hash_put(hashes, (np.int64(state) << 32) | np.int64(edges[x, TOK]), x)
+            _hash_put(hashes, state, edges[x, TOK], x)
             meta[2] += 1
             x = np.int64(edges[x, NEXT])
     elif degree > HASHED_DEGREE + 1:
-        _hash_put(hashes, (np.int64(state) << 32) | np.int64(tok), e)
+        _hash_put(hashes, state, tok, e)
         meta[2] += 1
 
 
@@ -229,6 +230,7 @@ def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, q):
     )
     seqs[q, Q_LAST] = last
     seqs[q, Q_EXT] = stop - off
+    trees[tid, T_STAMP] += 1  # counts changed: cached best continuations of this tree are stale
     trees[tid, T_TOKENS] += stop - start
     trees[tid, T_STATES] += meta[0] - s0
     trees[tid, T_EDGES] += meta[1] - e0
@@ -250,7 +252,7 @@ def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, tid, qs, i):
 @njit(cache=True)
 def rehash(hashes_new, states, edges, n_states):
     """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
-    hashes_new[:, 0] = EMPTY
+    hashes_new[:, H_STATE] = -1
     for s in range(n_states):
         degree = 0
         e = np.int64(states[s, EDGE])
@@ -261,7 +263,7 @@ def rehash(hashes_new, states, edges, n_states):
             continue
         e = np.int64(states[s, EDGE])
         while e != -1:
-            _hash_put(hashes_new, (np.int64(s) << 32) | np.int64(edges[e, TOK]), e)
+            _hash_put(hashes_new, s, edges[e, TOK], e)
             e = np.int64(edges[e, NEXT])
 
 
@@ -291,7 +293,43 @@ def advance_match(states, edges, hashes, root, state, length, tokens, lo, hi, ma
 
 
 @njit(cache=True)
-def _draft_path(states, edges, state, cap, min_prob, escape, floor, out_tok, out_prob, out_sup):
+def _best_child(states, edges, cache, stamp, state):
+    """(edge, count) of a state's most frequent continuation (ties: the smaller token) and the total count of
+    its continuations; edge -1 when it has none.
+
+    Short child lists are scanned. A state with more than HASHED_DEGREE children (the short matches, with
+    hundreds of continuations) is looked up in a direct-mapped cache keyed by state and its tree's stamp,
+    which changes whenever the tree's counts do, so a hit is exact; a miss scans and fills the entry.
+    """
+    best_e = np.int64(-1)
+    best_c = -1
+    total = 0
+    seen = 0
+    slot = np.int64(-1)
+    e = np.int64(states[state, EDGE])
+    while e != -1:
+        if seen == HASHED_DEGREE:
+            slot = _slot(np.int64(state), cache.shape[0] - 1)
+            if cache[slot, C_STATE] == state and cache[slot, C_STAMP] == stamp:
+                hit = cache[slot, C_EDGE]
+                return hit, states[edges[hit, TO], COUNT], cache[slot, C_TOTAL]
+        c = states[edges[e, TO], COUNT]
+        total += c
+        if c > best_c or (c == best_c and edges[e, TOK] < edges[best_e, TOK]):
+            best_c = c
+            best_e = e
+        seen += 1
+        e = np.int64(edges[e, NEXT])
+    if slot >= 0:
+        cache[slot, C_STATE] = state
+        cache[slot, C_STAMP] = stamp
+        cache[slot, C_EDGE] = best_e
+        cache[slot, C_TOTAL] = total
+    return best_e, best_c, total
+
+
+@njit(cache=True)
+def _draft_path(states, edges, cache, stamp, state, cap, min_prob, escape, floor, out_tok, out_prob, out_sup):
     """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
     the smaller token id. out_sup gets each token's count (its support). Returns (tokens, score), or (0, 0.0)
@@ -300,19 +338,9 @@ def _draft_path(states, edges, state, cap, min_prob, escape, floor, out_tok, out
     score = 0.0
     n = 0
     while n < cap:
-        e = np.int64(states[state, EDGE])
-        if e == -1:
+        best_e, best_c, total = _best_child(states, edges, cache, stamp, state)
+        if best_e == -1:
             break
-        best_e = np.int64(-1)
-        best_c = -1
-        total = 0
-        while e != -1:
-            c = states[edges[e, TO], COUNT]
-            total += c
-            if c > best_c or (c == best_c and edges[e, TOK] < edges[best_e, TOK]):
-                best_c = c
-                best_e = e
-            e = np.int64(edges[e, NEXT])
         p = prob * best_c / (total + escape)
         if p < min_prob:
             break
@@ -332,6 +360,8 @@ def _draft_path(states, edges, state, cap, min_prob, escape, floor, out_tok, out
 def draft_best(
     states,
     edges,
+    cache,
+    stamp,
     root,
     state,
     length,
@@ -365,7 +395,7 @@ def draft_best(
             if cap <= best:  # a score never exceeds the draft length, and shorter matches cap lower
                 break
             n, score = _draft_path(
-                states, edges, state, cap, min_prob, escape, best, tmp_tok, tmp_prob, tmp_sup
+                states, edges, cache, stamp, state, cap, min_prob, escape, best, tmp_tok, tmp_prob, tmp_sup
             )
             if n > 0 and score > best:
                 out_tok[:n] = tmp_tok[:n]
@@ -380,19 +410,19 @@ def draft_best(
 
 
 @njit(cache=True)
-def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, rows, src, row):
+def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""
-    n_rows = rows.shape[0]
+    n_rows = req_slots.shape[0]
     while row < n_rows:
-        s = rows[row, W_SLOT]
+        s = req_slots[row]
         q = slots[s, R_SEQ]
         have = seqs[q, Q_LEN]
-        end = rows[row, W_END]
+        end = ends[row]
         if end > have:
             if end > seqs[q, Q_CAP]:
                 return row, NEED_POOL
-            base = rows[row, W_BASE]
+            base = bases[row]
             off = seqs[q, Q_OFF]
             for j in range(have, end):
                 t = src[base + j]
@@ -412,11 +442,13 @@ def _draft_rows(
     states,
     edges,
     hashes,
+    cache,
     trees,
     seqs,
     pool,
     slots,
-    rows,
+    req_slots,
+    budgets,
     max_depth,
     spec_factor,
     spec_offset,
@@ -433,9 +465,9 @@ def _draft_rows(
     tmp_tok = np.empty(k, np.int32)
     tmp_prob = np.empty(k, np.float32)
     tmp_sup = np.empty(k, np.int32)
-    for r in range(rows.shape[0]):
-        s = rows[r, W_SLOT]
-        budget = rows[r, W_BUDGET]
+    for r in range(req_slots.shape[0]):
+        s = req_slots[r]
+        budget = budgets[r]
         q = slots[s, R_SEQ]
         off = seqs[q, Q_OFF]
         end = off + seqs[q, Q_LEN]
@@ -474,6 +506,8 @@ def _draft_rows(
             n, used, score = draft_best(
                 states,
                 edges,
+                cache,
+                trees[tid, T_STAMP],
                 root,
                 st,
                 ln,
@@ -505,11 +539,15 @@ def step_rows(
     edges,
     hashes,
     meta,
+    cache,
     trees,
     seqs,
     pool,
     slots,
-    rows,
+    req_slots,
+    bases,
+    ends,
+    budgets,
     src,
     row,
     draft,
@@ -528,25 +566,30 @@ def step_rows(
     """A decode step for a whole batch in one call: commits every row's new tokens (resuming at `row`), then,
     with `draft`, advances every row's match in each candidate tree and keeps its best-scoring draft.
 
-    Row r's request is slot rows[r, W_SLOT]; its candidate c's match state persists in the slot table and
+    Row r's request is slot req_slots[r]; after the step it holds ends[r] tokens, token j of it being
+    src[bases[r] + j], and budgets[r] caps its draft. Its candidate c's match state persists in the slot table and
     advances over the tokens committed since the last draft; a candidate whose tree version changed
     re-matches from the last `max_depth` tokens. The best draft over all candidates and match lengths wins
     (earlier candidates and longer matches win ties); out_info[r] holds its length, match length and
     source (candidate + 1; 0: none), out_sup the count behind each draft token.
     Returns (row reached, status): anything but DONE means the caller must grow and call again.
     """
-    row, status = _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, rows, src, row)
+    row, status = _commit_rows(
+        states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row
+    )
     if status != DONE or not draft:
         return row, status
     _draft_rows(
         states,
         edges,
         hashes,
+        cache,
         trees,
         seqs,
         pool,
         slots,
-        rows,
+        req_slots,
+        budgets,
         max_depth,
         spec_factor,
         spec_offset,

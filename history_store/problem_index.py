@@ -52,27 +52,34 @@ class BatchDrafts:
 
 
 class _StepBuffers:
-    """Per-batch arrays of the step kernel, allocated once for the largest batch seen and reused."""
+    """Per-batch arrays of the step kernel, allocated once for the largest batch seen and reused; the views
+    of the last batch size are kept too (a view costs about as much as a small numpy operation)."""
 
     def __init__(self, rows: int, k: int) -> None:
-        self.rows = np.zeros((rows, K.ROW_FIELDS), np.int64)
         self.tokens = np.zeros((rows, k), np.int32)
         self.probs = np.zeros((rows, k), np.float32)
         self.support = np.zeros((rows, k), np.int32)
         self.info = np.zeros((rows, K.INFO_FIELDS), np.int32)
         self.scores = np.zeros(rows, np.float64)
+        self._n = -1
+        self._views: tuple[BatchDrafts, tuple[np.ndarray, ...]] | None = None
 
-    def drafts(self, n: int) -> BatchDrafts:
-        info = self.info[:n]
-        return BatchDrafts(
-            tokens=self.tokens[:n],
-            lengths=info[:, K.I_LEN],
-            probs=self.probs[:n],
-            support=self.support[:n],
-            match_lens=info[:, K.I_MATCH],
-            scores=self.scores[:n],
-            sources=info[:, K.I_SOURCE],
-        )
+    def views(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
+        """The drafts of a batch of n rows, and the kernel's output arrays they view."""
+        if n != self._n or self._views is None:
+            out = (self.tokens[:n], self.probs[:n], self.support[:n], self.info[:n], self.scores[:n])
+            info = out[3]
+            drafts = BatchDrafts(
+                tokens=out[0],
+                lengths=info[:, K.I_LEN],
+                probs=out[1],
+                support=out[2],
+                match_lens=info[:, K.I_MATCH],
+                scores=out[4],
+                sources=info[:, K.I_SOURCE],
+            )
+            self._n, self._views = n, (drafts, out)
+        return self._views
 
 
 @dataclass
@@ -397,7 +404,7 @@ class ProblemIndex:
         start = np.zeros(slots.shape[0], np.int64)
         np.cumsum(lengths[:-1], out=start[1:])
         # Token j of row i's request sits at flat[base + j] for the new ones: base = where they start - have.
-        self._run(slots, flat, start - have, have + lengths, None, draft=False)
+        self._run(slots, flat, start - have, have + lengths, np.zeros_like(slots), draft=False)
 
     def finish_request(self, request_key: str) -> None:
         """Ends a request. Its tokens stay draftable for siblings until they outweigh the live ones."""
@@ -461,18 +468,15 @@ class ProblemIndex:
         src: np.ndarray,
         base: np.ndarray,
         end: np.ndarray,
-        budgets: np.ndarray | Sequence[int] | None,
+        budgets: np.ndarray | Sequence[int],
         draft: bool,
     ) -> BatchDrafts:
         n = slots.shape[0]
         buf = self._buffers
-        if buf.rows.shape[0] < n:
-            buf = self._buffers = _StepBuffers(max(n, 2 * buf.rows.shape[0]), self.config.max_spec_tokens)
-        rows = buf.rows[:n]
-        rows[:, K.W_SLOT] = slots
-        rows[:, K.W_BASE] = base
-        rows[:, K.W_END] = end
-        rows[:, K.W_BUDGET] = 0 if budgets is None else budgets
+        if buf.tokens.shape[0] < n:
+            buf = self._buffers = _StepBuffers(max(n, 2 * buf.tokens.shape[0]), self.config.max_spec_tokens)
+        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = buf.views(n)
+        budgets = np.asarray(budgets)
         f, cfg = self.forest, self.config
         row = 0
         while True:
@@ -481,11 +485,15 @@ class ProblemIndex:
                 f.edges,
                 f.hashes,
                 f.meta,
+                f.cache,
                 f.trees,
                 f.seqs,
                 f.pool,
                 self.slots,
-                rows,
+                slots,
+                base,
+                end,
+                budgets,
                 src,
                 row,
                 draft,
@@ -495,18 +503,18 @@ class ProblemIndex:
                 cfg.min_token_prob,
                 cfg.escape,
                 cfg.all_matches,
-                buf.tokens[:n],
-                buf.probs[:n],
-                buf.support[:n],
-                buf.info[:n],
-                buf.scores[:n],
+                out_tok,
+                out_prob,
+                out_sup,
+                out_info,
+                out_score,
             )
             if status == K.DONE:
-                return buf.drafts(n)
-            q = int(self.slots[rows[row, K.W_SLOT], K.R_SEQ])
+                return drafts
+            q = int(self.slots[slots[row], K.R_SEQ])
             if status == K.NEED_POOL:
-                f.make_room(q, int(rows[row, K.W_END]))
+                f.make_room(q, int(end[row]))
             elif status == K.NEED_ARENA:
-                f.grow_for(int(self.slots[rows[row, K.W_SLOT], K.R_LIVE]), q)
+                f.grow_for(int(self.slots[slots[row], K.R_LIVE]), q)
             else:
                 raise ValueError(f"row {row} commits a negative token id")

@@ -54,6 +54,8 @@ from monitoring.metrics import (
     QUARANTINED,
     RECORDS_INGESTED,
     STORE_APPLY_DURATION,
+    STORE_SIZE,
+    STORE_TOKENS,
     STORE_WRITE_ERRORS,
 )
 
@@ -66,6 +68,8 @@ TrajectoryKey = tuple[str, int, int]
 DEFAULT_SEQUENCE_RETENTION = 1_000_000
 # Three epochs: DAS's drafting gain comes from the most recent rollouts of a problem; older policies drift.
 DEFAULT_WINDOW_EPOCHS = 3
+# das_store_size_bytes walks the folder (a few dozen files): at most this often.
+SIZE_INTERVAL_S = 5.0
 
 
 class TrajectoryLike(Protocol):
@@ -633,8 +637,19 @@ class HistoryStore(_StoreReader):
             raise
         self._next_sequence = self.next_sequence
         self._trimmed_below = self._first_sequence()
+        self._response_tokens = self.stats().response_tokens  # das_store_tokens, kept current by apply
+        self._next_size_update = 0.0
+        self._publish_size()
         self._hint_fd = os.open(self.path / layout.SEQUENCE_HINT_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         self._publish_hint()
+
+    def _publish_size(self) -> None:
+        """Sets das_store_tokens (every write) and das_store_size_bytes (at most every SIZE_INTERVAL_S)."""
+        STORE_TOKENS.set(self._response_tokens)
+        now = time.monotonic()
+        if now >= self._next_size_update:
+            self._next_size_update = now + SIZE_INTERVAL_S
+            STORE_SIZE.set(_disk_bytes(self.path))
 
     def _publish_hint(self) -> None:
         try:
@@ -731,7 +746,7 @@ class HistoryStore(_StoreReader):
         h_traj, h_seq = self._handles[layout.CF_TRAJECTORIES], self._handles[layout.CF_SEQUENCE]
         windows: dict[bytes, _PendingWindow] = {}
         sequence = self._next_sequence
-        ingested_bytes = 0
+        ingested_bytes = added_tokens = 0
         for record in records:
             prefix = layout.problem_prefix(record.problem_id)
             layout.check_epoch_sample(record.epoch, record.sample)
@@ -752,6 +767,7 @@ class HistoryStore(_StoreReader):
             batch.put(layout.encode_u64(sequence), layout.OP_ADDED + raw_key, h_seq)
             sequence += 1
             pending.add(record.epoch, record.sample, prompt.size, response.size)
+            added_tokens += response.size
             result.applied.append(key)
             ingested_bytes += 4 * (prompt.size + response.size)
             if record.epoch > pending.newest:
@@ -790,6 +806,8 @@ class HistoryStore(_StoreReader):
         self._write(batch, f"applying {len(result.applied)} records")
         self._next_sequence = sequence
         self._publish_hint()
+        self._response_tokens += added_tokens - sum(p.evicted_tokens for p in windows.values())
+        self._publish_size()
         if trim:
             self._trimmed_below = trim_below
         RECORDS_INGESTED.inc(len(result.applied))
@@ -855,6 +873,8 @@ class HistoryStore(_StoreReader):
             return
         self._next_sequence += 1
         self._publish_hint()
+        self._response_tokens -= pending.evicted_tokens
+        self._publish_size()
 
     def create_rocksdb_checkpoint(self, target: str | Path) -> None:
         """A consistent hard-link copy of every column family at `target` (which must not exist)."""
@@ -876,7 +896,7 @@ class HistoryStore(_StoreReader):
 class _PendingWindow:
     """A problem's window while a batch is being built: the window entries plus a key set for duplicates."""
 
-    __slots__ = ("_entries", "keys", "newest", "oldest", "changed", "_added")
+    __slots__ = ("_entries", "keys", "newest", "oldest", "changed", "_added", "evicted_tokens")
 
     def __init__(self, entries: np.ndarray) -> None:
         self._entries = entries
@@ -885,6 +905,7 @@ class _PendingWindow:
         self.newest = int(entries["epoch"].max()) if len(entries) else -1
         self.oldest = int(entries["epoch"].min()) if len(entries) else -1
         self.changed = False
+        self.evicted_tokens = 0  # response tokens of the entries evicted or removed since construction
 
     def add(self, epoch: int, sample: int, prompt_len: int, response_len: int) -> None:
         self._added.append((epoch, sample, prompt_len, response_len))
@@ -904,6 +925,7 @@ class _PendingWindow:
         entries = self.entries()
         old = entries["epoch"] < min_epoch
         gone = [(int(e), int(s)) for e, s in zip(entries["epoch"][old], entries["sample"][old], strict=True)]
+        self.evicted_tokens += int(entries["response_len"][old].sum())
         self._entries = entries[~old]
         self.keys.difference_update(gone)
         self.oldest = int(self._entries["epoch"].min()) if len(self._entries) else -1
@@ -915,6 +937,7 @@ class _PendingWindow:
         keep = ~((entries["epoch"] == epoch) & (entries["sample"] == sample))
         if keep.all():
             return False
+        self.evicted_tokens += int(entries["response_len"][~keep].sum())
         self._entries = entries[keep]
         self.keys.discard((epoch, sample))
         self.changed = True

@@ -21,10 +21,17 @@ from workers.budget import (
 
 
 def _weights(
-    candidates: list[list[float]], outputs: list[float], speeds: list[float] | None = None
+    candidates: list[list[float]],
+    outputs: list[float],
+    speeds: list[float] | None = None,
+    pool: list[float] | None = None,
+    atypical: float = 0.0,
 ) -> np.ndarray:
-    """critical_weights over rows whose equally likely lengths are given (an empty list: unknown)."""
-    width = max(len(c) for c in candidates)
+    """critical_weights over rows whose equally likely lengths are given (an empty list: unknown), with
+    every problem's lengths `pool` (none by default)."""
+    pool = pool or [0.0]
+    width = max(len(pool), *(len(c) for c in candidates))
+    pool = np.sort(np.resize(np.asarray(pool, float), width))
     quantiles = np.zeros((len(candidates), width))
     for i, c in enumerate(candidates):
         if c:
@@ -32,7 +39,7 @@ def _weights(
             quantiles[i] = np.sort(np.resize(np.asarray(c, float), width))
     out = np.empty(len(candidates))
     speeds = np.ones(len(candidates)) if speeds is None else np.asarray(speeds, float)
-    critical_weights(quantiles, np.asarray(outputs, float), speeds, 64, out)
+    critical_weights(quantiles, pool, atypical, np.asarray(outputs, float), speeds, 64, out)
     return out
 
 
@@ -56,11 +63,27 @@ def test_progress_and_speed_move_the_tail() -> None:
 
 
 def test_a_request_that_outlived_its_history_expects_to_run_as_long_again() -> None:
-    # 150 tokens against a history of 100-120: about 150 more, longer than the fresh request's 130.
+    # 150 tokens against a history of 100-120, and nothing longer anywhere: about 150 more, longer than the
+    # fresh request's 130.
     w = _weights([[100, 120], [130]], [150, 0])
     assert w[0] == pytest.approx(1.0)
     w = _weights([[100, 120], [170]], [150, 0])
     assert w[1] == pytest.approx(1.0)
+
+
+def test_a_request_that_outlived_its_problem_takes_the_lengths_of_all_problems() -> None:
+    # Its problem's answers are short, but answers of other problems run to 500: at 150 tokens it is no
+    # longer a short answer, and may well run to 500, past the fresh request's 300.
+    # Of the lengths past 150, two of three (500) outrun the fresh request.
+    w = _weights([[40, 44], [300, 300]], [150, 0], pool=[40, 300, 500, 500], atypical=0.1)
+    assert w[0] == pytest.approx(2 / 3, abs=0.05)
+
+
+def test_atypical_requests_keep_a_short_problems_request_on_the_tail_watch() -> None:
+    # At 30 tokens a short problem's request (history 40-44) may still be one of the atypical long ones.
+    typical = _weights([[40, 44], [300, 300]], [30, 0], pool=[40, 300, 500, 500], atypical=0.0)
+    atypical = _weights([[40, 44], [300, 300]], [30, 0], pool=[40, 300, 500, 500], atypical=0.2)
+    assert typical[0] == 0.0 and 0.05 < atypical[0] < 0.5
 
 
 def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() -> None:
@@ -155,12 +178,14 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_while_its_siblings_g
         policy.lengths.observe("p", length)
     slots = _start(policy, ["p"] * 8)
     probs = np.tile([0.6, 0.45, 0.35, 0.3], (8, 1))
+    # Request 0 is far ahead of its siblings, so it is not the tail: its tokens save only its own share.
+    outputs = [250] + [0] * 7
     for _ in range(40):
         policy.observe_step(8, 40, 0.05 + 0.001 * 8 + 0.001 * 40)
-        _step(policy, slots, [0] * 8, probs)
+        _step(policy, slots, outputs, probs)
         # Request 0 never gets a token accepted; the others get everything they draft.
         policy.observe_acceptance(np.array(slots), np.where(np.arange(8) == 0, 0, 4))
-    _, kept = _step(policy, slots, [0] * 8, probs)
+    _, kept = _step(policy, slots, outputs, probs)
     assert policy.last_predicted[0, 0] < 0.5 * policy.last_predicted[1, 0]
     assert kept[0] < kept[1]
 
@@ -184,19 +209,19 @@ def test_on_a_verifier_where_tokens_cost_most_of_a_step_only_the_tail_drafts() -
     assert kept[0] >= 2, "a lone request is the tail: its tokens save whole 30 ms steps"
 
 
-def test_short_requests_get_no_budget_and_the_tail_gets_long_class() -> None:
+def test_the_tail_gets_long_class_and_a_well_known_short_request_does_not() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=8))
-    for length in (20, 22, 25, 30):
-        policy.lengths.observe("short", length)
-    for length in (400, 450, 500, 900):
-        policy.lengths.observe("long", length)
-    # A verifier where a token costs as much as a sequence: short requests cannot pay for any draft.
+    rng = np.random.default_rng(0)
+    # Enough history that the short problem's answers are known to stay short (few ran past a prediction).
+    for _ in range(40):
+        policy.lengths.observe("short", int(rng.integers(20, 31)))
+        policy.lengths.observe("long", int(rng.integers(400, 901)))
     for active in range(1, 40):
         policy.observe_step(active, 2 * active, 0.01 + 0.0001 * active + 0.0001 * 2 * active)
     slots = _start(policy, ["short", "long"])
-    budgets, _ = policy.budgets(np.array(slots), np.array([0, 0]), np.array([100, 3]))
-    assert policy.last_classes[1] == LONG and budgets[1] == 3
-    assert budgets[0] == 0 or policy.last_classes[0] != LONG
+    budgets, classes = policy.budgets(np.array(slots), np.array([0, 0]), np.array([100, 3]))
+    assert classes[1] == LONG and budgets[1] == 3
+    assert classes[0] != LONG
 
 
 def test_outliving_every_recent_length_counts_a_promotion_once() -> None:

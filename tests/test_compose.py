@@ -510,6 +510,21 @@ def test_ray_commands_parse_with_ray_start_and_workers_join_the_head() -> None:
         assert SERVICES[name]["network_mode"] == "host", f"{name}: Ray and NCCL need the host's network"
 
 
+def test_ray_nodes_on_one_host_take_worker_ports_from_separate_ranges() -> None:
+    ranges = {"ray-head": _ray_start_params(["--head", *head_command()[0]])}
+    ranges |= {name: _ray_start_params(command_of(svc)[2:]) for name, svc in ray_workers().items()}
+    spans = sorted((p["min_worker_port"], p["max_worker_port"], name) for name, p in ranges.items())
+    for (_low, high, name), (next_low, _high, next_name) in zip(spans, spans[1:], strict=False):
+        assert high < next_low, f"{name} and {next_name} share worker ports"
+    fixed = {
+        int(port)
+        for name, svc in SERVICES.items()
+        if svc.get("network_mode") == "host"
+        for port in host_network_ports(name, svc)
+    }
+    assert not any(low <= port <= high for low, high, _ in spans for port in fixed)
+
+
 def test_published_and_host_network_ports_do_not_collide() -> None:
     taken: dict[tuple[str, str], str] = {}
 

@@ -41,14 +41,15 @@ def _log(path: Path) -> IO[str]:
     return open(path, "w")  # noqa: SIM115 - the process writing it outlives this call
 
 
-def _kill_ray_processes(temp_dir: Path) -> None:
-    """Stops the Ray processes of this cluster only (their command lines name its temp folder): `ray stop`
-    would stop every Ray on the machine."""
+def _kill_processes_naming(*paths: Path) -> None:
+    """Stops the processes this test started in the background: their command lines name one of its folders
+    (the Ray cluster's temp folder, the target list). `ray stop` would stop every Ray on the machine."""
+    needles = [str(path).encode() for path in paths]
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            if str(temp_dir).encode() in (proc / "cmdline").read_bytes():
+            if any(needle in (proc / "cmdline").read_bytes() for needle in needles):
                 os.kill(int(proc.name), signal.SIGKILL)
         except (OSError, ProcessLookupError):
             continue
@@ -60,6 +61,7 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
     history = node / "history"
     ray_tmp = Path(f"/tmp/das-rehearsal-{os.getpid()}")
     out = tmp_path / "rehearsal.json"
+    targets = tmp_path / "targets" / "vllm.json"
     env = {
         **os.environ,
         "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
@@ -112,7 +114,9 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
 
         wait_for("the replica to be healthy", healthy, deadline_s=300)
         port = free_port(exclude=(metrics_port,))
-        head_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        dashboard_port = free_port(exclude=(metrics_port, port))
+        # As in the compose head: ray_head.sh keeps Prometheus' list of verl's vLLM servers in this file.
+        head_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "DAS_VLLM_TARGETS": str(targets)}
         head = subprocess.Popen(
             [
                 "bash",
@@ -121,7 +125,8 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
                 "--num-gpus=0",
                 "--num-cpus=1",
                 "--node-ip-address=127.0.0.1",
-                "--include-dashboard=false",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dashboard_port}",
                 f"--temp-dir={ray_tmp}",
                 "--disable-usage-stats",
                 "--",
@@ -169,7 +174,7 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
                     process.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     process.kill()
-        _kill_ray_processes(ray_tmp)
+        _kill_processes_naming(ray_tmp, targets)
         drop_topics(kafka_servers, topic, dlq)
 
     result = json.loads(out.read_text())
@@ -189,6 +194,9 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
     assert second["after"]["errors"] == 0
     # Greedy, and drafting is lossless: the second pass repeats the first.
     assert second["outputs"] == first["outputs"]
+    # The head's target list for Prometheus was written through Ray's state API (file_sd format). The rehearsal's
+    # engines are not verl's vLLMHttpServer actors (that needs GPUs), so the list is empty.
+    assert json.loads(targets.read_text()) == [{"targets": [], "labels": {"job": "vllm"}}]
 
 
 def _listening(port: int) -> bool:

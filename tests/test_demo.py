@@ -60,6 +60,7 @@ def test_tiny_demo_writes_the_report_and_a_second_run_starts_warm(tmp_path: Path
         ("das", 0), ("das", 1), ("none", 0), ("none", 1),
     ]  # fmt: skip
     assert summary["identical_output"] == {"none": "reference", "das": "identical"}
+    assert summary["temperature"] == 1.0 and "sampling: temperature 1.0" in first  # RL's, on the CPU too
     for epoch in summary["epochs"]:
         assert epoch["requests"] == 1 and epoch["output_tokens"] == sum(epoch["response_lengths"]) > 0
         assert epoch["latency_p50_s"] <= epoch["latency_p99_s"] <= epoch["latency_max_s"]

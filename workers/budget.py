@@ -2,15 +2,16 @@
 
 A step costs c_base + c_seq x active + c_tok x verified tokens (`CostModel`, fitted online from measured
 steps). An epoch's makespan is then c_base x (steps of its last request) plus each request's own share,
-c_seq + c_tok x (1 + drafted), for every step it runs. So one more accepted token of request i saves
+c_seq + c_tok, for every step it runs, plus c_tok for every draft token verified. A request needs one step
+fewer for each accepted draft token, so that token saves
 
-    value_i = (w_i x c_base + c_seq + c_tok x (1 + L_i)) / (1 + A_i)    seconds,
+    value_i = w_i x c_base + c_seq + c_tok    seconds,
 
 where w_i is the probability that i is the last request of the batch to finish (`critical_weights`: from its
-problem's recent lengths, conditioned on what it has already produced, against every other live request),
-L_i and A_i its recent drafted and accepted tokens per step (one accepted token saves 1 / (1 + A_i) of its
-steps). A tail request's tokens save whole steps of the epoch; a request that finishes long before the tail
-saves only its own share. Draft token j is kept while
+problem's recent lengths, conditioned on what it has already produced and on its recent tokens per step,
+against every other live request). A tail request's tokens save whole steps of the epoch; a request that
+finishes long before the tail saves only its own share (on a verifier where c_seq is small next to c_tok, as
+on the CPU, nothing at all). Draft token j is kept while
 
     P(tokens 1..j accepted) x value_i >= c_tok,
 
@@ -34,12 +35,12 @@ from numba import njit
 
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, COST_MODEL_COEFFICIENT, LENGTH_CLASSES
 
-# Length classes, for dashboards: short = not worth drafting this step, long = the tail's share of the step
-# dominates the token's value, medium = the rest.
+# Length classes, for dashboards: short = not worth drafting this step, long = likelier than average to be
+# the batch's last request, medium = the rest.
 SHORT, MEDIUM, LONG = 0, 1, 2
 # Sources of a draft, in ProblemIndex.draft_batch's numbering (0: no draft).
 SOURCE_PROBLEM, SOURCE_LIVE, SOURCE_GLOBAL = 1, 2, 3
-# Features of a draft token (see `token_features`).
+# Features of a draft token (see `_features_of`).
 N_FEATURES = 9
 
 
@@ -62,6 +63,8 @@ class BudgetConfig:
     cost_window: int = 256
     # Steps measured before the fit replaces the prior.
     min_fit_steps: int = 16
+    # Steps between refits (a fit costs tens of microseconds; the window moves slowly).
+    refit_every: int = 8
     # Ridge weight, relative to the data's scale; small: it only matters along directions the data leaves free.
     ridge: float = 1e-3
     # Acceptance model: per-step forgetting of its accumulated curvature (a few hundred steps of memory, so it
@@ -71,7 +74,7 @@ class BudgetConfig:
     # Recent acceptance of a request decays by this factor per verified draft, of a problem per step.
     request_decay: float = 0.7
     problem_decay: float = 0.98
-    # Decay of a request's running drafted / accepted tokens per step.
+    # Decay of a request's running accepted tokens per step (its speed, for the tail probability).
     rate_decay: float = 0.8
 
     def __post_init__(self) -> None:
@@ -81,8 +84,10 @@ class BudgetConfig:
             raise ValueError("cost model priors must be >= 0")
         if self.lengths_per_problem < 1 or self.cost_window < 3:
             raise ValueError("lengths_per_problem >= 1 and cost_window >= 3 are required")
-        if self.min_fit_steps < 3 or self.ridge <= 0 or self.acceptance_ridge <= 0:
-            raise ValueError("min_fit_steps >= 3, ridge > 0 and acceptance_ridge > 0 are required")
+        if self.min_fit_steps < 3 or self.refit_every < 1 or self.ridge <= 0 or self.acceptance_ridge <= 0:
+            raise ValueError(
+                "min_fit_steps >= 3, refit_every >= 1, ridge > 0 and acceptance_ridge > 0 are required"
+            )
         for name in ("acceptance_forgetting", "request_decay", "problem_decay", "rate_decay"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -105,7 +110,7 @@ class CostModel:
         return len(self._rows)
 
     def observe(self, active: int, tokens: int, seconds: float) -> None:
-        """Adds one measured step; refits every few steps (the fit costs ~50 us, a step tens of ms)."""
+        """Adds one measured step; refits every `refit_every` steps."""
         if active <= 0 or tokens < active or not np.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
         self._rows.append((1.0, float(active), float(tokens), float(seconds)))
@@ -114,7 +119,7 @@ class CostModel:
             # Too few steps to fit: the prior's split at the measured scale.
             self.coefficients = self._scaled_prior(np.asarray(self._rows))
             self._publish()
-        elif self._since_fit >= 4:
+        elif self._since_fit >= self._config.refit_every:
             self._fit()
 
     def _fit(self) -> None:
@@ -160,45 +165,58 @@ class CostModel:
 
 
 @njit(cache=True)
-def critical_weights(quantiles, outputs, speeds, n_bins, out):
+def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
     """out[i] = P(row i is the last of the batch to finish), rows independent.
 
-    Row i's total length is one of quantiles[i] (ascending, equally likely; all <= 0: unknown), conditioned
-    on exceeding outputs[i]; remaining steps = remaining tokens / speeds[i]. A row that outlived every
-    quantile expects to run as long again as it has (heavy tails: the longer it ran, the longer it runs).
-    Unknown rows share one length: they tie, and ties split evenly.
+    Row i's total length is one of its problem's quantiles[i] (ascending, equally likely; all <= 0:
+    unknown) with probability 1 - atypical, or one of every problem's (`pool`) with probability `atypical`
+    (a request unlike its problem's history), conditioned on exceeding outputs[i]; remaining steps =
+    remaining tokens / speeds[i]. Conditioning is what moves the tail: a request that outlived nearly all of
+    its problem's lengths is left with the lengths of all problems that ran that long. Past every length
+    it expects to run as long again as it has (heavy tails: the longer it ran, the longer it runs). Unknown
+    rows share one length: they tie, and ties split evenly.
     """
     n, q = quantiles.shape
-    remaining = np.empty((n, q))
+    remaining = np.empty((n, 2 * q))
+    mass = np.empty((n, 2 * q))
     used = np.zeros(n, np.int64)
     horizon = 1.0
     for i in range(n):
         if quantiles[i, q - 1] <= 0.0:
             continue
         k = 0
-        for c in range(q):
-            if quantiles[i, c] > outputs[i]:
-                remaining[i, k] = (quantiles[i, c] - outputs[i]) / speeds[i]
+        total = 0.0
+        for c in range(2 * q):
+            length = quantiles[i, c] if c < q else pool[c - q]
+            if length > outputs[i]:
+                remaining[i, k] = (length - outputs[i]) / speeds[i]
+                mass[i, k] = (1.0 - atypical) if c < q else atypical
+                total += mass[i, k]
+                horizon = max(horizon, remaining[i, k])
                 k += 1
-        if k == 0:
+        if total <= 0.0:
             remaining[i, 0] = max(outputs[i], 1.0) / speeds[i]
+            horizon = max(horizon, remaining[i, 0])
+            mass[i, 0] = total = 1.0
             k = 1
+        for c in range(k):
+            mass[i, c] /= total
         used[i] = k
-        horizon = max(horizon, remaining[i, k - 1])
     # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
     below = np.zeros((n, n_bins))  # P(row ends in an earlier bin) + half of P(it ends in this bin)
-    bins = np.empty((n, q), np.int64)
+    bins = np.empty((n, 2 * q), np.int64)
     for i in range(n):
         k = used[i]
         if k == 0:
             below[i, n_bins - 1] = 0.5
             bins[i, 0] = n_bins - 1
+            mass[i, 0] = 1.0
             continue
         pmf = np.zeros(n_bins)
         for c in range(k):
             b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
             bins[i, c] = b
-            pmf[b] += 1.0 / k
+            pmf[b] += mass[i, c]
         cum = 0.0
         for b in range(n_bins):
             below[i, b] = cum + 0.5 * pmf[b]
@@ -214,13 +232,11 @@ def critical_weights(quantiles, outputs, speeds, n_bins, out):
                 log_sum[b] += np.log(below[j, b])
     total = 0.0
     for i in range(n):
-        k = max(used[i], 1)
         acc = 0.0
-        for c in range(k):
+        for c in range(max(used[i], 1)):
             b = bins[i, c]
-            own = below[i, b]  # > 0: the row has mass in bin b
-            if zeros[b] == 0:
-                acc += np.exp(log_sum[b] - np.log(own)) / k
+            if mass[i, c] > 0.0 and zeros[b] == 0:
+                acc += mass[i, c] * np.exp(log_sum[b] - np.log(below[i, b]))
         out[i] = acc
         total += acc
     # The half-tie rule undercounts ties (n rows tied in one bin get 2^-(n-1) each instead of 1/n), and exactly
@@ -230,85 +246,183 @@ def critical_weights(quantiles, outputs, speeds, n_bins, out):
 
 
 @njit(cache=True)
-def token_features(probs, support, lengths, match_lens, sources, request_gain, problem_gain, out):
-    """Features of draft token j of row i (out[i, j]) for its acceptance given token j-1 was accepted:
-    which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
-    about another, e.g. siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional
-    ratio p_j / p_(j-1), log match length, log position, and how much better or worse than predicted the
-    request's and the problem's recent drafts did (`outcome_log_odds`: 0 without trials, so a request or
-    problem that stopped drafting is not held to its old failures forever), and the log of the occurrences
-    behind the token (a ratio of 1/2 from one sighting is weaker evidence than one from 100)."""
-    n, k = probs.shape
-    for i in range(n):
-        previous = 1.0
-        for j in range(lengths[i]):
-            ratio = probs[i, j] / previous if previous > 0 else 0.0
-            previous = probs[i, j]
-            ratio = min(max(ratio, 0.02), 0.98)
-            out[i, j, 0] = 1.0 if sources[i] == SOURCE_PROBLEM else 0.0
-            out[i, j, 1] = 1.0 if sources[i] == SOURCE_LIVE else 0.0
-            out[i, j, 2] = 1.0 if sources[i] == SOURCE_GLOBAL else 0.0
-            out[i, j, 3] = np.log(ratio / (1.0 - ratio))
-            out[i, j, 4] = np.log1p(match_lens[i]) / 4.0
-            out[i, j, 5] = np.log1p(j) / 2.0
-            out[i, j, 6] = request_gain[i]
-            out[i, j, 7] = problem_gain[i]
-            out[i, j, 8] = np.log1p(support[i, j]) / 4.0
+def _log_odds_gain(outcomes):
+    # Log odds of the accepted against the predicted share of tried tokens, from (accepted, predicted, tried)
+    # sums; half a pseudo-token each side keeps it finite, and no trials give 0.
+    accepted, predicted, tried = outcomes[0] + 0.5, outcomes[1] + 0.5, outcomes[2] + 1.0
+    return np.log(accepted / (tried - accepted)) - np.log(predicted / (tried - predicted))
 
 
 @njit(cache=True)
-def path_probabilities(features, lengths, weights, out):
-    """out[i, j] = P(tokens 0..j of row i all accepted) = product of the conditional acceptances."""
-    n, k, f = features.shape
+def _features_of(probs, support, j, previous, match_len, source, request_gain, problem_gain, out):
+    """Features of draft token j for its acceptance given token j-1 was accepted: which tree drafted it (one
+    intercept per source: what the verifier taught about one source says nothing about another, e.g.
+    siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional ratio p_j / p_(j-1),
+    log match length, log position, how much better or worse than predicted the request's and the
+    problem's recent drafts did (0 without trials, so a request or problem that stopped drafting is not held
+    to its old failures forever), and the log of the occurrences behind the token (a ratio of 1/2 from one
+    sighting is weaker evidence than one from 100)."""
+    ratio = probs[j] / previous if previous > 0 else 0.0
+    ratio = min(max(ratio, 0.02), 0.98)
+    out[0] = 1.0 if source == SOURCE_PROBLEM else 0.0
+    out[1] = 1.0 if source == SOURCE_LIVE else 0.0
+    out[2] = 1.0 if source == SOURCE_GLOBAL else 0.0
+    out[3] = np.log(ratio / (1.0 - ratio))
+    out[4] = np.log1p(match_len) / 4.0
+    out[5] = np.log1p(j) / 2.0
+    out[6] = request_gain
+    out[7] = problem_gain
+    out[8] = np.log1p(support[j]) / 4.0
+
+
+# Pseudo-trials at the logistic model's own prediction in each recalibration bin.
+_RECALIBRATION_PRIOR = 20.0
+
+
+@njit(cache=True)
+def _recalibrated(p, table):
+    """The logistic model's conditional acceptance p mapped through observed acceptance in p's bin
+    (table[b] = accepted, tried): a logistic curve in these features is not exactly right at either end."""
+    b = min(int(p * table.shape[0]), table.shape[0] - 1)
+    return (table[b, 0] + _RECALIBRATION_PRIOR * p) / (table[b, 1] + _RECALIBRATION_PRIOR)
+
+
+@njit(cache=True)
+def _truncate_kernel(
+    probs,
+    support,
+    lengths,
+    match_lens,
+    sources,
+    slots,
+    slot_problem,
+    request_outcomes,
+    problem_outcomes,
+    weights,
+    recalibration,
+    value,
+    c_tok,
+    features,
+    kept_store,
+    accepted_rate,
+    rate_decay,
+    predicted,
+    kept,
+):
+    """Per row: each draft token's path acceptance probability (predicted[i, j]) and the kept prefix, the
+    tokens whose probability times the row's value pays for their verification (c_tok). Stores each slot's
+    features and kept length for learning, and decays the speed of rows that draft nothing."""
+    n, k = probs.shape
+    f = weights.shape[0]
     for i in range(n):
+        s = slots[i]
+        request_gain = _log_odds_gain(request_outcomes[s])
+        problem_gain = _log_odds_gain(problem_outcomes[slot_problem[s]])
         path = 1.0
+        previous = 1.0
+        keep = 0
         for j in range(k):
             if j >= lengths[i]:
-                out[i, j] = 0.0
+                predicted[i, j] = 0.0
                 continue
+            x = features[s, j]
+            _features_of(
+                probs[i], support[i], j, previous, match_lens[i], sources[i], request_gain, problem_gain, x
+            )
+            previous = probs[i, j]
             z = 0.0
             for c in range(f):
-                z += features[i, j, c] * weights[c]
-            path *= 1.0 / (1.0 + np.exp(-z))
-            out[i, j] = path
+                z += x[c] * weights[c]
+            path *= _recalibrated(1.0 / (1.0 + np.exp(-z)), recalibration)
+            predicted[i, j] = path
+            if path * value[i] >= c_tok:
+                keep = j + 1  # path probabilities never grow along a row: the kept tokens are a prefix
+        kept[i] = keep
+        kept_store[s] = keep
+        if keep == 0:
+            accepted_rate[s] *= rate_decay
 
 
 @njit(cache=True)
-def acceptance_statistics(features, lengths, accepted, weights, gradient, curvature, outcomes):
-    """Adds the log-likelihood gradient and curvature of the verified draft tokens: token j of row i is a
-    trial of its conditional acceptance when tokens 0..j-1 were accepted (j <= accepted[i]), a success when
-    it was accepted too. Also sums per row the accepted, predicted and tried tokens (outcomes[i])."""
-    n, k, f = features.shape
-    for i in range(n):
-        outcomes[i, :] = 0.0
-        for j in range(min(lengths[i], accepted[i] + 1)):
+def _observe_kernel(
+    slots,
+    accepted,
+    kept_store,
+    features,
+    weights,
+    slot_problem,
+    request_outcomes,
+    problem_outcomes,
+    problem_stamp,
+    recalibration,
+    step,
+    request_decay,
+    problem_decay,
+    accepted_rate,
+    rate_decay,
+    gradient,
+    curvature,
+):
+    """Learns from verified drafts: slots[i] had its first accepted[i] kept tokens accepted. Token j is a trial
+    of its conditional acceptance when tokens 0..j-1 were accepted (j <= accepted), a success when it was
+    accepted too. Adds the log-likelihood gradient and curvature, and updates the slot's and its problem's
+    (accepted, predicted, tried) sums and the slot's accepted tokens per step. Returns the trials."""
+    f = weights.shape[0]
+    trials = 0
+    outcome = np.zeros(3)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        length = kept_store[s]
+        if length == 0:
+            continue  # nothing drafted, or the answer came after the slot was reused
+        a = min(accepted[i], length)
+        accepted_rate[s] = rate_decay * accepted_rate[s] + (1.0 - rate_decay) * a
+        outcome[:] = 0.0
+        for j in range(min(length, a + 1)):
+            x = features[s, j]
             z = 0.0
             for c in range(f):
-                z += features[i, j, c] * weights[c]
+                z += x[c] * weights[c]
             p = 1.0 / (1.0 + np.exp(-z))
-            y = 1.0 if j < accepted[i] else 0.0
-            outcomes[i, 0] += y
-            outcomes[i, 1] += p
-            outcomes[i, 2] += 1.0
-            for a in range(f):
-                gradient[a] += (y - p) * features[i, j, a]
-                for b in range(f):
-                    curvature[a, b] += p * (1.0 - p) * features[i, j, a] * features[i, j, b]
-
-
-def outcome_log_odds(outcomes: np.ndarray) -> np.ndarray:
-    """Log odds of the accepted against the predicted share of tried tokens, from rows of (accepted,
-    predicted, tried) sums; half a pseudo-token each side keeps it finite, and no trials give 0."""
-    accepted, predicted, tried = outcomes[:, 0] + 0.5, outcomes[:, 1] + 0.5, outcomes[:, 2] + 1.0
-    return np.log(accepted / (tried - accepted)) - np.log(predicted / (tried - predicted))
+            y = 1.0 if j < a else 0.0
+            b = min(int(p * recalibration.shape[0]), recalibration.shape[0] - 1)
+            recalibration[b, 0] += y
+            recalibration[b, 1] += 1.0
+            outcome[0] += y
+            outcome[1] += p
+            outcome[2] += 1.0
+            w = p * (1.0 - p)
+            for c in range(f):
+                gradient[c] += (y - p) * x[c]
+                for d in range(c + 1):
+                    curvature[c, d] += w * x[c] * x[d]
+        trials += int(outcome[2])
+        for c in range(3):
+            request_outcomes[s, c] = request_decay * request_outcomes[s, c] + outcome[c]
+        problem = slot_problem[s]
+        if problem_stamp[problem] != step:
+            # Problems decay per step they are seen in, by the steps since they were last seen.
+            problem_outcomes[problem] *= problem_decay ** (step - problem_stamp[problem])
+            problem_stamp[problem] = step
+        for c in range(3):
+            problem_outcomes[problem, c] += outcome[c]
+        kept_store[s] = 0
+    for c in range(f):
+        for d in range(c):
+            curvature[d, c] = curvature[c, d]
+    return trials
 
 
 class AcceptanceModel:
     """Online logistic regression of a draft token's acceptance given the previous token was accepted.
 
-    Fitted by one Newton step per verified batch on an exponentially forgetting log-likelihood (recursive
-    least squares for logistic regression), so it follows drift across epochs without a schedule.
+    Fitted by a Newton step per `MIN_TRIALS` verified tokens or more on an exponentially forgetting
+    log-likelihood (recursive least squares for logistic regression), so it follows drift across epochs
+    without a schedule. The policy's kernels add each verified batch's log-likelihood gradient and curvature
+    to `gradient` and `curvature`; a small batch (batch size 1) waits for more before the step's solve.
     """
+
+    MIN_TRIALS = 64
 
     def __init__(self, config: BudgetConfig) -> None:
         self._forgetting = config.acceptance_forgetting
@@ -318,28 +432,28 @@ class AcceptanceModel:
         self.weights = np.zeros(N_FEATURES)
         self.weights[:3], self.weights[3] = -0.5, 1.0
         self._curvature = np.zeros((N_FEATURES, N_FEATURES))
-        self.trials = 0.0
+        self.gradient = np.zeros(N_FEATURES)
+        self.curvature = np.zeros((N_FEATURES, N_FEATURES))
+        self._pending = 0
+        # Observed acceptance by bin of the model's prediction (accepted, tried), forgotten like the fit.
+        self.recalibration = np.zeros((20, 2))
+        self.trials = 0
 
-    def predict(self, features: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Path acceptance probabilities (n, K): non-increasing along each row, zero past its length."""
-        out = np.empty(features.shape[:2])
-        path_probabilities(features, lengths, self.weights, out)
-        return out
-
-    def update(self, features: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> np.ndarray:
-        """Learns from one verified batch; returns per row the accepted, predicted and tried tokens."""
-        n = features.shape[0]
-        gradient = np.zeros(N_FEATURES)
-        curvature = np.zeros((N_FEATURES, N_FEATURES))
-        outcomes = np.zeros((n, 3))
-        acceptance_statistics(features, lengths, accepted, self.weights, gradient, curvature, outcomes)
-        self._curvature = self._forgetting * self._curvature + curvature
-        step = np.linalg.solve(self._curvature + self._ridge, gradient)
+    def added(self, trials: int) -> None:
+        """`trials` more verified tokens are in `gradient` and `curvature`: a Newton step once enough are."""
+        self.trials += trials
+        self._pending += trials
+        if self._pending < self.MIN_TRIALS:
+            return
+        self._curvature = self._forgetting * self._curvature + self.curvature
+        self.recalibration *= self._forgetting
+        step = np.linalg.solve(self._curvature + self._ridge, self.gradient)
         # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
-        # predictions is small): move at most one logit unit per feature per batch; more data keeps coming.
+        # predictions is small): move at most one logit unit per feature per step; more data keeps coming.
         self.weights = self.weights + step / max(1.0, float(np.abs(step).max()))
-        self.trials += float(outcomes[:, 2].sum())
-        return outcomes
+        self.gradient[:] = 0.0
+        self.curvature[:] = 0.0
+        self._pending = 0
 
 
 # ---------------------------------------------------------------------------------------------- the policy
@@ -369,6 +483,9 @@ class LengthModel:
         self._ratios = np.zeros(self._RATIOS)
         self._ratio_count = 0
         self.quantiles = np.zeros((1, self.QUANTILES))
+        # Responses that ran past every quantile their problem predicted, of those that had a prediction.
+        self._beyond = 0
+        self._predicted = 0
 
     @property
     def capacity(self) -> int:
@@ -388,6 +505,12 @@ class LengthModel:
                 self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
         return p
 
+    @property
+    def atypical(self) -> float:
+        """Share of responses unlike their problem's history: measured as those longer than every quantile
+        predicted for them (a 1/(2Q) share would be typical), with a prior of one in ten."""
+        return (self._beyond + 1.0) / (self._predicted + 10.0)
+
     def rows(self, problems: np.ndarray) -> np.ndarray:
         """Rows of `quantiles` for these problems: their own, or the pool's for problems without history."""
         return np.where(self._count[problems] > 0, problems, 0)
@@ -399,6 +522,8 @@ class LengthModel:
         """Records a finished response of `problem_id`."""
         p = self.problem(problem_id)
         if self._count[p]:
+            self._predicted += 1
+            self._beyond += bool(length > self.quantiles[p, -1])
             self._ratios[self._ratio_count % self._RATIOS] = length / max(
                 float(np.median(self.window(p))), 1.0
             )
@@ -460,15 +585,16 @@ class BudgetPolicy:
         self.lengths = LengthModel(self.config.lengths_per_problem)
         # Recent (accepted, predicted, tried) tokens per problem row (row 0: requests without a problem).
         self._problem_outcomes = np.zeros((1, 3))
-        # Per slot: problem row, recent outcomes, drafted / accepted tokens per step, promotion, and the
+        self._problem_stamp = np.zeros(1, np.int64)  # the observe step that last decayed the row
+        self._step = 0
+        # Per slot: problem row, recent outcomes, accepted tokens per step, promotion, and the
         # features and kept length of its last draft (learned from when the verifier answers).
         self._slot_problem = np.zeros(0, np.int64)
         self._request_outcomes = np.zeros((0, 3))
-        self._drafted_rate = np.zeros(0)
         self._accepted_rate = np.zeros(0)
         self._outlived = np.zeros(0, bool)
         self._features = np.zeros((0, k, N_FEATURES))
-        self._kept = np.zeros(0, np.int64)
+        self._kept = np.zeros(0, np.int64)  # kept draft tokens awaiting the verifier's answer
         # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
@@ -485,7 +611,6 @@ class BudgetPolicy:
             for name in (
                 "_slot_problem",
                 "_request_outcomes",
-                "_drafted_rate",
                 "_accepted_rate",
                 "_outlived",
                 "_features",
@@ -500,8 +625,9 @@ class BudgetPolicy:
         grow = self.lengths.capacity - self._problem_outcomes.shape[0]
         if grow > 0:
             self._problem_outcomes = np.concatenate([self._problem_outcomes, np.zeros((grow, 3))])
+            self._problem_stamp = np.concatenate([self._problem_stamp, np.full(grow, self._step, np.int64)])
         self._request_outcomes[slot] = 0.0
-        self._drafted_rate[slot] = self._accepted_rate[slot] = 0.0
+        self._accepted_rate[slot] = 0.0
         self._outlived[slot] = False
         self._kept[slot] = 0
 
@@ -515,7 +641,7 @@ class BudgetPolicy:
         self, slots: np.ndarray, output_lens: np.ndarray, headroom: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Maximum draft tokens per row (0 where even a sure token would not pay, else min(K, headroom)) and
-        each row's class (SHORT: no draft pays; LONG: the tail's share dominates a token's value).
+        each row's class (SHORT: no draft pays; LONG: likelier than average to finish last).
 
         Args:
             slots: the rows' slots (given to `start`).
@@ -530,18 +656,27 @@ class BudgetPolicy:
         quantiles = self.lengths.quantiles[rows]
         outputs = np.asarray(output_lens, np.float64)
         weights = np.empty(slots.shape[0])
-        critical_weights(quantiles, outputs, 1.0 + self._accepted_rate[slots], self._BINS, weights)
+        critical_weights(
+            quantiles,
+            self.lengths.quantiles[0],
+            self.lengths.atypical,
+            outputs,
+            1.0 + self._accepted_rate[slots],
+            self._BINS,
+            weights,
+        )
         # Outliving nearly every length expected of one's problem is the old "promotion" of a length class.
         outlived = (rows > 0) & (outputs > quantiles[:, -1]) & ~self._outlived[slots]
         if outlived.any():
             self._outlived[slots[outlived]] = True
             CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG]).inc(int(outlived.sum()))
-        tail = weights * c_base
-        own = c_seq + c_tok * (1.0 + self._drafted_rate[slots])
-        self._value = (tail + own) / (1.0 + self._accepted_rate[slots])
+        # One accepted token is one step fewer for its request: its own share of that step always, and the
+        # whole step when the request is the batch's last.
+        self._value = weights * c_base + c_seq + c_tok
         self._slots = slots
         pays = self._value >= c_tok
-        self.last_classes = np.where(~pays, SHORT, np.where(tail >= own, LONG, MEDIUM))
+        # For dashboards: long = likelier than average to be the batch's last.
+        self.last_classes = np.where(~pays, SHORT, np.where(weights * slots.shape[0] >= 1.0, LONG, MEDIUM))
         k = self.config.max_tokens
         budgets = np.where(pays, np.clip(np.asarray(headroom, np.int64), 0, k), 0).astype(np.int32)
         return budgets, self.last_classes
@@ -563,54 +698,61 @@ class BudgetPolicy:
             sources: which tree drafted it (ProblemIndex.SOURCE_*).
             support: occurrences behind each draft token (n, K).
         """
-        lengths = np.asarray(lengths, np.int64)
         slots = self._slots
-        n, k = lengths.shape[0], self.config.max_tokens
+        n, k = len(lengths), self.config.max_tokens
         if n != slots.shape[0]:
             raise ValueError(f"truncate got {n} rows but the last budgets call had {slots.shape[0]}")
-        features = np.zeros((n, k, N_FEATURES))
-        token_features(
+        self.last_predicted = np.empty((n, k))
+        kept = np.empty(n, np.int32)
+        _truncate_kernel(
             np.asarray(probs, np.float64)[:, :k],
             np.asarray(support, np.float64)[:, :k],
-            lengths,
+            np.asarray(lengths, np.int64),
             np.asarray(match_lens, np.float64),
             np.asarray(sources, np.int64),
-            outcome_log_odds(self._request_outcomes[slots]),
-            outcome_log_odds(self._problem_outcomes[self._slot_problem[slots]]),
-            features,
+            slots,
+            self._slot_problem,
+            self._request_outcomes,
+            self._problem_outcomes,
+            self.acceptance.weights,
+            self.acceptance.recalibration,
+            self._value,
+            float(self.cost.coefficients[2]),
+            self._features,
+            self._kept,
+            self._accepted_rate,
+            self.config.rate_decay,
+            self.last_predicted,
+            kept,
         )
-        predicted = self.acceptance.predict(features, lengths)
-        # Path probabilities are non-increasing along a row, so the tokens that pay are a prefix.
-        kept = (predicted * self._value[:, None] >= self.cost.coefficients[2]).sum(axis=1)
-        kept = np.minimum(kept, lengths)
-        self._features[slots] = features
-        self._kept[slots] = kept
-        # A row that drafts nothing has its answer already: its drafted and accepted rates decay now.
-        idle = slots[kept == 0]
-        self._drafted_rate[idle] *= self.config.rate_decay
-        self._accepted_rate[idle] *= self.config.rate_decay
-        self.last_predicted = predicted
-        return kept.astype(np.int32)
+        return kept
 
     def observe_acceptance(self, slots: np.ndarray, accepted: np.ndarray) -> None:
         """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed.
         Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance model, the
-        requests' and their problems' recent outcomes, and the requests' drafted / accepted tokens per step."""
-        slots = np.asarray(slots, np.int64)
-        drafted = self._kept[slots] > 0
-        slots = slots[drafted]
-        if not slots.shape[0]:
-            return
-        kept = self._kept[slots]
-        accepted = np.minimum(np.asarray(accepted, np.int64)[drafted], kept)
-        decay = self.config.rate_decay
-        self._drafted_rate[slots] = decay * self._drafted_rate[slots] + (1 - decay) * kept
-        self._accepted_rate[slots] = decay * self._accepted_rate[slots] + (1 - decay) * accepted
-        outcomes = self.acceptance.update(self._features[slots], kept, accepted)
-        self._request_outcomes[slots] = self.config.request_decay * self._request_outcomes[slots] + outcomes
-        self._problem_outcomes *= self.config.problem_decay
-        np.add.at(self._problem_outcomes, self._slot_problem[slots], outcomes)
-        self._kept[slots] = 0
+        requests' and their problems' recent outcomes, and the requests' accepted tokens per step."""
+        self._step += 1
+        trials = _observe_kernel(
+            np.asarray(slots, np.int64),
+            np.asarray(accepted, np.int64),
+            self._kept,
+            self._features,
+            self.acceptance.weights,
+            self._slot_problem,
+            self._request_outcomes,
+            self._problem_outcomes,
+            self._problem_stamp,
+            self.acceptance.recalibration,
+            self._step,
+            self.config.request_decay,
+            self.config.problem_decay,
+            self._accepted_rate,
+            self.config.rate_decay,
+            self.acceptance.gradient,
+            self.acceptance.curvature,
+        )
+        if trials:
+            self.acceptance.added(trials)
 
     def observe_step(self, active: int, tokens: int, seconds: float) -> None:
         """Feeds one measured verification step into the cost model."""

@@ -31,9 +31,14 @@ class EnvValue(str):
         return instance
 
 
+# Every variable read through `from_env`, for the table-driven CLI test.
+ENV_VARIABLES: set[str] = set()
+
+
 def from_env(variable: str, fallback: object) -> object:
     """The variable's raw text as a default (checked by the flag's type when the flag is not given), else
     `fallback` unchanged."""
+    ENV_VARIABLES.add(variable)
     raw = os.environ.get(variable)
     return fallback if raw is None else EnvValue(raw, variable)
 

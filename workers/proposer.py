@@ -55,7 +55,7 @@ from history_store.indexed import follow, load_index
 from history_store.problem_index import ProblemIndex
 from history_store.suffix_tree import DraftConfig
 from workers.budget import MEDIUM, BudgetConfig, BudgetPolicy
-from workers.step_book import MetricsFlush, StepBook
+from workers.step_book import END, HEADROOM, OUTPUT, MetricsFlush, StepBook
 
 logger = logging.getLogger(__name__)
 
@@ -407,17 +407,15 @@ class DasProposer:
         if self._replica is not None and started >= self._next_catch_up:
             self.catch_up()
         book = self._book
-        have = self.index.committed(slots)
-        end = np.maximum(num_tokens[:n], have)
-        new = end - have
-        self._learn_from_last_step(slots, new, started, clean=joined.size == 0 and bool(new.all()))
-
-        # Rows that committed nothing (partial prefills) must not draft.
-        headroom = np.where(new > 0, np.minimum(self.k, self.max_model_len - end - 1), 0)
+        per_row, rows, accepted, every_row_new = book.prepare(
+            slots, num_tokens, self.index.committed(slots), self._step_no, self.max_model_len
+        )
+        end = per_row[END]
+        self._learn_from_last_step(rows, accepted, started, clean=joined.size == 0 and every_row_new)
         if self.settings.budget:
-            budgets, classes = self.policy.budgets(slots, end - book.prompt_len[slots], headroom)
+            budgets, classes = self.policy.budgets(slots, per_row[OUTPUT], per_row[HEADROOM])
         else:
-            budgets, classes = np.maximum(headroom, 0).astype(np.int32), np.full(n, MEDIUM, dtype=np.int64)
+            budgets, classes = per_row[HEADROOM], np.full(n, MEDIUM, dtype=np.int64)
         # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
         width = token_ids.shape[1]
         if self._row_base.shape[0] < n or self._row_width != width:
@@ -431,18 +429,15 @@ class DasProposer:
                 lengths, result.probs, result.match_lens, result.sources, result.support
             )
 
-        self._last_tokens = book.record(
-            slots, lengths, result.probs, classes, result.sources, budgets, self._step_no
-        )
+        self._last_tokens = book.record(slots, lengths, classes, result.sources, budgets, self._step_no)
         self._last_rows = n
         self._step_no += 1
         rows = result.tokens.tolist()
         return [row[:m] for row, m in zip(rows, lengths.tolist(), strict=True)]
 
-    def _learn_from_last_step(self, slots: np.ndarray, new: np.ndarray, now: float, clean: bool) -> None:
-        """Acceptance of the previous step's drafts (a row commits accepted + 1 tokens) and the step's cost."""
-        book = self._book
-        rows, accepted = book.verified(slots, new, self._step_no)
+    def _learn_from_last_step(self, rows: np.ndarray, accepted: np.ndarray, now: float, clean: bool) -> None:
+        """Feeds the verified drafts of the previous step (their slots, tokens accepted) and the step's cost
+        to the budget."""
         if rows.shape[0]:
             self.policy.observe_acceptance(rows, accepted)
         # The interval from the previous return to this call is the verification step of the previous drafts

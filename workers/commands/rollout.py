@@ -12,28 +12,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.cli_types import POSITIVE, integer, number
+from workers.cli_types import NON_NEGATIVE, POSITIVE, integer, number
 from workers.rollout import DTYPES, KV_CACHE_DTYPES
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="das", choices=["none", "ngram", "das"], help="drafting method")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs over the problem set")
-    parser.add_argument("--samples", type=int, default=4, help="samples per problem per epoch (RL's n)")
+    parser.add_argument("--epochs", type=POSITIVE, default=2, help="epochs over the problem set")
+    parser.add_argument(
+        "--first-epoch",
+        type=NON_NEGATIVE,
+        default=0,
+        help="number of the first epoch (continue a run: its history epochs keep their numbers)",
+    )
+    parser.add_argument("--samples", type=POSITIVE, default=4, help="samples per problem per epoch (RL's n)")
     parser.add_argument("--problems", type=Path, help="JSON Lines of {problem_id, prompt | prompt_ids}")
     parser.add_argument(
-        "--num-problems", type=int, default=4, help="built-in problems used without --problems"
+        "--num-problems",
+        type=POSITIVE,
+        help="use the first N problems (default: all of --problems, or 4 built-in ones without it)",
     )
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL: 1.0)")
+    parser.add_argument("--temperature", type=number(0), default=1.0, help="sampling temperature (RL: 1.0)")
     parser.add_argument(
         "--temperatures",
         type=_temperature_schedule,
         help="one temperature per epoch, comma-separated (e.g. 1.0,0.85,0.7,0.55: a policy that sharpens "
         "during RL); replaces --temperature",
     )
-    parser.add_argument("--seed", type=int, default=0, help="engine-wide sampling seed")
-    parser.add_argument("--max-tokens", type=int, default=256, help="response length cap")
-    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=0, help="engine-wide sampling seed")
+    parser.add_argument("--max-tokens", type=POSITIVE, default=256, help="response length cap")
+    parser.add_argument("--k", type=POSITIVE, default=8, help="num_speculative_tokens")
     parser.add_argument(
         "--max-model-len", type=integer(16), default=2048, help="prompt plus response, in tokens"
     )
@@ -104,11 +112,13 @@ def _temperature_schedule(raw: str) -> tuple[float, ...]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("epochs", "samples", "num_problems", "max_tokens", "k"):
+    for name in ("epochs", "samples", "max_tokens", "k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0:
-        raise ValueError("--temperature must be >= 0")
+    if args.temperature < 0 or args.first_epoch < 0:
+        raise ValueError("--temperature and --first-epoch must be >= 0")
+    if args.num_problems is not None and args.num_problems < 1:
+        raise ValueError("--num-problems must be >= 1")
     # Before the engine is built: a missing file must not cost a model load (and a restart loop of them).
     if args.problems is not None and not args.problems.is_file():
         raise ValueError(f"--problems {args.problems}: no such file")
@@ -116,9 +126,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperatures gives {len(args.temperatures)} values for {args.epochs} epochs")
 
 
-def epoch_temperature(args: argparse.Namespace, epoch: int) -> float:
-    """The sampling temperature of `epoch`: its entry of --temperatures, else --temperature."""
-    return args.temperatures[epoch] if args.temperatures is not None else args.temperature
+def epoch_temperature(args: argparse.Namespace, index: int) -> float:
+    """The sampling temperature of this run's `index`-th epoch: its entry of --temperatures, else --temperature."""
+    return args.temperatures[index] if args.temperatures is not None else args.temperature
 
 
 def _problems(args: argparse.Namespace) -> list[Any]:
@@ -136,9 +146,9 @@ def _problems(args: argparse.Namespace) -> list[Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(require_model(args.model_dir)))
     problems = (
-        load_problems(args.problems, tokenizer)
+        load_problems(args.problems, tokenizer)[: args.num_problems]
         if args.problems
-        else builtin_problems(tokenizer, args.num_problems)
+        else builtin_problems(tokenizer, args.num_problems or 4)
     )
     index, count = args.shard
     problems = problems[index::count]
@@ -189,9 +199,9 @@ def _epochs(
 
     worker = RolloutWorker(llm, args.strategy, sink=sink)
     reports = []
-    for epoch in range(args.epochs):
-        sampling = {"temperature": epoch_temperature(args, epoch), "max_tokens": args.max_tokens}
-        report, _ = worker.run_epoch(problems, epoch, args.samples, sampling)
+    for nth in range(args.epochs):
+        sampling = {"temperature": epoch_temperature(args, nth), "max_tokens": args.max_tokens}
+        report, _ = worker.run_epoch(problems, args.first_epoch + nth, args.samples, sampling)
         line = {**report.to_json(), "temperature": sampling["temperature"]}
         proposer = line.pop("proposer")
         if proposer is not None:
@@ -200,7 +210,7 @@ def _epochs(
         reports.append(line)
         if not args.json:
             print(
-                f"epoch {epoch}: {line['requests']} requests, {line['wall_s']:.1f} s, {line['tokens_per_s']:.1f} tok/s, "
+                f"epoch {report.epoch}: {line['requests']} requests, {line['wall_s']:.1f} s, {line['tokens_per_s']:.1f} tok/s, "
                 f"acceptance {line['acceptance_rate']:.2f}, {line['mean_accepted_per_step']:.2f} accepted/step, "
                 f"latency p50 {line['latency_p50_s']:.2f} s p99 {line['latency_p99_s']:.2f} s "
                 f"max {line['latency_max_s']:.2f} s",
@@ -258,7 +268,8 @@ def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> d
         name: getattr(args, name)
         for name in ("k", "max_num_seqs", "max_tokens", "max_model_len", "budget", "seed", "samples")
     }
-    settings["temperatures"] = [epoch_temperature(args, epoch) for epoch in range(args.epochs)]
+    settings["first_epoch"] = args.first_epoch
+    settings["temperatures"] = [epoch_temperature(args, index) for index in range(args.epochs)]
     return {"strategy": args.strategy, "out": str(args.out), "settings": settings, "epochs": reports}
 
 
