@@ -161,12 +161,13 @@ class _EngineServer:
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
         extra = params.get("extra_args") or {}
         abort_after = self.abort_after.pop(extra.get("das_problem_id"), None)
-        # A request to abort gets room to run far past the abort, so it cannot finish first.
-        max_tokens = self.max_tokens if abort_after is None else 10 * self.max_tokens
+        if abort_after is not None:
+            # A request to abort runs far past the abort (a long-tail sample), so it cannot finish first.
+            params |= {"max_tokens": 10 * self.max_tokens, "ignore_eos": True}
         final = None
         async for output in self.engine.generate(
             TokensPrompt(prompt_token_ids=prompt_ids),
-            SamplingParams(max_tokens=max_tokens, **params),
+            SamplingParams(**{"max_tokens": self.max_tokens, **params}),
             request_id,
         ):
             final = output

@@ -465,7 +465,12 @@ class DasProposer:
             sample,
             prompt_len,
             getattr(sampling, "max_tokens", None),
-            frozenset(getattr(sampling, "all_stop_token_ids", None) or ()),
+            # vLLM keeps EOS among all_stop_token_ids under ignore_eos; such a request stops only on its own.
+            frozenset(
+                (getattr(sampling, "stop_token_ids", None) or ())
+                if getattr(sampling, "ignore_eos", False)
+                else (getattr(sampling, "all_stop_token_ids", None) or ())
+            ),
             int(getattr(sampling, "min_tokens", 0) or 0),
         )
         self._slot_of[key] = slot
