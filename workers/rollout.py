@@ -37,21 +37,34 @@ _SPEC_COUNTERS = {
 }
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
-    """How to build the engine. Defaults fit the CPU test model on a small machine."""
+    """How to build the engine. None means the platform's default (`engine_kwargs`): the CPU keeps the small,
+    exact settings the tests need; a GPU gets vLLM's serving settings."""
 
     strategy: str = "das"
     model_dir: Path | None = None
     # K. 8 keeps a rejected draft cheap on the CPU verifier (vLLM's ngram examples use 5-10).
     num_speculative_tokens: int = 8
     max_model_len: int = 2048
-    max_num_seqs: int = 16
-    # float32: bf16 changes greedy outputs at batch > 1 on the CPU (see NOTES), so lossless checks need fp32.
-    dtype: str = "float32"
+    # CPU 16; GPU 256, vLLM's own default for serving.
+    max_num_seqs: int | None = None
+    # CPU float32 (bf16 changes greedy outputs at batch > 1 on the CPU, see NOTES); GPU "auto" (the checkpoint's).
+    dtype: str | None = None
     seed: int = 0
-    # The CPU backend otherwise reserves a fraction of all RAM; 512 MiB holds ~11k tokens of SmolLM2 KV (fp32).
-    kv_cache_bytes: int = 512 * 2**20
+    # CPU: 512 MiB holds ~11k tokens of SmolLM2 KV in fp32 (the CPU backend otherwise reserves a fraction of all
+    # RAM). GPU: None, so gpu_memory_utilization sizes the cache.
+    kv_cache_bytes: int | None = None
+    # GPU only: the share of GPU memory vLLM may take (weights, activations, KV cache).
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    # CPU True; GPU False, so vLLM captures CUDA graphs.
+    enforce_eager: bool | None = None
+    tensor_parallel_size: int = 1
     # Prompt lookup n-gram sizes of the `ngram` baseline (the range measured in NOTES).
     ngram_min: int = 2
     ngram_max: int = 4
@@ -59,26 +72,39 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.num_speculative_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 16:
+        if self.num_speculative_tokens < 1 or self.max_model_len < 16 or self.tensor_parallel_size < 1:
             raise ValueError(
-                "num_speculative_tokens >= 1, max_num_seqs >= 1 and max_model_len >= 16 are required"
+                "num_speculative_tokens >= 1, max_model_len >= 16 and tensor_parallel_size >= 1 are required"
             )
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
 
 
-def build_engine(options: EngineOptions) -> Any:
-    """A `vllm.LLM` for `options` (spec metrics on, hub off). Call under `if __name__ == "__main__":` in
-    scripts: vLLM spawns its workers.
-
-    Raises:
-        ModelError: the model is not prepared.
-    """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # vLLM logs to stdout by default; commands print their results (JSON) there. Read when vllm is imported.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    model_dir = require_model(options.model_dir)
-    from vllm import LLM
-
-    kwargs: dict[str, Any] = {}
+def engine_kwargs(options: EngineOptions, on_cpu: bool) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments for `options` on the CPU or a GPU (model path excluded)."""
+    kwargs: dict[str, Any] = {
+        "dtype": options.dtype or ("float32" if on_cpu else "auto"),
+        "max_model_len": options.max_model_len,
+        "max_num_seqs": options.max_num_seqs or (16 if on_cpu else 256),
+        "seed": options.seed,
+        "enforce_eager": on_cpu if options.enforce_eager is None else options.enforce_eager,
+        "kv_cache_dtype": options.kv_cache_dtype,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "disable_log_stats": False,
+    }
+    kv_bytes = options.kv_cache_bytes or (512 * 2**20 if on_cpu else None)
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if not on_cpu:
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
     k = options.num_speculative_tokens
     if options.strategy == "ngram":
         kwargs["speculative_config"] = {
@@ -94,17 +120,24 @@ def build_engine(options: EngineOptions) -> Any:
             "num_speculative_tokens": k,
         }
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
-    return LLM(
-        model=str(model_dir),
-        dtype=options.dtype,
-        max_model_len=options.max_model_len,
-        max_num_seqs=options.max_num_seqs,
-        kv_cache_memory_bytes=options.kv_cache_bytes,
-        seed=options.seed,
-        enforce_eager=True,
-        disable_log_stats=False,
-        **kwargs,
-    )
+    return kwargs
+
+
+def build_engine(options: EngineOptions) -> Any:
+    """A `vllm.LLM` for `options` (spec metrics on, hub off). Call under `if __name__ == "__main__":` in
+    scripts: vLLM spawns its workers.
+
+    Raises:
+        ModelError: the model folder is not a complete checkpoint (checked before vLLM starts).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # vLLM logs to stdout by default; commands print their results (JSON) there. Read when vllm is imported.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    model_dir = require_model(options.model_dir)
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    return LLM(model=str(model_dir), **engine_kwargs(options, current_platform.is_cpu()))
 
 
 def shutdown_engine(llm: Any) -> None:

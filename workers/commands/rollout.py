@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.cli_types import NON_NEGATIVE, POSITIVE, number
+from workers.cli_types import NON_NEGATIVE, POSITIVE, integer, number
+from workers.rollout import DTYPES, KV_CACHE_DTYPES
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -41,15 +42,43 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=NON_NEGATIVE, default=0, help="engine-wide sampling seed")
     parser.add_argument("--max-tokens", type=POSITIVE, default=256, help="response length cap")
     parser.add_argument("--k", type=POSITIVE, default=8, help="num_speculative_tokens")
-    parser.add_argument("--max-num-seqs", type=POSITIVE, default=16, help="engine batch size")
-    parser.add_argument("--max-model-len", type=POSITIVE, default=2048)
     parser.add_argument(
+        "--max-model-len", type=integer(16), default=2048, help="prompt plus response, in tokens"
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="any Hugging Face checkpoint folder: config.json, safetensors (one file or shards), tokenizer "
+        "(default: das model prepare's folder)",
+    )
+    engine = parser.add_argument_group("engine (defaults: CPU exact and small, GPU vLLM's serving settings)")
+    engine.add_argument(
+        "--max-num-seqs", type=POSITIVE, default=None, help="engine batch size (default: CPU 16, GPU 256)"
+    )
+    engine.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="weights and compute (default: CPU float32, GPU auto)"
+    )
+    engine.add_argument(
         "--kv-cache-mib",
         type=POSITIVE,
-        default=512,
-        help="KV cache size (SmolLM2 float32: 45 KiB per token; size it for max-num-seqs full requests)",
+        default=None,
+        help="KV cache size (default: CPU 512, SmolLM2 float32 takes 45 KiB per token; GPU: sized by "
+        "--gpu-memory-utilization)",
     )
-    parser.add_argument("--model-dir", type=Path, help="prepared model (default: das model prepare's folder)")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=number(above=0, maximum=1),
+        default=0.9,
+        help="GPU share for weights and KV cache",
+    )
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    engine.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no CUDA graphs (default: on for the CPU, off on a GPU)",
+    )
+    engine.add_argument("--tensor-parallel-size", type=POSITIVE, default=1)
     parser.add_argument(
         "--budget", default="on", choices=["on", "off"], help="DAS length-aware budget policy"
     )
@@ -83,7 +112,7 @@ def _temperature_schedule(raw: str) -> tuple[float, ...]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("epochs", "samples", "max_tokens", "k", "max_num_seqs", "kv_cache_mib"):
+    for name in ("epochs", "samples", "max_tokens", "k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0 or args.first_epoch < 0:
@@ -102,35 +131,20 @@ def epoch_temperature(args: argparse.Namespace, index: int) -> float:
     return args.temperatures[index] if args.temperatures is not None else args.temperature
 
 
-def _loop(args: argparse.Namespace, sink: Callable[[Any], None] | None) -> list[dict[str, Any]]:
-    """Builds the engine and runs the epochs; returns the per-epoch reports."""
-    from workers.rollout import (
-        EngineOptions,
-        build_engine,
-        shutdown_engine,
-    )
+def _problems(args: argparse.Namespace) -> list[Any]:
+    """This worker's problems (its --shard of the set), read before any engine is built: an incomplete model
+    folder or a malformed --problems file fails in seconds rather than after the engine's start-up.
 
-    os.environ["DAS_BUDGET"] = args.budget
-    options = EngineOptions(
-        strategy=args.strategy,
-        model_dir=args.model_dir,
-        num_speculative_tokens=args.k,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        kv_cache_bytes=args.kv_cache_mib * 2**20,
-    )
-    llm = build_engine(options)
-    try:
-        return _epochs(args, llm, sink)
-    finally:
-        shutdown_engine(llm)
+    Raises:
+        ModelError: the model folder is incomplete.
+        ValueError: the problems file is malformed, or the shard selects nothing.
+    """
+    from transformers import AutoTokenizer
 
+    from workers.model import require_model
+    from workers.rollout import builtin_problems, load_problems
 
-def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | None) -> list[dict[str, Any]]:
-    from workers.rollout import RolloutWorker, builtin_problems, load_problems
-
-    tokenizer = llm.get_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(str(require_model(args.model_dir)))
     problems = (
         load_problems(args.problems, tokenizer)[: args.num_problems]
         if args.problems
@@ -140,6 +154,49 @@ def _epochs(args: argparse.Namespace, llm: Any, sink: Callable[[Any], None] | No
     problems = problems[index::count]
     if not problems:
         raise ValueError(f"--shard {index}/{count} selects no problem")
+    return problems
+
+
+def engine_options(args: argparse.Namespace) -> Any:
+    """The engine the command's flags describe."""
+    from workers.rollout import EngineOptions
+
+    return EngineOptions(
+        strategy=args.strategy,
+        model_dir=args.model_dir,
+        num_speculative_tokens=args.k,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib * 2**20 if args.kv_cache_mib is not None else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+def _loop(
+    args: argparse.Namespace, problems: list[Any], sink: Callable[[Any], None] | None
+) -> list[dict[str, Any]]:
+    """Builds the engine and runs the epochs; returns the per-epoch reports."""
+    from workers.rollout import build_engine, shutdown_engine
+
+    options = engine_options(args)
+    os.environ["DAS_BUDGET"] = args.budget
+    llm = build_engine(options)
+    try:
+        return _epochs(args, llm, problems, sink)
+    finally:
+        shutdown_engine(llm)
+
+
+def _epochs(
+    args: argparse.Namespace, llm: Any, problems: list[Any], sink: Callable[[Any], None] | None
+) -> list[dict[str, Any]]:
+    from workers.rollout import RolloutWorker
+
     worker = RolloutWorker(llm, args.strategy, sink=sink)
     reports = []
     for nth in range(args.epochs):
@@ -172,6 +229,7 @@ def _rollout(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"das rollout: {exc}", file=sys.stderr)
         return 2
+    problems = _problems(args)
     # The proposer's metrics come from vLLM's engine process: they reach this server when
     # PROMETHEUS_MULTIPROC_DIR is set before `das` starts (as docker-compose.yml does).
     server = start_from_args(args)
@@ -189,7 +247,7 @@ def _rollout(args: argparse.Namespace) -> int:
         os.environ["DAS_HISTORY_DIR"] = str(Path(args.history_dir).resolve())
     bus = open_bus(args.bus)
     try:
-        reports = _loop(args, bus.publish)
+        reports = _loop(args, problems, bus.publish)
         bus.flush()
     finally:
         bus.close()
@@ -221,6 +279,7 @@ def _traces(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"das traces generate: {exc}", file=sys.stderr)
         return 2
+    problems = _problems(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     # A .gz name writes gzip: multi-epoch traces compress about 4x.
@@ -233,7 +292,7 @@ def _traces(args: argparse.Namespace) -> int:
         def write(record: Any) -> None:
             handle.write(record.model_dump_json(exclude_none=True) + "\n")
 
-        reports = _loop(args, write)
+        reports = _loop(args, problems, write)
     tmp.replace(args.out)
     report = _engine_report(args, reports)
     if args.report is not None:

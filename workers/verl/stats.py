@@ -1,9 +1,10 @@
 """The DAS proposer's statistics from the trainer's side of verl.
 
 verl's `vLLMHttpServer.collective_rpc` awaits the engine's RPC but drops its results, and its other methods
-return nothing of the proposer. So the RPC's callable (run by vLLM in every worker process of the server)
-writes each rank's `das_stats` to a file next to the server, and Ray's `__ray_call__` reads them back inside
-the server actor (which shares the node with its workers) and removes them.
+return nothing of the proposer. So the RPC names `das_write_stats` (our worker extension's method; vLLM
+refuses to ship a callable unless VLLM_ALLOW_INSECURE_SERIALIZATION=1), which writes each rank's `das_stats` to
+a file next to the server, and Ray's `__ray_call__` reads them back inside the server actor (which shares the
+node with its workers) and removes them.
 
     per_server = agent_loop_manager.das_stats()   # our managers: [[rank 0 stats, rank 1 ...], ...] per server
     per_server = das_stats(server_handles)        # any vLLMHttpServer actor handles
@@ -23,20 +24,21 @@ import ray
 STATS_PREFIX = "das-stats-"
 
 
-def _write_stats(worker: Any, path: str) -> None:
-    """Runs in each vLLM worker process (vLLM passes the worker as the first argument)."""
-    rank = int(getattr(worker, "rank", 0))
+def write_rank_stats(stats: dict[str, Any], rank: int, path: str) -> None:
+    """Writes one rank's statistics to `<path>.<rank>` (atomically: the reader never sees half a file)."""
     target = Path(f"{path}.{rank}")
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(worker.das_stats()))
+    tmp = Path(f"{path}.{rank}.tmp")
+    tmp.write_text(json.dumps(stats))
     tmp.replace(target)
 
 
 def _read_stats(_server: Any, path: str) -> list[dict[str, Any]]:
     """Runs inside the server actor: the ranks' files in rank order, removed once read."""
     folder, name = os.path.split(path)
-    files = sorted(Path(folder).glob(f"{name}.*"), key=lambda p: int(p.suffix[1:]))
-    out = [json.loads(f.read_text()) for f in files if f.suffix[1:].isdigit()]
+    files = sorted(
+        (p for p in Path(folder).glob(f"{name}.*") if p.suffix[1:].isdigit()), key=lambda p: int(p.suffix[1:])
+    )
+    out = [json.loads(f.read_text()) for f in files]
     for f in files:
         f.unlink(missing_ok=True)
     return out
@@ -57,7 +59,7 @@ def das_stats(servers: list[Any], timeout_s: float = 60.0) -> list[list[dict[str
     results = []
     for server in servers:
         path = ray.get(server.__ray_call__.remote(_stats_path))
-        ray.get(server.collective_rpc.remote(_write_stats, timeout=timeout_s, args=(path,)))
+        ray.get(server.collective_rpc.remote("das_write_stats", timeout=timeout_s, args=(path,)))
         results.append(ray.get(server.__ray_call__.remote(_read_stats, path)))
     return results
 
