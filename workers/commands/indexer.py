@@ -80,6 +80,12 @@ def register(cli: Any) -> None:
     add_metrics_arguments(p)
 
 
+def _one_line_for_kafka_client_errors(record: logging.LogRecord) -> bool:
+    if record.name.startswith("kafka.") and record.exc_info:
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     from history_store.errors import StoreCorruptionError
     from monitoring.server import start_from_args
@@ -91,8 +97,11 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # kafka-python narrates every connection at INFO and DEBUG; its warnings and errors still show.
+    # kafka-python narrates every connection at INFO and DEBUG; its warnings and errors still show, as one line
+    # each: during an outage it logs every reset socket with a traceback, which the replica waits out anyway.
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_one_line_for_kafka_client_errors)
     if not args.data:
         raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
     if args.bus == "embedded":
