@@ -301,26 +301,41 @@ class KafkaBus:
             self._abandon_producer()
 
     def _abandon_producer(self) -> None:
-        """Moves every in-flight record to the retry queue (their current attempt's callbacks are ignored from
-        now on) and asks the sender to replace the producer. Called with the lock held."""
+        """Asks the sender to replace the producer, and moves every in-flight record to the retry queue now, so
+        that the sender wakes for them even when nothing else is queued. Called with the lock held."""
+        self._requeue_in_flight()
+        self._replace_producer = True
+
+    def _requeue_in_flight(self) -> None:
+        """Moves every record in flight to the retry queue; their current attempt's callbacks are ignored from
+        now on. Called with the lock held."""
         due = time.monotonic() + RETRY_DELAY_S
         for item in self._in_flight.values():
             item.attempt += 1
             self._retries.append((due, item))
         self._in_flight.clear()
-        self._replace_producer = True
+
+    def _swap_producer(self) -> BusError | None:
+        """Replaces the producer. Everything in flight was sent through the old one, including records sent
+        after the replacement was asked for: all of it is queued again before the old producer is closed, so
+        the errors that closing it gives them ("closed forcefully") belong to abandoned attempts and settle
+        nothing. Returns the error if no new producer could be made (it is asked for again)."""
+        with self._lock:
+            self._replace_producer = False
+            self._requeue_in_flight()
+        _discard(self._producer)
+        try:
+            self._producer = self._new_producer()
+        except BusError as exc:
+            self._replace_producer = True
+            return exc
+        return None
 
     def _send_loop(self) -> None:
         while (item := self._next()) is not None:
-            if self._replace_producer:
-                self._replace_producer = False
-                _discard(self._producer)  # its records were moved to the retry queue
-                try:
-                    self._producer = self._new_producer()
-                except BusError as exc:
-                    self._replace_producer = True
-                    self._retry(item, item.attempt, exc)
-                    continue
+            if self._replace_producer and (exc := self._swap_producer()) is not None:
+                self._retry(item, item.attempt, exc)
+                continue
             try:
                 value = encode_record(item.record)
             except (ValueError, TypeError, OverflowError) as exc:
@@ -367,7 +382,16 @@ class KafkaBus:
             PRODUCER_QUEUE_DEPTH.set(self._unsettled)
             self._lock.notify_all()
 
+    def _current(self, item: _Pending, attempt: int) -> bool:
+        """Whether this callback's attempt still decides the record's fate. Called with the lock held."""
+        return not (self._settled or item.done or item.attempt != attempt)
+
     def _on_delivery_failure(self, item: _Pending, attempt: int, exc: BaseException) -> None:
+        with self._lock:
+            if not self._current(item, attempt):
+                # An abandoned attempt (its producer was replaced): it must not replace the new producer too,
+                # or every replacement would fail the records just sent through the next one.
+                return
         if isinstance(exc, _REFUSALS):
             self._replace_producer = True
             self._refuse(item, attempt, exc)
@@ -383,11 +407,11 @@ class KafkaBus:
         else:
             # Neither a refusal nor transient: the broker may or may not have written it. Report it as
             # unknown rather than guess, and start a fresh producer (this one is in its fatal state).
-            self._replace_producer = True
             PRODUCER_SEND_ERRORS.inc()
             with self._lock:
-                if self._settled or item.done or item.attempt != attempt:
+                if not self._current(item, attempt):
                     return
+                self._replace_producer = True
                 item.done = True
                 self._in_flight.pop(id(item), None)
                 self._given_up += 1
@@ -397,7 +421,7 @@ class KafkaBus:
 
     def _retry(self, item: _Pending, attempt: int, exc: BaseException) -> None:
         with self._lock:
-            if self._settled or item.done or item.attempt != attempt:
+            if not self._current(item, attempt):
                 return  # acknowledged meanwhile, or this attempt was already abandoned and requeued
             item.attempt += 1
             self._in_flight.pop(id(item), None)
@@ -417,7 +441,7 @@ class KafkaBus:
     def _refuse(self, item: _Pending, attempt: int, exc: BaseException) -> None:
         PRODUCER_SEND_ERRORS.inc()
         with self._lock:
-            if self._settled or item.done or item.attempt != attempt:
+            if not self._current(item, attempt):
                 return
             item.done = True
             self._in_flight.pop(id(item), None)

@@ -84,11 +84,6 @@ def _topic_keys(servers: list[str], topic: str) -> list[bytes]:
         consumer.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="flaky (issue 15 stays open): after a full outage the load's kafka-python producer is sometimes "
-    "force-closed and its records end 'unknown' instead of being sent again; seen 2 of 4 runs on a loaded machine",
-)
 def test_a_full_cluster_outage_is_waited_out_and_every_count_is_exact(
     kafka_cluster_servers, cluster_topics, das_processes, tmp_path
 ):

@@ -7,6 +7,7 @@ import collections
 import json
 import random
 import struct
+import time
 
 import pytest
 from conftest import drop_topics, end_offsets
@@ -249,6 +250,32 @@ def test_publish_reports_backpressure_when_its_bounded_wait_runs_out(kafka_serve
     assert sum(end_offsets(kafka_servers, topic).values()) == 300 - refused
     with pytest.raises(BusError, match="closed"):
         bus.publish(next(synthetic_records(2, 1, SMALL)))
+
+
+def test_replacing_a_stuck_producer_settles_every_record_it_held(kafka_servers, kafka_topics):
+    # The bus replaces its kafka-python producer when one stops answering (after a full outage); closing the old
+    # one fails whatever it still held ("closed forcefully"). Those records must be sent again, not reported
+    # unknown, and their errors must not condemn the next producer in turn (a cascade seen after outages).
+    topic, _ = kafka_topics
+    bus = open_bus(f"kafka://{','.join(kafka_servers)}", topic=topic)
+    records = list(synthetic_records(4, 400, SMALL))
+    for i, record in enumerate(records):
+        bus.publish(record)
+        time.sleep(0.01)  # steady traffic: sends continue while abandoned records come due again
+        if i % 50 == 25:
+            with bus._lock:  # what the stuck-producer check does
+                bus._abandon_producer()
+    report = bus.close(timeout_s=60)
+    assert (report.acknowledged, report.refused, report.unknown) == (400, 0, 0)
+    consumer = KafkaConsumer(
+        bootstrap_servers=kafka_servers, enable_auto_commit=False, consumer_timeout_ms=3000
+    )
+    partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+    consumer.assign(partitions)
+    consumer.seek_to_beginning(*partitions)
+    keys = {m.key for m in consumer}
+    consumer.close()
+    assert keys == {record_key(*r.key) for r in records}
 
 
 def test_opening_the_bus_fails_clearly_without_a_broker_or_topic(kafka_servers):
