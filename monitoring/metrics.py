@@ -40,6 +40,7 @@ DEAD_LETTER_REASONS = (
     "key_mismatch",
     "epoch_ahead",
     "sample_range",
+    "epoch_range",
 )
 QUARANTINE_REASONS = ("checksum", "header", "size", "window")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the

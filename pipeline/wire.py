@@ -47,11 +47,16 @@ REASON_OVERSIZE = "oversize"  # more tokens than the replica accepts
 REASON_KEY_MISMATCH = "key_mismatch"  # the message key is not the record's identity
 REASON_EPOCH_AHEAD = "epoch_ahead"  # an epoch too far beyond the newest the replica holds (it would evict)
 REASON_SAMPLE_RANGE = "sample_range"  # a sample id beyond the replica's limit
+REASON_EPOCH_RANGE = "epoch_range"  # an epoch beyond any training run's (the empty replica's guard)
 # Limits a replica checks against its own state (workers.indexer). Training moves one epoch at a time; a
 # record this far beyond the newest stored epoch would evict the history of the problem it names, so it is
 # dead-lettered. A replica that was down for more epochs than this rebuilds from the topic (an empty folder)
 # or runs with a larger --max-epochs-ahead.
 DEFAULT_MAX_EPOCHS_AHEAD = 8
+# An empty replica has no newest epoch to measure "ahead" against, so one hostile record (epoch 2**32 - 1) as
+# its first would set the reference and poison its problem for good; an absolute ceiling far above any RL run's
+# epoch count (passes over the problem set) closes that gap.
+DEFAULT_MAX_EPOCH = 100_000
 # Sample ids need only be unique within a problem and epoch (synthetic load numbers them worker * 10**6 + i),
 # so by default the key's u32 range is the limit; a deployment that knows its RL n can set a tighter one.
 DEFAULT_MAX_SAMPLE = MAX_EPOCH
@@ -64,6 +69,7 @@ REASONS = (
     REASON_KEY_MISMATCH,
     REASON_EPOCH_AHEAD,
     REASON_SAMPLE_RANGE,
+    REASON_EPOCH_RANGE,
 )
 
 

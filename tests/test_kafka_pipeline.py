@@ -27,7 +27,7 @@ from pipeline.consumer import (
 )
 from pipeline.synthetic import SyntheticShape, synthetic_record, synthetic_records
 from pipeline.topics import admin_client
-from pipeline.wire import encode_record, partition_for, record_key
+from pipeline.wire import DEFAULT_MAX_EPOCHS_AHEAD, encode_record, partition_for, record_key
 from workers.cli import main as das
 from workers.indexer import Indexer, ProblemIndexListener
 
@@ -230,6 +230,44 @@ def test_malformed_messages_go_to_the_dead_letter_topic_and_valid_ones_apply(
     summary = json.loads(capsys.readouterr().out)
     assert summary["dead_letters"] == 1000
     assert summary["by_reason"] == dict(collections.Counter(expected.values()))
+
+
+def test_records_that_would_destroy_history_go_to_the_dead_letter_topic(
+    kafka_servers, kafka_topics, tmp_path
+):
+    # One plain producer, no DAS code on the sending side: what an unauthenticated client could send.
+    topic, dlq = kafka_topics
+    producer = KafkaProducer(bootstrap_servers=kafka_servers, linger_ms=5)
+
+    def send(record) -> None:
+        producer.send(topic, key=record_key(*record.key), value=encode_record(record)).get(timeout=30)
+
+    def record(epoch: int, sample: int):
+        return synthetic_record(1, 0, 0, SMALL).model_copy(update={"epoch": epoch, "sample": sample})
+
+    with HistoryStore(tmp_path / "store", window_epochs=2) as store:
+        indexer = _indexer(kafka_servers, topic, dlq, store, max_sample=63)
+        send(record(2**32 - 1, 0))  # the first record an empty replica sees: no newest epoch to compare with
+        totals = _drain(indexer, store, kafka_servers, topic)
+        assert totals["dead"] == {"epoch_range": 1} and store.stats().trajectories == 0
+        for epoch in (0, 1):
+            for sample in range(4):
+                send(record(epoch, sample))
+        send(record(1 + DEFAULT_MAX_EPOCHS_AHEAD + 1, 0))  # would evict both stored epochs
+        send(record(1, 64))  # sample id out of range
+        totals = _drain(indexer, store, kafka_servers, topic)
+        assert totals["dead"] == {"epoch_ahead": 1, "sample_range": 1} and totals["evicted"] == 0
+        send(record(2, 0))  # a legitimate next epoch still moves the window
+        totals = _drain(indexer, store, kafka_servers, topic)
+        indexer.close()
+        assert totals["evicted"] == 4 and totals["dead"] == {}
+        assert sorted(k[1:] for k in (t.key for t in store.iter_trajectories())) == [
+            (1, 0), (1, 1), (1, 2), (1, 3), (2, 0)
+        ]  # fmt: skip
+    producer.close()
+    assert sorted(d.reason for d in read_dead_letters(kafka_servers, dlq)) == [
+        "epoch_ahead", "epoch_range", "sample_range"
+    ]  # fmt: skip
 
 
 def test_publish_reports_backpressure_when_its_bounded_wait_runs_out(kafka_servers, kafka_topics):

@@ -38,10 +38,12 @@ from monitoring.metrics import CONSUMER_LAG, CONSUMER_UP, DEAD_LETTERED, FRESHNE
 from pipeline.bus import EMBEDDED_TOPIC, BusMessage, BusUnavailableError, TrajectorySource
 from pipeline.consumer import ReplicaPublisher
 from pipeline.wire import (
+    DEFAULT_MAX_EPOCH,
     DEFAULT_MAX_EPOCHS_AHEAD,
     DEFAULT_MAX_RECORD_TOKENS,
     DEFAULT_MAX_SAMPLE,
     REASON_EPOCH_AHEAD,
+    REASON_EPOCH_RANGE,
     REASON_SAMPLE_RANGE,
     WireError,
     check_key,
@@ -177,12 +179,14 @@ class Indexer:
         checkpointer: Checkpointer | None = None,
         max_epochs_ahead: int = DEFAULT_MAX_EPOCHS_AHEAD,
         max_sample: int = DEFAULT_MAX_SAMPLE,
+        max_epoch: int = DEFAULT_MAX_EPOCH,
     ) -> None:
         if batch_records < 1:
             raise ValueError(f"batch_records must be >= 1, got {batch_records}")
-        if max_epochs_ahead < 0 or max_sample < 0:
+        if min(max_epochs_ahead, max_sample, max_epoch) < 0:
             raise ValueError(
-                f"max_epochs_ahead and max_sample must be >= 0, got {max_epochs_ahead}, {max_sample}"
+                "max_epochs_ahead, max_sample and max_epoch must be >= 0, got "
+                f"{max_epochs_ahead}, {max_sample}, {max_epoch}"
             )
         self.source = source
         self.store = store
@@ -195,6 +199,7 @@ class Indexer:
         self.checkpointer = checkpointer
         self.max_epochs_ahead = max_epochs_ahead
         self.max_sample = max_sample
+        self.max_epoch = max_epoch
         self._newest_epoch = store.stats().max_epoch  # -1 for an empty store
         self._next_lag = 0.0
 
@@ -357,6 +362,11 @@ class Indexer:
             raise WireError(
                 REASON_SAMPLE_RANGE,
                 f"sample {record.sample} is beyond this replica's limit {self.max_sample}",
+            )
+        if record.epoch > self.max_epoch:
+            raise WireError(
+                REASON_EPOCH_RANGE,
+                f"epoch {record.epoch} is beyond this replica's limit {self.max_epoch} (--max-epoch)",
             )
         if record.epoch > reference_epoch + self.max_epochs_ahead:
             raise WireError(

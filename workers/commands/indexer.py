@@ -25,7 +25,12 @@ DATA_ENV = "DAS_HISTORY_DIR"
 
 
 def register(cli: Any) -> None:
-    from pipeline.wire import DEFAULT_MAX_EPOCHS_AHEAD, DEFAULT_MAX_RECORD_TOKENS, DEFAULT_MAX_SAMPLE
+    from pipeline.wire import (
+        DEFAULT_MAX_EPOCH,
+        DEFAULT_MAX_EPOCHS_AHEAD,
+        DEFAULT_MAX_RECORD_TOKENS,
+        DEFAULT_MAX_SAMPLE,
+    )
 
     p = cli.command(
         "indexer", "run", help="Run the history replica: consume the bus into a history store.", run=run
@@ -75,6 +80,13 @@ def register(cli: Any) -> None:
         type=NON_NEGATIVE,
         default=DEFAULT_MAX_SAMPLE,
         help=f"records with a larger sample id are dead-lettered (default {DEFAULT_MAX_SAMPLE})",
+    )
+    p.add_argument(
+        "--max-epoch",
+        type=NON_NEGATIVE,
+        default=DEFAULT_MAX_EPOCH,
+        help="records with a larger epoch are dead-lettered, whatever the store holds: the guard of an empty "
+        f"replica, which has no newest epoch yet (default {DEFAULT_MAX_EPOCH})",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_metrics_arguments(p)
@@ -129,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_records": args.batch_records or DEFAULT_BATCH_RECORDS,
         "max_epochs_ahead": args.max_epochs_ahead,
         "max_sample": args.max_sample,
+        "max_epoch": args.max_epoch,
     }
     while not stop.is_set():
         try:
