@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -208,6 +209,10 @@ class ReplicaPublisher:
         except KafkaError as exc:
             raise _bus_error(f"cannot reach {self._where}: {UNREACHABLE}", exc) from exc
         self._failures: list[BaseException] = []
+        # Tombstones whose send failed for a transient reason (an outage): the store has already evicted their
+        # records and stored the offsets past them, so nothing would send them again; each flush does, until
+        # the brokers take them (else compaction keeps evicted records in the topic for good).
+        self._unsent_tombstones: deque[tuple[str, bytes, int]] = deque()
 
     def dead_letter(self, message: BusMessage, reason: str, detail: str) -> None:
         """Sends the original message bytes to the dead-letter topic with reason and origin headers.
@@ -236,14 +241,18 @@ class ReplicaPublisher:
 
     def tombstones(self, topic: str, partitions: int, keys: Iterable[tuple[str, int, int]]) -> None:
         """Publishes a tombstone (null value) for each evicted record, in its problem's partition, so
-        compaction drops it from the topic."""
+        compaction drops it from the topic; first sends again those an outage held back."""
+        self._resend_tombstones()
         for problem_id, epoch, sample in keys:
-            partition = partition_for(problem_id, partitions)
-            self._send(topic, record_key(problem_id, epoch, sample), None, partition, [])
+            self._send_tombstone(
+                (topic, record_key(problem_id, epoch, sample), partition_for(problem_id, partitions))
+            )
 
     def flush(self, timeout_s: float = 30) -> None:
-        """Waits until everything sent is acknowledged. Raises BusUnavailableError if sends timed out or no
-        broker answered (transient), BusError if a send was refused."""
+        """Sends again the tombstones an outage held back, then waits until everything sent is acknowledged.
+        Raises BusUnavailableError if sends timed out or no broker answered (transient; the tombstones are kept
+        for the next flush), BusError if a send was refused."""
+        self._resend_tombstones()
         try:
             self._producer.flush(timeout=timeout_s)
         except KafkaError as exc:
@@ -252,6 +261,36 @@ class ReplicaPublisher:
             failures, self._failures = self._failures, []
             first = next((f for f in failures if not getattr(f, "retriable", False)), failures[0])
             raise _bus_error(f"{len(failures)} dead letters/tombstones failed on {self._where}", first)
+        if self._unsent_tombstones:
+            raise BusUnavailableError(
+                f"{len(self._unsent_tombstones)} tombstones not acknowledged by {self._where}; kept for the next flush"
+            )
+
+    @property
+    def unsent_tombstones(self) -> int:
+        """Tombstones held back by an outage, sent again by the next flush."""
+        return len(self._unsent_tombstones)
+
+    def _resend_tombstones(self) -> None:
+        for _ in range(len(self._unsent_tombstones)):
+            self._send_tombstone(self._unsent_tombstones.popleft())
+
+    def _send_tombstone(self, tombstone: tuple[str, bytes, int]) -> None:
+        topic, key, partition = tombstone
+        try:
+            future = self._producer.send(topic, key=key, value=None, partition=partition)
+        except KafkaError as exc:
+            if not getattr(exc, "retriable", False):
+                raise _bus_error(f"cannot send to {topic} on {self._where}", exc) from exc
+            self._unsent_tombstones.append(tombstone)
+            return
+        future.add_errback(self._tombstone_failed, tombstone)
+
+    def _tombstone_failed(self, tombstone: tuple[str, bytes, int], exc: BaseException) -> None:
+        if getattr(exc, "retriable", False):
+            self._unsent_tombstones.append(tombstone)  # deque.append: safe from kafka-python's IO thread
+        else:
+            self._failures.append(exc)
 
     def close(self) -> None:
         self._producer.close(timeout=10)

@@ -13,6 +13,7 @@ import pytest
 from conftest import drop_topics, end_offsets
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource
+from kafka.errors import KafkaTimeoutError
 
 from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore
@@ -148,6 +149,25 @@ def test_published_records_reach_the_replica_with_offsets_and_tombstones(
     assert tombstones == {record_key(*r.key) for r in records if r.epoch < 3}
     for m in messages:  # records and their tombstones live in their problem's partition
         assert m.partition == partition_for(m.key.decode().split("\x00")[0], 6)
+
+
+def test_tombstones_an_outage_held_back_are_sent_again_by_the_next_flush(kafka_servers, kafka_topics):
+    # The store evicts and stores its offsets before tombstones are acknowledged; a tombstone whose delivery
+    # fails transiently (an outage: KafkaTimeoutError is what kafka-python reports) is kept and sent again.
+    topic, _ = kafka_topics
+    publisher = ReplicaPublisher(kafka_servers, replica=f"{topic}.replica", dead_letter_topic=f"{topic}.dlq")
+    held_back = (topic, record_key("problem-1", 0, 3), partition_for("problem-1", 6))
+    publisher._tombstone_failed(held_back, KafkaTimeoutError("Expiring 1 record(s): 120000 ms has passed"))
+    assert publisher.unsent_tombstones == 1
+    publisher.tombstones(topic, 6, [("problem-2", 0, 1)])
+    publisher.flush()
+    publisher.close()
+    assert publisher.unsent_tombstones == 0
+    tombstones = {(m.partition, m.key) for m in _read_all(kafka_servers, topic) if m.value is None}
+    assert tombstones == {
+        (held_back[2], held_back[1]),
+        (partition_for("problem-2", 6), record_key("problem-2", 0, 1)),
+    }
 
 
 def test_problem_partition_matches_kafkas_default_partitioner(kafka_servers, kafka_topics):

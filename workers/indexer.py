@@ -290,7 +290,11 @@ class Indexer:
             seconds = max(0.0, (now_ms - published_ms[key]) / 1000)
             FRESHNESS.observe(seconds)
             report.freshness_s.append(seconds)
-        if result.evicted and self.publish_tombstones and self.publisher is not None:
+        if (
+            self.publish_tombstones
+            and self.publisher is not None
+            and (result.evicted or self.publisher.unsent_tombstones)
+        ):
             self.publisher.tombstones(self.source.topic, self.source.partition_count(), result.evicted)
         if offsets:
             self.source.commit(offsets)
