@@ -329,11 +329,14 @@ def _best_child(states, edges, cache, stamp, state):
 
 
 @njit(cache=True)
-def _draft_path(states, edges, cache, stamp, state, cap, min_prob, escape, floor, out_tok, out_prob, out_sup):
+def _draft_path(
+    states, edges, cache, stamp, state, cap, scored, min_prob, escape, floor, out_tok, out_prob, out_sup
+):
     """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
-    the smaller token id. out_sup gets each token's count (its support). Returns (tokens, score), or (0, 0.0)
-    as soon as the score cannot beat `floor` (path probabilities never grow, so at most p per token left)."""
+    the smaller token id. out_sup gets each token's count (its support). The score is the sum of the first
+    `scored` tokens' probabilities. Returns (tokens, score), or (0, 0.0) as soon as the score cannot beat
+    `floor` (path probabilities never grow, so at most p per scored token left)."""
     prob = 1.0
     score = 0.0
     n = 0
@@ -344,13 +347,14 @@ def _draft_path(states, edges, cache, stamp, state, cap, min_prob, escape, floor
         p = prob * best_c / (total + escape)
         if p < min_prob:
             break
-        if score + p * (cap - n) <= floor:
+        if score + p * max(scored - n, 0) <= floor:
             return 0, 0.0
         prob = p
         out_tok[n] = edges[best_e, TOK]
         out_prob[n] = p
         out_sup[n] = best_c
-        score += p
+        if n < scored:
+            score += p
         n += 1
         state = np.int64(edges[best_e, TO])
     return n, score
@@ -382,7 +386,10 @@ def draft_best(
     """Drafts from a match state and, with `all_matches`, from every shorter match along its suffix links
     (SuffixDecoding scores every match length and keeps the best draft). Each match of length m drafts at
     most min(budget, spec_factor * m + spec_offset) tokens. A draft replaces what out_* hold only when its
-    score (sum of path probabilities) beats `floor`, and earlier (longer) matches win ties.
+    score beats `floor`, and earlier (longer) matches win ties. The score is the sum of path probabilities of
+    the draft's first m tokens (at most as long as its match): tokens past that only extend the chosen
+    draft, so a larger spec_factor never trades a long match's draft for a short match's longer, shakier one
+    (the budget then decides how much of the extension is worth verifying).
     Returns (tokens, match length, score) of the kept draft, (0, 0, floor) when none beat the floor.
     """
     best_n = 0
@@ -392,10 +399,23 @@ def draft_best(
     while state != root:
         if states[state, EDGE] != -1:
             cap = min(budget, np.int64(spec_factor * length + spec_offset), k)
-            if cap <= best:  # a score never exceeds the draft length, and shorter matches cap lower
+            scored = min(cap, length)
+            if scored <= best:  # a score never exceeds its scored length, and shorter matches score fewer
                 break
             n, score = _draft_path(
-                states, edges, cache, stamp, state, cap, min_prob, escape, best, tmp_tok, tmp_prob, tmp_sup
+                states,
+                edges,
+                cache,
+                stamp,
+                state,
+                cap,
+                scored,
+                min_prob,
+                escape,
+                best,
+                tmp_tok,
+                tmp_prob,
+                tmp_sup,
             )
             if n > 0 and score > best:
                 out_tok[:n] = tmp_tok[:n]

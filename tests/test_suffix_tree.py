@@ -13,8 +13,10 @@ from history_store.suffix_tree import DraftConfig, SuffixForest, SuffixTree
 def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: DraftConfig, budget: int):
     """Brute force: for every context suffix (<= max_depth) seen with a continuation, longest first, the most
     frequent continuation (ties: smaller token) while the path probability stays >= min_token_prob, at most
-    factor * match length + offset tokens; the draft with the highest sum of probabilities wins, the longer
-    match on ties (SuffixDecoding's rule). Without `all_matches`, only the longest such suffix drafts."""
+    factor * match length + offset tokens; the draft with the highest sum of probabilities over its first
+    match-length tokens wins, the longer match on ties (SuffixDecoding's rule, scored so that drafting past
+    the match length only extends the chosen draft). Without `all_matches`, only the longest such suffix
+    drafts."""
 
     def continuations(pattern: list[int]) -> dict[int, int]:
         counts: dict[int, int] = {}
@@ -25,7 +27,7 @@ def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: Dra
                     counts[seq[end]] = counts.get(seq[end], 0) + 1
         return counts
 
-    def draft(path: list[int], cap: int) -> tuple[list[int], list, list[int], float]:
+    def draft(path: list[int], cap: int, scored: int) -> tuple[list[int], list, list[int], float]:
         tokens, probs, support, prob, score = [], [], [], 1.0, 0.0
         while len(tokens) < cap:
             counts = continuations(path)
@@ -39,7 +41,7 @@ def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: Dra
             tokens.append(best)
             probs.append(np.float32(p))
             support.append(counts[best])
-            score += p
+            score += p if len(tokens) <= scored else 0.0
             path = path + [best]
         return tokens, probs, support, score
 
@@ -50,7 +52,7 @@ def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: Dra
         if not continuations(path):
             continue
         cap = min(budget, int(cfg.max_spec_factor * match_len + cfg.max_spec_offset))
-        tokens, probs, support, score = draft(path, cap)
+        tokens, probs, support, score = draft(path, cap, min(cap, match_len))
         if tokens and score > best[3]:
             best = (tokens, probs, support, score, match_len)
         if not cfg.all_matches:
