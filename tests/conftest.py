@@ -185,3 +185,15 @@ def das_processes(tmp_path: Path) -> Iterator[DasProcesses]:
     processes = DasProcesses(tmp_path)
     yield processes
     processes.kill_all()
+
+
+def topic_keys(servers: list[str], topic: str) -> list[bytes]:
+    """Keys of every record (not tombstone) in the topic, in partition order; a record sent twice is there twice."""
+    consumer = KafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False, consumer_timeout_ms=3000)
+    try:
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning(*partitions)
+        return [m.key for m in consumer if m.value is not None]
+    finally:
+        consumer.close()

@@ -22,8 +22,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import REPO, end_offsets, wait_caught_up
-from kafka import KafkaConsumer, TopicPartition
+from conftest import REPO, end_offsets, topic_keys, wait_caught_up
 
 from history_store.store import HistoryStore
 from pipeline.bus import BusBackpressureError, open_bus
@@ -71,17 +70,6 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.2)
-
-
-def _topic_keys(servers: list[str], topic: str) -> list[bytes]:
-    consumer = KafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False, consumer_timeout_ms=3000)
-    try:
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        return [m.key for m in consumer if m.value is not None]
-    finally:
-        consumer.close()
 
 
 def test_a_full_cluster_outage_is_waited_out_and_every_count_is_exact(
@@ -137,7 +125,7 @@ def test_a_full_cluster_outage_is_waited_out_and_every_count_is_exact(
     assert summary["published"] == count and summary["not_taken"] == 0
     assert summary["acknowledged"] + summary["refused"] + summary["unknown"] == count
     assert (summary["acknowledged"], summary["refused"], summary["unknown"]) == (count, 0, 0)
-    keys = _topic_keys(kafka_cluster_servers, topic)
+    keys = topic_keys(kafka_cluster_servers, topic)
     # Records sent again after the outage may be in the topic twice; each key is one record.
     assert len(set(keys)) == count + 5
     ends = end_offsets(kafka_cluster_servers, topic)
