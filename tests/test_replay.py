@@ -139,3 +139,17 @@ def test_suffix_problem_drafts_from_its_own_problem_only(tmp_path):
     assert result["per_epoch"][0]["mean_accepted_per_step"] == 1.0
     assert result["per_epoch"][1]["mean_accepted_per_step"] > 3.0
     assert result["acceptance_rate"] == 1.0
+
+
+def test_measured_costs_set_the_step_times_the_budget_learns_from_per_epoch(tmp_path):
+    # A replay of an engine's trace prices drafts with what the engine measured in each epoch. Where a verified
+    # token cost far more than the rest of a step, no draft pays (an accepted token saves one verified token,
+    # never more): the budget stops drafting there, and epochs before it are untouched.
+    records = _repeating_trace(tmp_path)
+    cost = replay.CostModel()
+    dear = replay.CostModel(c_base=cost.c_base, c_seq=cost.c_seq, c_tok=100 * cost.c_base)
+    plain = replay.replay(records, "das", DraftConfig(), cost=cost)
+    priced = replay.replay(records, "das", DraftConfig(), cost=cost, measured_costs={1: dear, 2: dear})
+    drafted = [[e["draft_tokens"] for e in r["per_epoch"]] for r in (plain, priced)]
+    assert drafted[1][0] == drafted[0][0] > 0
+    assert drafted[1][2] < 0.2 * drafted[0][2]

@@ -73,15 +73,17 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         min_token_prob=proposer.min_token_prob,
     )
     cost = replay.CostModel()
+    measured = None
     if strategy == "das" and proposer.budget:
-        # The engine's budget priced drafts with the step costs it fitted on this machine; the replay must too.
-        fitted = epochs[-1]["cost_model"]
-        cost = replay.CostModel(fitted["c_base"], fitted["c_seq"], fitted["c_tok"])
+        # The engine's budget priced drafts with the step costs it fitted on this machine, epoch by epoch (a
+        # fit moves with the machine's load); the replay's policy learns each epoch's from its step times.
+        measured = {row["epoch"]: replay.CostModel(**row["cost_model"]) for row in epochs}
+        cost = measured[epochs[-1]["epoch"]]
         strategy_in_replay = "das"
     else:
         strategy_in_replay = "das-unbudgeted" if strategy == "das" else "ngram"
     records = replay.load_traces(trace)
-    replayed = replay.replay(records, strategy_in_replay, config, proposer.window_epochs, cost)
+    replayed = replay.replay(records, strategy_in_replay, config, proposer.window_epochs, cost, measured)
     by_epoch = {e["epoch"]: e for e in replayed["per_epoch"]}
     rows = []
     totals = {"engine": [0, 0, 0], "replay": [0, 0, 0]}

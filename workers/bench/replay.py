@@ -29,7 +29,7 @@ import dataclasses
 import gzip
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,8 +202,11 @@ def simulate(
     cost: CostModel | None = None,
     ngram_range: tuple[int, int] = (2, 4),
     progress: Callable[[str], None] | None = None,
+    measured_costs: Mapping[int, CostModel] | None = None,
 ) -> Simulation:
-    """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online."""
+    """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online from
+    step times: those of `cost`, or of `measured_costs[epoch]` where given (what an engine fitted in that
+    epoch, so that a replay of its trace prices drafts as it did)."""
     cost = cost or CostModel()
     index = _index_for(strategy, config, window)
     k = config.max_spec_tokens
@@ -226,6 +229,7 @@ def simulate(
     for epoch in sorted(by_epoch):
         batch = by_epoch[epoch]
         n_req = len(batch)
+        step_cost = (measured_costs or {}).get(epoch, cost)
         keys = [f"{r.problem_id}/{r.epoch}/{r.sample}" for r in batch]
         lengths = np.array([len(r.response_ids) for r in batch], np.int64)
         starts = np.zeros(n_req + 1, np.int64)
@@ -298,7 +302,7 @@ def simulate(
             pos[active] += advance
             if policy is not None:
                 policy.observe_acceptance(slots[active][kept > 0], accepted[kept > 0])
-                policy.observe_step(n, verified, cost.step(n, verified))
+                policy.observe_step(n, verified, step_cost.step(n, verified))
             done = active[pos[active] >= lengths[active]]
             for i in done:
                 r = batch[i]
@@ -331,10 +335,11 @@ def replay(
     config: DraftConfig,
     window: int = 3,
     cost: CostModel | None = None,
+    measured_costs: Mapping[int, CostModel] | None = None,
 ) -> dict:
     """One strategy's summary under one cost model (`simulate`, then `summarize`)."""
     cost = cost or CostModel()
-    return summarize(simulate(records, strategy, config, window, cost), cost)
+    return summarize(simulate(records, strategy, config, window, cost, measured_costs=measured_costs), cost)
 
 
 def makespan(steps: np.ndarray, cost: CostModel) -> float:
