@@ -115,6 +115,48 @@ def test_cost_model_stays_defined_when_the_batch_size_never_changes() -> None:
     assert model.predict(1, 5) == pytest.approx(0.055, rel=0.02)
 
 
+def _least_squares_from_scratch(rows: np.ndarray, config: BudgetConfig) -> np.ndarray:
+    """The cost model's fit over a window, from the window's rows (1, active, tokens, seconds) alone."""
+    prior = np.array([config.prior_c_base, config.prior_c_seq, config.prior_c_tok])
+    x, y = rows[:, :3], rows[:, 3]
+    target = prior * (y.sum() / max(float((x @ prior).sum()), 1e-12))
+    if rows.shape[0] < config.min_fit_steps:
+        return target
+    gram = x.T @ x
+    lam = config.ridge * np.diag(np.diag(gram))
+    rhs = x.T @ y + lam @ target
+    free = np.ones(3, dtype=bool)
+    coef = np.zeros(3)
+    while free.any():
+        coef[:] = 0.0
+        coef[free] = np.linalg.solve((gram + lam)[np.ix_(free, free)], rhs[free])
+        if (coef >= 0).all():
+            break
+        free &= coef > 0
+    return coef
+
+
+@pytest.mark.parametrize("c_tok", [0.0005, -0.0004])  # the second's tokens "save" time: c_tok pinned at 0
+def test_cost_model_incremental_fit_equals_a_fit_from_scratch(c_tok: float) -> None:
+    config = BudgetConfig(cost_window=40, min_fit_steps=5, refit_every=3)
+    model = CostModel(config)
+    rng = np.random.default_rng(1)
+    rows: list[tuple[float, float, float, float]] = []
+    fitted = model.coefficients
+    for step in range(300):  # several laps of the window: rows leave it, and its sums are rebuilt
+        active = int(rng.integers(1, 64))
+        tokens = active + int(rng.integers(0, 8 * active + 1))
+        seconds = max(0.02 + 0.001 * active + c_tok * tokens + rng.normal(0, 0.002), 1e-4)
+        model.observe(active, tokens, seconds)
+        rows = [*rows, (1.0, active, tokens, seconds)][-config.cost_window :]
+        if len(rows) < config.min_fit_steps or (step + 1 - config.min_fit_steps) % config.refit_every == 0:
+            fitted = _least_squares_from_scratch(np.array(rows), config)
+        np.testing.assert_allclose(model.coefficients, fitted, rtol=1e-9, atol=1e-15)
+        assert model.steps == len(rows)
+    assert np.all(model.coefficients >= 0)
+    assert (model.coefficients[2] == 0.0) == (c_tok < 0)
+
+
 def test_cost_model_rejects_impossible_steps() -> None:
     with pytest.raises(ValueError, match="invalid step"):
         CostModel(BudgetConfig()).observe(2, 1, 0.1)

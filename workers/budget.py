@@ -27,7 +27,7 @@ Python loop over requests. No vLLM import: the engine's proposer and the trace r
 
 from __future__ import annotations
 
-from collections import deque
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,67 +93,156 @@ class BudgetConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
 
+# Fields of `CostModel`'s int64 state: rows in the window, the next row to write, steps since the last fit.
+_C_COUNT, _C_NEXT, _C_SINCE = 0, 1, 2
+
+
+@njit(cache=True)
+def _add_row(sums, row, sign):
+    # sums[i, j] += sign x row[i] x row[j]: rows are (1, active, tokens, seconds), so sums[:, :3] is the Gram
+    # matrix of the regressors and sums[:, 3] their products with the step times.
+    for i in range(3):
+        for j in range(4):
+            sums[i, j] += sign * (row[i] * row[j])
+
+
+@njit(cache=True)
+def _solve_nonnegative(sums, target, ridge, coef):
+    """Ridge least squares toward `target` (per column, weighted by the column's scale) over the window whose
+    sums are `sums`; a coefficient that comes out negative is pinned at zero and the others refitted."""
+    a = np.empty((3, 3))
+    rhs = np.empty(3)
+    for i in range(3):
+        lam = ridge * sums[i, i]
+        for j in range(3):
+            a[i, j] = sums[i, j]
+        a[i, i] += lam
+        rhs[i] = sums[i, 3] + lam * target[i]
+    free = np.ones(3, np.bool_)
+    idx = np.empty(3, np.int64)
+    m_a = np.empty((3, 4))
+    while free.any():
+        m = 0
+        for i in range(3):
+            if free[i]:
+                idx[m] = i
+                m += 1
+        # Gaussian elimination with partial pivoting on the free columns' system (augmented with rhs).
+        for r in range(m):
+            for c in range(m):
+                m_a[r, c] = a[idx[r], idx[c]]
+            m_a[r, m] = rhs[idx[r]]
+        for c in range(m):
+            p = c
+            for r in range(c + 1, m):
+                if abs(m_a[r, c]) > abs(m_a[p, c]):
+                    p = r
+            if p != c:
+                for j in range(m + 1):
+                    m_a[c, j], m_a[p, j] = m_a[p, j], m_a[c, j]
+            for r in range(c + 1, m):
+                f = m_a[r, c] / m_a[c, c]
+                for j in range(c, m + 1):
+                    m_a[r, j] -= f * m_a[c, j]
+        coef[:] = 0.0
+        for r in range(m - 1, -1, -1):
+            s = m_a[r, m]
+            for j in range(r + 1, m):
+                s -= m_a[r, j] * coef[idx[j]]
+            coef[idx[r]] = s / m_a[r, r]
+        if (coef >= 0.0).all():
+            break
+        for i in range(3):
+            free[i] = free[i] and coef[i] > 0.0
+
+
+@njit(cache=True)
+def _cost_observe(ring, sums, state, prior, coef, active, tokens, seconds, min_fit_steps, refit_every, ridge):
+    """Adds a step to the window (ring buffer `ring`, its running sums `sums`) and refits when due into
+    `coef`. Returns whether `coef` changed."""
+    window = ring.shape[0]
+    at = state[_C_NEXT]
+    if state[_C_COUNT] == window:
+        _add_row(sums, ring[at], -1.0)  # the oldest step leaves the window
+    row = ring[at]
+    row[0] = 1.0
+    row[1] = active
+    row[2] = tokens
+    row[3] = seconds
+    state[_C_NEXT] = (at + 1) % window
+    state[_C_COUNT] = min(state[_C_COUNT] + 1, window)
+    state[_C_SINCE] += 1
+    if state[_C_NEXT] == 0:
+        # Once per lap, sums from scratch: adding and subtracting step times leaves rounding that would pile up.
+        sums[:] = 0.0
+        for r in range(window):
+            _add_row(sums, ring[r], 1.0)
+    else:
+        _add_row(sums, row, 1.0)
+    refit = state[_C_SINCE] >= refit_every
+    if state[_C_COUNT] >= min_fit_steps and not refit:
+        return False
+    # The prior says how a step's time splits, not how long it is: scaled to the measured steps (sums[0] sums
+    # each column), it is the ridge target, which decides the split along directions the data leave free (a
+    # batch size that never changed, drafts that never varied) while the data set the overall scale.
+    predicted = sums[0, 0] * prior[0] + sums[0, 1] * prior[1] + sums[0, 2] * prior[2]
+    scale = sums[0, 3] / max(predicted, 1e-12)
+    target = prior * scale
+    if state[_C_COUNT] < min_fit_steps:
+        coef[:] = target  # too few steps to fit: the prior's split at the measured scale
+    else:
+        _solve_nonnegative(sums, target, ridge, coef)
+        state[_C_SINCE] = 0
+    return True
+
+
 class CostModel:
-    """Verifier step time as c_base + c_seq x active + c_tok x tokens, fitted by ridge least squares."""
+    """Verifier step time as c_base + c_seq x active + c_tok x tokens, fitted by ridge least squares.
+
+    The window of measured steps is a ring buffer whose Gram matrix is kept up to date as steps enter and
+    leave it, so a refit solves a 3x3 system instead of re-reading the window.
+    """
 
     def __init__(self, config: BudgetConfig) -> None:
         self._config = config
         self._prior = np.array([config.prior_c_base, config.prior_c_seq, config.prior_c_tok])
-        self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=config.cost_window)
-        self._since_fit = 0
+        self._ring = np.zeros((config.cost_window, 4))
+        self._sums = np.zeros((3, 4))
+        self._state = np.zeros(3, np.int64)
+        self._coef = self._prior.copy()
+        self._gauges = [COST_MODEL_COEFFICIENT.labels(coefficient=name) for name in COST_COEFFICIENTS]
         self.coefficients = self._prior.copy()
         self._publish()
 
     @property
     def steps(self) -> int:
         """Steps currently in the fitting window."""
-        return len(self._rows)
+        return int(self._state[_C_COUNT])
 
     def observe(self, active: int, tokens: int, seconds: float) -> None:
         """Adds one measured step; refits every `refit_every` steps."""
-        if active <= 0 or tokens < active or not np.isfinite(seconds) or seconds <= 0:
+        if active <= 0 or tokens < active or not math.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
-        self._rows.append((1.0, float(active), float(tokens), float(seconds)))
-        self._since_fit += 1
-        if len(self._rows) < self._config.min_fit_steps:
-            # Too few steps to fit: the prior's split at the measured scale.
-            self.coefficients = self._scaled_prior(np.asarray(self._rows))
+        config = self._config
+        if _cost_observe(
+            self._ring,
+            self._sums,
+            self._state,
+            self._prior,
+            self._coef,
+            int(active),
+            int(tokens),
+            float(seconds),
+            config.min_fit_steps,
+            config.refit_every,
+            config.ridge,
+        ):
+            self.coefficients = self._coef.copy()
             self._publish()
-        elif self._since_fit >= self._config.refit_every:
-            self._fit()
-
-    def _fit(self) -> None:
-        data = np.asarray(self._rows)
-        x, y = data[:, :3], data[:, 3]
-        # The prior says how a step's time splits, not how long it is: scaled to the measured steps, it is the
-        # ridge target, which decides the split along directions the data leave free (a batch size that never
-        # changed, drafts that never varied) while the data set the overall scale.
-        prior = self._scaled_prior(data)
-        gram = x.T @ x
-        # Per-column weights make the ridge independent of the columns' scales (tokens dwarf the intercept).
-        lam = self._config.ridge * np.diag(np.diag(gram))
-        rhs = x.T @ y + lam @ prior
-        # Time never shrinks with more work: a coefficient that comes out negative is pinned at zero and the
-        # others refitted without it (clamping alone would break the fit of the rest).
-        free = np.ones(3, dtype=bool)
-        coef = np.zeros(3)
-        while free.any():
-            a = (gram + lam)[np.ix_(free, free)]
-            coef[:] = 0.0
-            coef[free] = np.linalg.solve(a, rhs[free])
-            if (coef >= 0).all():
-                break
-            free &= coef > 0
-        self.coefficients = coef
-        self._since_fit = 0
-        self._publish()
-
-    def _scaled_prior(self, data: np.ndarray) -> np.ndarray:
-        return self._prior * (data[:, 3].sum() / max(float((data[:, :3] @ self._prior).sum()), 1e-12))
 
     def _publish(self) -> None:
-        for name, value in zip(COST_COEFFICIENTS, self.coefficients, strict=True):
-            COST_MODEL_COEFFICIENT.labels(coefficient=name).set(float(value))
+        for gauge, value in zip(self._gauges, self.coefficients.tolist(), strict=True):
+            gauge.set(value)
 
     def predict(self, active: int, tokens: int) -> float:
         """Predicted seconds of a step with `active` requests verifying `tokens` tokens in total."""
@@ -246,6 +335,63 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
 
 
 @njit(cache=True)
+def _budgets_kernel(
+    slots,
+    output_lens,
+    headroom,
+    slot_problem,
+    length_count,
+    quantile_table,
+    atypical,
+    accepted_rate,
+    outlived,
+    coefficients,
+    n_bins,
+    k,
+    weights,
+    value,
+    classes,
+    budgets,
+):
+    """`BudgetPolicy.budgets` in one call: each row's critical weight, the value of one of its accepted tokens,
+    its class and budget. Marks the slots that just outlived their problem's lengths in `outlived` and
+    returns how many did."""
+    n = slots.shape[0]
+    q = quantile_table.shape[1]
+    quantiles = np.empty((n, q))
+    outputs = np.empty(n)
+    speeds = np.empty(n)
+    rows = np.empty(n, np.int64)
+    for i in range(n):
+        s = slots[i]
+        p = slot_problem[s]
+        rows[i] = p if length_count[p] > 0 else 0  # problems without history take the pool's lengths
+        quantiles[i] = quantile_table[rows[i]]
+        outputs[i] = output_lens[i]
+        speeds[i] = 1.0 + accepted_rate[s]
+    critical_weights(quantiles, quantile_table[0], atypical, outputs, speeds, n_bins, weights)
+    c_base, c_seq, c_tok = coefficients[0], coefficients[1], coefficients[2]
+    promoted = 0
+    for i in range(n):
+        s = slots[i]
+        # Outliving nearly every length expected of one's problem is the old "promotion" of a length class.
+        if rows[i] > 0 and outputs[i] > quantiles[i, q - 1] and not outlived[s]:
+            outlived[s] = True
+            promoted += 1
+        # One accepted token is one step fewer for its request: its own share of that step always, and the
+        # whole step when the request is the batch's last.
+        value[i] = weights[i] * c_base + c_seq + c_tok
+        if value[i] >= c_tok:
+            # For dashboards: long = likelier than average to be the batch's last.
+            classes[i] = LONG if weights[i] * n >= 1.0 else MEDIUM
+            budgets[i] = min(max(headroom[i], 0), k)
+        else:
+            classes[i] = SHORT
+            budgets[i] = 0
+    return promoted
+
+
+@njit(cache=True)
 def _log_odds_gain(outcomes):
     # Log odds of the accepted against the predicted share of tried tokens, from (accepted, predicted, tried)
     # sums; half a pseudo-token each side keeps it finite, and no trials give 0.
@@ -312,7 +458,7 @@ def _truncate_kernel(
     """Per row: each draft token's path acceptance probability (predicted[i, j]) and the kept prefix, the
     tokens whose probability times the row's value pays for their verification (c_tok). Stores each slot's
     features and kept length for learning, and decays the speed of rows that draft nothing."""
-    n, k = probs.shape
+    n, k = predicted.shape
     f = weights.shape[0]
     for i in range(n):
         s = slots[i]
@@ -478,7 +624,7 @@ class LengthModel:
     def __init__(self, per_problem: int) -> None:
         self._ids: dict[str, int] = {}
         self._lengths = np.zeros((1, per_problem))
-        self._count = np.zeros(1, np.int64)
+        self.count = np.zeros(1, np.int64)  # lengths held per row
         self._next = np.zeros(1, np.int64)
         self._ratios = np.zeros(self._RATIOS)
         self._ratio_count = 0
@@ -500,7 +646,7 @@ class LengthModel:
             if p >= self.capacity:
                 grow = max(64, p)
                 self._lengths = np.concatenate([self._lengths, np.zeros((grow, self._lengths.shape[1]))])
-                self._count = np.concatenate([self._count, np.zeros(grow, np.int64)])
+                self.count = np.concatenate([self.count, np.zeros(grow, np.int64)])
                 self._next = np.concatenate([self._next, np.zeros(grow, np.int64)])
                 self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
         return p
@@ -511,17 +657,13 @@ class LengthModel:
         predicted for them (a 1/(2Q) share would be typical), with a prior of one in ten."""
         return (self._beyond + 1.0) / (self._predicted + 10.0)
 
-    def rows(self, problems: np.ndarray) -> np.ndarray:
-        """Rows of `quantiles` for these problems: their own, or the pool's for problems without history."""
-        return np.where(self._count[problems] > 0, problems, 0)
-
     def window(self, problem: int) -> np.ndarray:
-        return self._lengths[problem, : self._count[problem]]
+        return self._lengths[problem, : self.count[problem]]
 
     def observe(self, problem_id: str, length: int) -> None:
         """Records a finished response of `problem_id`."""
         p = self.problem(problem_id)
-        if self._count[p]:
+        if self.count[p]:
             self._predicted += 1
             self._beyond += bool(length > self.quantiles[p, -1])
             self._ratios[self._ratio_count % self._RATIOS] = length / max(
@@ -531,7 +673,7 @@ class LengthModel:
         for row in (p, 0):
             self._lengths[row, self._next[row]] = length
             self._next[row] = (self._next[row] + 1) % self._lengths.shape[1]
-            self._count[row] = min(self._count[row] + 1, self._lengths.shape[1])
+            self.count[row] = min(self.count[row] + 1, self._lengths.shape[1])
         self._requantile(p, shared=True)
         self._requantile(0, shared=False)
 
@@ -539,13 +681,13 @@ class LengthModel:
         """Drops a problem's lengths (its history was evicted)."""
         p = self._ids.get(problem_id)
         if p is not None:
-            self._count[p] = self._next[p] = 0
+            self.count[p] = self._next[p] = 0
             self.quantiles[p] = 0.0
 
     def predict(self, problem_id: str | None) -> tuple[int, int] | None:
         """(p50, p90) of the problem's recent lengths, or None when it has none."""
         p = self._ids.get(problem_id) if problem_id is not None else None
-        if p is None or not self._count[p]:
+        if p is None or not self.count[p]:
             return None
         p50, p90 = np.percentile(self.window(p), [50, 90], method="inverted_cdf")
         return int(p50), int(p90)
@@ -563,6 +705,35 @@ class LengthModel:
         levels = (np.arange(self.QUANTILES) + 0.5) / self.QUANTILES
         picks = np.minimum(np.searchsorted(cumulative, levels * cumulative[-1]), values.shape[0] - 1)
         self.quantiles[row] = values[order][picks]
+
+
+class _StepBuffers:
+    """Per-row outputs of a step (`budgets`, `truncate`), allocated for the largest batch seen and reused; the
+    views of the last batch size are kept too (a view costs about as much as a small numpy operation)."""
+
+    def __init__(self, k: int) -> None:
+        self._k = k
+        self._rows = 0
+        self._arrays: tuple[np.ndarray, ...] = ()
+        self._n = -1
+        self._views: tuple[np.ndarray, ...] = ()
+
+    def views(self, n: int) -> tuple[np.ndarray, ...]:
+        """(weights, value, classes, budgets, predicted, kept) for n rows: valid until the next step."""
+        if n != self._n:
+            if n > self._rows:
+                self._rows = max(n, 2 * self._rows, 64)
+                rows = self._rows
+                self._arrays = (
+                    np.zeros(rows),  # critical weights
+                    np.zeros(rows),  # value of an accepted token
+                    np.zeros(rows, np.int64),  # class
+                    np.zeros(rows, np.int32),  # budget
+                    np.zeros((rows, self._k)),  # predicted path acceptance
+                    np.zeros(rows, np.int32),  # kept draft tokens
+                )
+            self._n, self._views = n, tuple(a[:n] for a in self._arrays)
+        return self._views
 
 
 class BudgetPolicy:
@@ -598,6 +769,8 @@ class BudgetPolicy:
         # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
+        self._buffers = _StepBuffers(k)
+        self._promotions = CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG])
         self.last_predicted = np.zeros((0, k))
         self.last_classes = np.zeros(0, np.int64)
 
@@ -649,37 +822,33 @@ class BudgetPolicy:
             headroom: most draft tokens each row may take (max_model_len - tokens - 1, and 0 for rows that
                 must not draft, e.g. partial prefills); negative values count as 0.
         """
-        slots = np.asarray(slots, np.int64)
-        c_base, c_seq, c_tok = self.cost.coefficients
-        problems = self._slot_problem[slots]
-        rows = self.lengths.rows(problems)
-        quantiles = self.lengths.quantiles[rows]
-        outputs = np.asarray(output_lens, np.float64)
-        weights = np.empty(slots.shape[0])
-        critical_weights(
-            quantiles,
-            self.lengths.quantiles[0],
-            self.lengths.atypical,
-            outputs,
-            1.0 + self._accepted_rate[slots],
+        slots = np.asarray(slots)
+        weights, value, classes, budgets, _, _ = self._buffers.views(slots.shape[0])
+        lengths = self.lengths
+        promoted = _budgets_kernel(
+            slots,
+            np.asarray(output_lens),
+            np.asarray(headroom),
+            self._slot_problem,
+            lengths.count,
+            lengths.quantiles,
+            lengths.atypical,
+            self._accepted_rate,
+            self._outlived,
+            self.cost.coefficients,
             self._BINS,
+            self.config.max_tokens,
             weights,
+            value,
+            classes,
+            budgets,
         )
-        # Outliving nearly every length expected of one's problem is the old "promotion" of a length class.
-        outlived = (rows > 0) & (outputs > quantiles[:, -1]) & ~self._outlived[slots]
-        if outlived.any():
-            self._outlived[slots[outlived]] = True
-            CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG]).inc(int(outlived.sum()))
-        # One accepted token is one step fewer for its request: its own share of that step always, and the
-        # whole step when the request is the batch's last.
-        self._value = weights * c_base + c_seq + c_tok
+        if promoted:
+            self._promotions.inc(promoted)
+        self._value = value
         self._slots = slots
-        pays = self._value >= c_tok
-        # For dashboards: long = likelier than average to be the batch's last.
-        self.last_classes = np.where(~pays, SHORT, np.where(weights * slots.shape[0] >= 1.0, LONG, MEDIUM))
-        k = self.config.max_tokens
-        budgets = np.where(pays, np.clip(np.asarray(headroom, np.int64), 0, k), 0).astype(np.int32)
-        return budgets, self.last_classes
+        self.last_classes = classes
+        return budgets, classes
 
     def truncate(
         self,
@@ -699,17 +868,18 @@ class BudgetPolicy:
             support: occurrences behind each draft token (n, K).
         """
         slots = self._slots
-        n, k = len(lengths), self.config.max_tokens
+        n = len(lengths)
         if n != slots.shape[0]:
             raise ValueError(f"truncate got {n} rows but the last budgets call had {slots.shape[0]}")
-        self.last_predicted = np.empty((n, k))
-        kept = np.empty(n, np.int32)
+        *_, predicted, kept = self._buffers.views(n)
+        # No dtype conversions: the kernel compiles for the index's own (float32 probabilities, int32 counts),
+        # which widen to float64 exactly inside it.
         _truncate_kernel(
-            np.asarray(probs, np.float64)[:, :k],
-            np.asarray(support, np.float64)[:, :k],
-            np.asarray(lengths, np.int64),
-            np.asarray(match_lens, np.float64),
-            np.asarray(sources, np.int64),
+            np.asarray(probs),
+            np.asarray(support),
+            np.asarray(lengths),
+            np.asarray(match_lens),
+            np.asarray(sources),
             slots,
             self._slot_problem,
             self._request_outcomes,
@@ -722,9 +892,10 @@ class BudgetPolicy:
             self._kept,
             self._accepted_rate,
             self.config.rate_decay,
-            self.last_predicted,
+            predicted,
             kept,
         )
+        self.last_predicted = predicted
         return kept
 
     def observe_acceptance(self, slots: np.ndarray, accepted: np.ndarray) -> None:
@@ -733,8 +904,8 @@ class BudgetPolicy:
         requests' and their problems' recent outcomes, and the requests' accepted tokens per step."""
         self._step += 1
         trials = _observe_kernel(
-            np.asarray(slots, np.int64),
-            np.asarray(accepted, np.int64),
+            np.asarray(slots),
+            np.asarray(accepted),
             self._kept,
             self._features,
             self.acceptance.weights,
