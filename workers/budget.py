@@ -294,6 +294,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
     # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
     below = np.zeros((n, n_bins))  # P(row ends in an earlier bin) + half of P(it ends in this bin)
     bins = np.empty((n, 2 * q), np.int64)
+    pmf = np.empty(n_bins)
     for i in range(n):
         k = used[i]
         if k == 0:
@@ -301,7 +302,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
             bins[i, 0] = n_bins - 1
             mass[i, 0] = 1.0
             continue
-        pmf = np.zeros(n_bins)
+        pmf[:] = 0.0
         for c in range(k):
             b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
             bins[i, c] = b
@@ -311,21 +312,35 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
             below[i, b] = cum + 0.5 * pmf[b]
             cum += pmf[b]
     # P(i last) = sum over its outcomes of P(outcome) x prod_{j != i} P(j ends before), ties counted half.
+    # The logarithms dominate at large batches: each is taken once per run of equal values in a row (a row's
+    # cumulative probability is flat between the bins its outcomes fall in) and kept for the product below.
     log_sum = np.zeros(n_bins)
+    log_below = np.zeros((n, n_bins))
     zeros = np.zeros(n_bins, np.int64)
     for j in range(n):
+        previous = -1.0
+        log_b = 0.0
         for b in range(n_bins):
             if below[j, b] <= 0.0:
                 zeros[b] += 1
             else:
-                log_sum[b] += np.log(below[j, b])
+                if below[j, b] != previous:
+                    previous = below[j, b]
+                    log_b = np.log(previous)
+                log_below[j, b] = log_b
+                log_sum[b] += log_b
     total = 0.0
     for i in range(n):
         acc = 0.0
+        last_bin = -1
+        share = 0.0
         for c in range(max(used[i], 1)):
             b = bins[i, c]
             if mass[i, c] > 0.0 and zeros[b] == 0:
-                acc += mass[i, c] * np.exp(log_sum[b] - np.log(below[i, b]))
+                if b != last_bin:  # outcomes in one bin share its product
+                    last_bin = b
+                    share = np.exp(log_sum[b] - log_below[i, b])
+                acc += mass[i, c] * share
         out[i] = acc
         total += acc
     # The half-tie rule undercounts ties (n rows tied in one bin get 2^-(n-1) each instead of 1/n), and exactly
