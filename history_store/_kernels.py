@@ -430,6 +430,16 @@ def draft_best(
 
 
 @njit(cache=True)
+def committed(seqs, slots, req_slots):
+    """Tokens each request (slots req_slots) has committed: one gather through two tables, cheaper native than
+    as two numpy fancy-indexing steps."""
+    out = np.empty(req_slots.shape[0], np.int64)
+    for i in range(req_slots.shape[0]):
+        out[i] = seqs[slots[req_slots[i], R_SEQ], Q_LEN]
+    return out
+
+
+@njit(cache=True)
 def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""

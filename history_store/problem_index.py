@@ -380,7 +380,7 @@ class ProblemIndex:
 
     def committed(self, slots: np.ndarray) -> np.ndarray:
         """Tokens (prompt and output) each slot's request has committed so far."""
-        return self.forest.seqs[self.slots[slots, K.R_SEQ], K.Q_LEN]
+        return K.committed(self.forest.seqs, self.slots, slots)
 
     def request_tokens(self, request_key: str) -> np.ndarray:
         """A copy of the prompt and output a live request committed. Raises KeyError for an unknown request."""

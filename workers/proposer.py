@@ -399,11 +399,15 @@ class DasProposer:
         n = len(req_ids)
         self._reap(requests)
         slot_of = self._slot_of
-        slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1, n)), np.int64, n)
-        joined = np.flatnonzero(slots < 0)
-        for i in joined.tolist():
-            key = req_ids[i]
-            slots[i] = self._start(key, requests[key], token_ids[i])
+        try:
+            slots = np.fromiter(map(slot_of.__getitem__, req_ids), np.int64, n)
+            joined = False
+        except KeyError:  # requests joined the batch (rare next to steps): register them
+            slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1, n)), np.int64, n)
+            for i in np.flatnonzero(slots < 0).tolist():
+                key = req_ids[i]
+                slots[i] = self._start(key, requests[key], token_ids[i])
+            joined = True
         if self._replica is not None and started >= self._next_catch_up:
             self.catch_up()
         book = self._book
@@ -411,7 +415,7 @@ class DasProposer:
             slots, num_tokens, self.index.committed(slots), self._step_no, self.max_model_len
         )
         end = per_row[END]
-        self._learn_from_last_step(rows, accepted, started, clean=joined.size == 0 and every_row_new)
+        self._learn_from_last_step(rows, accepted, started, clean=not joined and every_row_new)
         if self.settings.budget:
             budgets, classes = self.policy.budgets(slots, per_row[OUTPUT], per_row[HEADROOM])
         else:
@@ -421,7 +425,7 @@ class DasProposer:
         if self._row_base.shape[0] < n or self._row_width != width:
             self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
             self._row_width = width
-        src = token_ids.reshape(-1) if token_ids.dtype == np.int32 else token_ids.astype(np.int32).reshape(-1)
+        src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
         result = self.index.step(slots, src, self._row_base[:n], end, budgets)
         lengths = result.lengths
         if self.settings.budget:
