@@ -829,7 +829,8 @@ class BudgetPolicy:
         self, slots: np.ndarray, output_lens: np.ndarray, headroom: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Maximum draft tokens per row (0 where even a sure token would not pay, else min(K, headroom)) and
-        each row's class (SHORT: no draft pays; LONG: likelier than average to finish last).
+        each row's class (SHORT: no draft pays; LONG: likelier than average to finish last). Both are views of
+        reused buffers: valid until the next step's `budgets`.
 
         Args:
             slots: the rows' slots (given to `start`).
@@ -873,7 +874,8 @@ class BudgetPolicy:
         sources: np.ndarray,
         support: np.ndarray,
     ) -> np.ndarray:
-        """Draft lengths after the pay-off rule, for the rows of the last `budgets` call.
+        """Draft lengths after the pay-off rule, for the rows of the last `budgets` call (a view of a reused
+        buffer, like `last_predicted`: valid until the next step's `truncate`).
 
         Args:
             lengths: tokens drafted per row (at most its budget).
