@@ -113,6 +113,7 @@ def _solve_nonnegative(sums, target, ridge, coef):
     a = np.empty((3, 3))
     rhs = np.empty(3)
     for i in range(3):
+        # Per-column weights make the ridge independent of the columns' scales (tokens dwarf the intercept).
         lam = ridge * sums[i, i]
         for j in range(3):
             a[i, j] = sums[i, j]
@@ -152,6 +153,8 @@ def _solve_nonnegative(sums, target, ridge, coef):
             coef[idx[r]] = s / m_a[r, r]
         if (coef >= 0.0).all():
             break
+        # Time never shrinks with more work: a coefficient that comes out negative is pinned at zero and the
+        # others refitted without it (clamping alone would break the fit of the rest).
         for i in range(3):
             free[i] = free[i] and coef[i] > 0.0
 
