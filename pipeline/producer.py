@@ -400,7 +400,7 @@ class KafkaBus:
                 # The batch expired: kafka-python then resets its idempotent state, which it did not always
                 # recover from here; a fresh producer always does.
                 with self._lock:
-                    if not self._replace_producer and item.attempt == attempt and not item.done:
+                    if not self._replace_producer and self._current(item, attempt):
                         self._in_flight.pop(id(item), None)
                         self._abandon_producer()
             self._retry(item, attempt, exc)

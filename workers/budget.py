@@ -212,9 +212,8 @@ class CostModel:
         self._ring = np.zeros((config.cost_window, 4))
         self._sums = np.zeros((3, 4))
         self._state = np.zeros(3, np.int64)
-        self._coef = self._prior.copy()
         self._gauges = [COST_MODEL_COEFFICIENT.labels(coefficient=name) for name in COST_COEFFICIENTS]
-        self.coefficients = self._prior.copy()
+        self.coefficients = self._prior.copy()  # refitted in place by `_cost_observe`
         self._publish()
 
     @property
@@ -232,7 +231,7 @@ class CostModel:
             self._sums,
             self._state,
             self._prior,
-            self._coef,
+            self.coefficients,
             int(active),
             int(tokens),
             float(seconds),
@@ -240,7 +239,6 @@ class CostModel:
             config.refit_every,
             config.ridge,
         ):
-            self.coefficients = self._coef.copy()
             self._publish()
 
     def _publish(self) -> None:

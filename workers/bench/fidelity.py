@@ -2,7 +2,7 @@
 
 Input: a trace the engine recorded itself (`das traces generate --strategy das|ngram --report R.json`) and the
 engine's per-epoch figures in R.json. The replay runs that trace with the recording's strategy and settings
-(K, depth, window, budget and, for the budget, the engine's fitted step-cost model), and both sides' accepted
+(K, depth, window, budget and, for the budget, the step costs the engine fitted in each epoch), and both sides' accepted
 draft tokens per request step and acceptance are compared, per epoch and over the whole run.
 
 Why they can agree closely: for a fixed drafter, a draft token accepted by rejection sampling is the token the
@@ -72,18 +72,18 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         max_spec_offset=proposer.max_spec_offset,
         min_token_prob=proposer.min_token_prob,
     )
-    cost = replay.CostModel()
     measured = None
     if strategy == "das" and proposer.budget:
         # The engine's budget priced drafts with the step costs it fitted on this machine, epoch by epoch (a
         # fit moves with the machine's load); the replay's policy learns each epoch's from its step times.
         measured = {row["epoch"]: replay.CostModel(**row["cost_model"]) for row in epochs}
-        cost = measured[epochs[-1]["epoch"]]
         strategy_in_replay = "das"
     else:
         strategy_in_replay = "das-unbudgeted" if strategy == "das" else "ngram"
     records = replay.load_traces(trace)
-    replayed = replay.replay(records, strategy_in_replay, config, proposer.window_epochs, cost, measured)
+    replayed = replay.replay(
+        records, strategy_in_replay, config, proposer.window_epochs, measured_costs=measured
+    )
     by_epoch = {e["epoch"]: e for e in replayed["per_epoch"]}
     rows = []
     totals = {"engine": [0, 0, 0], "replay": [0, 0, 0]}
@@ -110,7 +110,8 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         "strategy": strategy,
         "replayed_as": strategy_in_replay,
         "settings": settings,
-        "cost_model": cost.__dict__,
+        # What the replay's budget learned its step times from, per epoch (None: it does not price drafts).
+        "engine_cost_models": {e: c.__dict__ for e, c in measured.items()} if measured else None,
         "per_epoch": rows,
         "overall": overall,
         "relative_difference": differences,
