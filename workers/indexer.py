@@ -290,11 +290,8 @@ class Indexer:
             seconds = max(0.0, (now_ms - published_ms[key]) / 1000)
             FRESHNESS.observe(seconds)
             report.freshness_s.append(seconds)
-        if (
-            self.publish_tombstones
-            and self.publisher is not None
-            and (result.evicted or self.publisher.unsent_tombstones)
-        ):
+        if self.publish_tombstones and self.publisher is not None:
+            # Every batch, evictions or not: it also sends again the tombstones an outage held back.
             self.publisher.tombstones(self.source.topic, self.source.partition_count(), result.evicted)
         if offsets:
             self.source.commit(offsets)
