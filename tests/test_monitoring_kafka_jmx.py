@@ -92,6 +92,15 @@ def prometheus(jmx_ports: list[int], kafka_cluster_servers: list[str]) -> Iterat
                     >= 2
                 ),
             )
+            # Brokers restarted by an earlier test (the outage test stops all three) answer scrapes a little
+            # later than they answer clients: wait until each is scraped and the controller is among them.
+            wait_for(
+                "a successful scrape of every broker and one active controller",
+                lambda: (
+                    len(api.query('up{job=~"kafka-.*"} == 1')) == 3
+                    and api.query("sum(kafka_controller_kafkacontroller_activecontrollercount) == 1")
+                ),
+            )
             yield api
     finally:
         drop_topics(kafka_cluster_servers, topic, dlq)
