@@ -338,10 +338,15 @@ class ProblemIndex:
     # ---- live requests -------------------------------------------------------------------------------
 
     def start_request(
-        self, request_key: str, problem_id: str | None, prompt_ids: Sequence[int] | np.ndarray
+        self,
+        request_key: str,
+        problem_id: str | None,
+        prompt_ids: Sequence[int] | np.ndarray,
+        expected_tokens: int | None = None,
     ) -> int:
         """Registers an in-flight request with its prompt; returns its slot (a dense id for `step`).
-        Raises ValueError if the key is already live."""
+        `expected_tokens` (prompt and output, e.g. prompt + max_tokens) sizes its token segment once, so a
+        step rarely stops to move it. Raises ValueError if the key is already live."""
         if request_key in self._requests:
             raise ValueError(f"request {request_key!r} is already live")
         prompt = as_tokens(prompt_ids, "prompt_ids")
@@ -359,8 +364,10 @@ class ProblemIndex:
         seq_id = live.next_seq
         live.next_seq += 1
         live.active.add(seq_id)
-        # Room for the prompt and as much output again, so most requests never move in the pool.
-        q = live.tree.add_seq(seq_id, max(256, 2 * prompt.shape[0]))
+        # Room for what the request may commit (by default the prompt and as much output again): a request
+        # that outgrows its segment is moved, and the step that finds it stops and resumes around the move.
+        capacity = max(256, 2 * prompt.shape[0]) if expected_tokens is None else expected_tokens
+        q = live.tree.add_seq(seq_id, max(capacity, prompt.shape[0], 16))
         live.tree.extend(seq_id, prompt)
         slot = self._take_slot()
         self._requests[request_key] = _Request(slot, seq_id, live_key, problem_id)
@@ -471,11 +478,7 @@ class ProblemIndex:
         budgets: np.ndarray | Sequence[int],
         draft: bool,
     ) -> BatchDrafts:
-        n = slots.shape[0]
-        buf = self._buffers
-        if buf.tokens.shape[0] < n:
-            buf = self._buffers = _StepBuffers(max(n, 2 * buf.tokens.shape[0]), self.config.max_spec_tokens)
-        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = buf.views(n)
+        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = self.step_buffers(slots.shape[0])
         budgets = np.asarray(budgets)
         f, cfg = self.forest, self.config
         row = 0
@@ -511,10 +514,24 @@ class ProblemIndex:
             )
             if status == K.DONE:
                 return drafts
-            q = int(self.slots[slots[row], K.R_SEQ])
-            if status == K.NEED_POOL:
-                f.make_room(q, int(end[row]))
-            elif status == K.NEED_ARENA:
-                f.grow_for(int(self.slots[slots[row], K.R_LIVE]), q)
-            else:
-                raise ValueError(f"row {row} commits a negative token id")
+            self.make_room(status, slots, row, end)
+
+    def step_buffers(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
+        """The drafts of a batch of n rows and the step kernel's output arrays they view (tokens, probs,
+        support, info, scores): reused buffers, valid until the next step."""
+        buf = self._buffers
+        if buf.tokens.shape[0] < n:
+            buf = self._buffers = _StepBuffers(max(n, 2 * buf.tokens.shape[0]), self.config.max_spec_tokens)
+        return buf.views(n)
+
+    def make_room(self, status: int, slots: np.ndarray, row: int, end: np.ndarray) -> None:
+        """Grows what the step kernel stopped for (`status` at `row`: K.NEED_POOL or K.NEED_ARENA), so that it
+        can resume there. Raises ValueError when it stopped at a negative token id."""
+        f = self.forest
+        q = int(self.slots[slots[row], K.R_SEQ])
+        if status == K.NEED_POOL:
+            f.make_room(q, int(end[row]))
+        elif status == K.NEED_ARENA:
+            f.grow_for(int(self.slots[slots[row], K.R_LIVE]), q)
+        else:
+            raise ValueError(f"row {row} commits a negative token id")

@@ -308,7 +308,7 @@ def test_a_reused_slot_starts_fresh() -> None:
     policy.observe_acceptance(np.array([slot]), np.array([0]))
     policy.finish(slot)
     policy.start(slot, "q")
-    assert policy._request_outcomes[slot].sum() == 0 and policy._kept[slot] == 0
+    assert policy.request_outcomes[slot].sum() == 0 and policy.kept[slot] == 0
     # A finished request's late answer teaches nothing.
     trials = policy.acceptance.trials
     policy.observe_acceptance(np.array([slot]), np.array([2]))

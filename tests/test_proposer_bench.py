@@ -15,7 +15,7 @@ def test_the_proposer_bench_decodes_a_trace_and_splits_the_step_time() -> None:
     assert row["batch"] == 3 and row["steps"] == 20
     assert row["tokens_per_step"] >= 1.0, "every step commits at least one token per row"
     assert 0.0 < row["native_share"] < 1.0
-    parts = row["native_us_per_request"] + row["policy_us_per_request"] + row["other_python_us_per_request"]
+    parts = row["native_us_per_request"] + row["python_us_per_request"]
     assert abs(parts - row["step_us_per_request"]) < 0.01 * row["step_us_per_request"] + 0.01
     assert row["index_step_match_and_draft_best_us_per_request"] > 0
     assert row["allocated_bytes_per_step_peak"] > 0

@@ -214,7 +214,7 @@ class CostModel:
         self._state = np.zeros(3, np.int64)
         self._gauges = [COST_MODEL_COEFFICIENT.labels(coefficient=name) for name in COST_COEFFICIENTS]
         self.coefficients = self._prior.copy()  # refitted in place by `_cost_observe`
-        self._publish()
+        self.publish()
 
     @property
     def steps(self) -> int:
@@ -239,11 +239,27 @@ class CostModel:
             config.refit_every,
             config.ridge,
         ):
-            self._publish()
+            self.publish()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Hands the coefficients to their Prometheus gauges."""
         for gauge, value in zip(self._gauges, self.coefficients.tolist(), strict=True):
             gauge.set(value)
+
+    def kernel_state(self) -> tuple:
+        """The fit's arrays and settings in `_cost_observe`'s order after the step (ring, sums, state, prior,
+        coefficients, min_fit_steps, refit_every, ridge), for a caller that observes from its own kernel."""
+        config = self._config
+        return (
+            self._ring,
+            self._sums,
+            self._state,
+            self._prior,
+            self.coefficients,
+            config.min_fit_steps,
+            config.refit_every,
+            config.ridge,
+        )
 
     def predict(self, active: int, tokens: int) -> float:
         """Predicted seconds of a step with `active` requests verifying `tokens` tokens in total."""
@@ -252,6 +268,9 @@ class CostModel:
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+
+# Rescaling step of `critical_weights`' running products (far from both ends of float64's range).
+_TINY, _HUGE = 1e-280, 1e280
 
 
 @njit(cache=True)
@@ -293,43 +312,43 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
             mass[i, c] /= total
         used[i] = k
     # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
-    below = np.zeros((n, n_bins))  # P(row ends in an earlier bin) + half of P(it ends in this bin)
+    # below[i, b] = P(row i ends in an earlier bin) + half of P(it ends in bin b). prod[b] is the product of
+    # every row's below[., b] that is > 0 (zeros[b] counts the others), kept as prod[b] x TINY^scale[b] so
+    # that hundreds of factors do not underflow: plain products, no logarithm per row and bin.
+    below = np.empty((n, n_bins))
     bins = np.empty((n, 2 * q), np.int64)
     pmf = np.empty(n_bins)
+    prod = np.ones(n_bins)
+    scale = np.zeros(n_bins, np.int64)
+    zeros = np.zeros(n_bins, np.int64)
     for i in range(n):
         k = used[i]
         if k == 0:
+            below[i, :] = 0.0
             below[i, n_bins - 1] = 0.5
             bins[i, 0] = n_bins - 1
             mass[i, 0] = 1.0
-            continue
-        pmf[:] = 0.0
-        for c in range(k):
-            b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
-            bins[i, c] = b
-            pmf[b] += mass[i, c]
-        cum = 0.0
+        else:
+            pmf[:] = 0.0
+            for c in range(k):
+                b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
+                bins[i, c] = b
+                pmf[b] += mass[i, c]
+            cum = 0.0
+            for b in range(n_bins):
+                below[i, b] = cum + 0.5 * pmf[b]
+                cum += pmf[b]
         for b in range(n_bins):
-            below[i, b] = cum + 0.5 * pmf[b]
-            cum += pmf[b]
-    # P(i last) = sum over its outcomes of P(outcome) x prod_{j != i} P(j ends before), ties counted half.
-    # The logarithms dominate at large batches: each is taken once per run of equal values in a row (a row's
-    # cumulative probability is flat between the bins its outcomes fall in) and kept for the product below.
-    log_sum = np.zeros(n_bins)
-    log_below = np.zeros((n, n_bins))
-    zeros = np.zeros(n_bins, np.int64)
-    for j in range(n):
-        previous = -1.0
-        log_b = 0.0
-        for b in range(n_bins):
-            if below[j, b] <= 0.0:
+            v = below[i, b]
+            if v <= 0.0:
                 zeros[b] += 1
             else:
-                if below[j, b] != previous:
-                    previous = below[j, b]
-                    log_b = np.log(previous)
-                log_below[j, b] = log_b
-                log_sum[b] += log_b
+                p = prod[b] * v
+                if p < _TINY:
+                    p *= _HUGE
+                    scale[b] += 1
+                prod[b] = p
+    # P(i last) = sum over its outcomes of P(outcome) x prod_{j != i} P(j ends before), ties counted half.
     total = 0.0
     for i in range(n):
         acc = 0.0
@@ -340,7 +359,9 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
             if mass[i, c] > 0.0 and zeros[b] == 0:
                 if b != last_bin:  # outcomes in one bin share its product
                     last_bin = b
-                    share = np.exp(log_sum[b] - log_below[i, b])
+                    share = prod[b] / below[i, b]
+                    for _ in range(scale[b]):
+                        share *= _TINY
                 acc += mass[i, c] * share
         out[i] = acc
         total += acc
@@ -416,27 +437,29 @@ def _log_odds_gain(outcomes):
 
 
 @njit(cache=True)
-def _features_of(probs, support, j, previous, match_len, source, request_gain, problem_gain, out):
+def _features_of(probs, support, j, previous, log_match, source, request_gain, problem_gain, out):
     """Features of draft token j for its acceptance given token j-1 was accepted: which tree drafted it (one
     intercept per source: what the verifier taught about one source says nothing about another, e.g.
     siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional ratio p_j / p_(j-1),
     log match length, log position, how much better or worse than predicted the request's and the
     problem's recent drafts did (0 without trials, so a request or problem that stopped drafting is not held
     to its old failures forever), and the log of the occurrences behind the token (a ratio of 1/2 from one
-    sighting is weaker evidence than one from 100)."""
+    sighting is weaker evidence than one from 100). log_match is the row's log1p(match length) / 4."""
     ratio = probs[j] / previous if previous > 0 else 0.0
     ratio = min(max(ratio, 0.02), 0.98)
     out[0] = 1.0 if source == SOURCE_PROBLEM else 0.0
     out[1] = 1.0 if source == SOURCE_LIVE else 0.0
     out[2] = 1.0 if source == SOURCE_GLOBAL else 0.0
     out[3] = np.log(ratio / (1.0 - ratio))
-    out[4] = np.log1p(match_len) / 4.0
-    out[5] = np.log1p(j) / 2.0
+    out[4] = log_match
+    out[5] = _LOG_POSITION[j] if j < _LOG_POSITION.shape[0] else np.log1p(j) / 2.0
     out[6] = request_gain
     out[7] = problem_gain
     out[8] = np.log1p(support[j]) / 4.0
 
 
+# log1p(j) / 2 for draft positions j: a table lookup instead of a logarithm per draft token.
+_LOG_POSITION = np.log1p(np.arange(64)) / 2.0
 # Pseudo-trials at the logistic model's own prediction in each recalibration bin.
 _RECALIBRATION_PRIOR = 20.0
 
@@ -466,6 +489,7 @@ def _truncate_kernel(
     c_tok,
     features,
     kept_store,
+    model_p,
     accepted_rate,
     rate_decay,
     predicted,
@@ -473,13 +497,20 @@ def _truncate_kernel(
 ):
     """Per row: each draft token's path acceptance probability (predicted[i, j]) and the kept prefix, the
     tokens whose probability times the row's value pays for their verification (c_tok). Stores each slot's
-    features and kept length for learning, and decays the speed of rows that draft nothing."""
+    features, the model's conditional probabilities (model_p: the learning step reuses them) and kept length
+    for learning, and decays the speed of rows that draft nothing."""
     n, k = predicted.shape
     f = weights.shape[0]
     for i in range(n):
         s = slots[i]
+        if lengths[i] == 0:
+            predicted[i] = 0.0
+            kept[i] = kept_store[s] = 0
+            accepted_rate[s] *= rate_decay
+            continue
         request_gain = _log_odds_gain(request_outcomes[s])
         problem_gain = _log_odds_gain(problem_outcomes[slot_problem[s]])
+        log_match = np.log1p(match_lens[i]) / 4.0
         path = 1.0
         previous = 1.0
         keep = 0
@@ -489,13 +520,15 @@ def _truncate_kernel(
                 continue
             x = features[s, j]
             _features_of(
-                probs[i], support[i], j, previous, match_lens[i], sources[i], request_gain, problem_gain, x
+                probs[i], support[i], j, previous, log_match, sources[i], request_gain, problem_gain, x
             )
             previous = probs[i, j]
             z = 0.0
             for c in range(f):
                 z += x[c] * weights[c]
-            path *= _recalibrated(1.0 / (1.0 + np.exp(-z)), recalibration)
+            p = 1.0 / (1.0 + np.exp(-z))
+            model_p[s, j] = p
+            path *= _recalibrated(p, recalibration)
             predicted[i, j] = path
             if path * value[i] >= c_tok:
                 keep = j + 1  # path probabilities never grow along a row: the kept tokens are a prefix
@@ -511,7 +544,7 @@ def _observe_kernel(
     accepted,
     kept_store,
     features,
-    weights,
+    model_p,
     slot_problem,
     request_outcomes,
     problem_outcomes,
@@ -529,7 +562,7 @@ def _observe_kernel(
     of its conditional acceptance when tokens 0..j-1 were accepted (j <= accepted), a success when it was
     accepted too. Adds the log-likelihood gradient and curvature, and updates the slot's and its problem's
     (accepted, predicted, tried) sums and the slot's accepted tokens per step. Returns the trials."""
-    f = weights.shape[0]
+    f = features.shape[2]
     trials = 0
     outcome = np.zeros(3)
     for i in range(slots.shape[0]):
@@ -542,10 +575,7 @@ def _observe_kernel(
         outcome[:] = 0.0
         for j in range(min(length, a + 1)):
             x = features[s, j]
-            z = 0.0
-            for c in range(f):
-                z += x[c] * weights[c]
-            p = 1.0 / (1.0 + np.exp(-z))
+            p = model_p[s, j]  # what truncate predicted: the weights change only after this kernel
             y = 1.0 if j < a else 0.0
             b = min(int(p * recalibration.shape[0]), recalibration.shape[0] - 1)
             recalibration[b, 0] += y
@@ -762,7 +792,7 @@ class BudgetPolicy:
     """
 
     # Grid of the remaining-steps distributions in `critical_weights`.
-    _BINS = 32
+    BINS = 32
 
     def __init__(self, config: BudgetConfig | None = None) -> None:
         self.config = config or BudgetConfig()
@@ -771,17 +801,18 @@ class BudgetPolicy:
         self.acceptance = AcceptanceModel(self.config)
         self.lengths = LengthModel(self.config.lengths_per_problem)
         # Recent (accepted, predicted, tried) tokens per problem row (row 0: requests without a problem).
-        self._problem_outcomes = np.zeros((1, 3))
-        self._problem_stamp = np.zeros(1, np.int64)  # the observe step that last decayed the row
-        self._step = 0
+        self.problem_outcomes = np.zeros((1, 3))
+        self.problem_stamp = np.zeros(1, np.int64)  # the observe step that last decayed the row
+        self.observe_step_no = 0
         # Per slot: problem row, recent outcomes, accepted tokens per step, promotion, and the
         # features and kept length of its last draft (learned from when the verifier answers).
-        self._slot_problem = np.zeros(0, np.int64)
-        self._request_outcomes = np.zeros((0, 3))
-        self._accepted_rate = np.zeros(0)
-        self._outlived = np.zeros(0, bool)
-        self._features = np.zeros((0, k, N_FEATURES))
-        self._kept = np.zeros(0, np.int64)  # kept draft tokens awaiting the verifier's answer
+        self.slot_problem = np.zeros(0, np.int64)
+        self.request_outcomes = np.zeros((0, 3))
+        self.accepted_rate = np.zeros(0)
+        self.outlived = np.zeros(0, bool)
+        self.features = np.zeros((0, k, N_FEATURES))
+        self.kept = np.zeros(0, np.int64)  # kept draft tokens awaiting the verifier's answer
+        self.model_p = np.zeros((0, k))  # the acceptance model's conditional probabilities of those tokens
         # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
@@ -794,35 +825,38 @@ class BudgetPolicy:
 
     def start(self, slot: int, problem_id: str | None) -> None:
         """Registers a new request in `slot` (dense: the tables grow when one lands past their end)."""
-        size = self._slot_problem.shape[0]
+        size = self.slot_problem.shape[0]
         if slot >= size:
             grown = max(2 * size, slot + 1, 64)
             for name in (
-                "_slot_problem",
-                "_request_outcomes",
-                "_accepted_rate",
-                "_outlived",
-                "_features",
-                "_kept",
+                "slot_problem",
+                "request_outcomes",
+                "accepted_rate",
+                "outlived",
+                "features",
+                "kept",
+                "model_p",
             ):
                 old = getattr(self, name)
                 new = np.zeros((grown, *old.shape[1:]), old.dtype)
                 new[:size] = old
                 setattr(self, name, new)
         # Problem row 0 (the pool) stands for requests without a problem.
-        self._slot_problem[slot] = self.lengths.problem(problem_id) if problem_id is not None else 0
-        grow = self.lengths.capacity - self._problem_outcomes.shape[0]
+        self.slot_problem[slot] = self.lengths.problem(problem_id) if problem_id is not None else 0
+        grow = self.lengths.capacity - self.problem_outcomes.shape[0]
         if grow > 0:
-            self._problem_outcomes = np.concatenate([self._problem_outcomes, np.zeros((grow, 3))])
-            self._problem_stamp = np.concatenate([self._problem_stamp, np.full(grow, self._step, np.int64)])
-        self._request_outcomes[slot] = 0.0
-        self._accepted_rate[slot] = 0.0
-        self._outlived[slot] = False
-        self._kept[slot] = 0
+            self.problem_outcomes = np.concatenate([self.problem_outcomes, np.zeros((grow, 3))])
+            self.problem_stamp = np.concatenate(
+                [self.problem_stamp, np.full(grow, self.observe_step_no, np.int64)]
+            )
+        self.request_outcomes[slot] = 0.0
+        self.accepted_rate[slot] = 0.0
+        self.outlived[slot] = False
+        self.kept[slot] = 0
 
     def finish(self, slot: int) -> None:
         """Ends a request (its slot may be reused by `start`)."""
-        self._kept[slot] = 0
+        self.kept[slot] = 0
 
     # ---- the step
 
@@ -846,26 +880,41 @@ class BudgetPolicy:
             slots,
             np.asarray(output_lens),
             np.asarray(headroom),
-            self._slot_problem,
+            self.slot_problem,
             lengths.count,
             lengths.quantiles,
             lengths.atypical,
-            self._accepted_rate,
-            self._outlived,
+            self.accepted_rate,
+            self.outlived,
             self.cost.coefficients,
-            self._BINS,
+            self.BINS,
             self.config.max_tokens,
             weights,
             value,
             classes,
             budgets,
         )
-        if promoted:
-            self._promotions.inc(promoted)
+        self.count_promotions(promoted)
         self._value = value
         self._slots = slots
         self.last_classes = classes
         return budgets, classes
+
+    def step_buffers(self, n: int) -> tuple[np.ndarray, ...]:
+        """(weights, value, classes, budgets, predicted, kept) buffers for n rows, for a caller that runs the
+        policy's kernels from its own (then `drafted` records what they computed)."""
+        return self._buffers.views(n)
+
+    def count_promotions(self, promoted: int) -> None:
+        """Counts requests that just outlived their problem's lengths (`_budgets_kernel` returns how many)."""
+        if promoted:
+            self._promotions.inc(promoted)
+
+    def drafted(
+        self, slots: np.ndarray, value: np.ndarray, classes: np.ndarray, predicted: np.ndarray
+    ) -> None:
+        """Records a step a caller ran through the kernels itself, as `budgets` and `truncate` do."""
+        self._value, self._slots, self.last_classes, self.last_predicted = value, slots, classes, predicted
 
     def truncate(
         self,
@@ -899,16 +948,17 @@ class BudgetPolicy:
             np.asarray(match_lens),
             np.asarray(sources),
             slots,
-            self._slot_problem,
-            self._request_outcomes,
-            self._problem_outcomes,
+            self.slot_problem,
+            self.request_outcomes,
+            self.problem_outcomes,
             self.acceptance.weights,
             self.acceptance.recalibration,
             self._value,
             float(self.cost.coefficients[2]),
-            self._features,
-            self._kept,
-            self._accepted_rate,
+            self.features,
+            self.kept,
+            self.model_p,
+            self.accepted_rate,
             self.config.rate_decay,
             predicted,
             kept,
@@ -920,22 +970,22 @@ class BudgetPolicy:
         """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed.
         Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance model, the
         requests' and their problems' recent outcomes, and the requests' accepted tokens per step."""
-        self._step += 1
+        self.observe_step_no += 1
         trials = _observe_kernel(
             np.asarray(slots),
             np.asarray(accepted),
-            self._kept,
-            self._features,
-            self.acceptance.weights,
-            self._slot_problem,
-            self._request_outcomes,
-            self._problem_outcomes,
-            self._problem_stamp,
+            self.kept,
+            self.features,
+            self.model_p,
+            self.slot_problem,
+            self.request_outcomes,
+            self.problem_outcomes,
+            self.problem_stamp,
             self.acceptance.recalibration,
-            self._step,
+            self.observe_step_no,
             self.config.request_decay,
             self.config.problem_decay,
-            self._accepted_rate,
+            self.accepted_rate,
             self.config.rate_decay,
             self.acceptance.gradient,
             self.acceptance.curvature,

@@ -51,11 +51,13 @@ from typing import Any
 
 import numpy as np
 
+from history_store._kernels import DONE
 from history_store.indexed import follow, load_index
-from history_store.problem_index import ProblemIndex
+from history_store.problem_index import BatchDrafts, ProblemIndex
 from history_store.suffix_tree import DraftConfig
-from workers.budget import MEDIUM, BudgetConfig, BudgetPolicy
-from workers.step_book import END, HEADROOM, OUTPUT, MetricsFlush, StepBook
+from workers.budget import BudgetConfig, BudgetPolicy
+from workers.step_book import END, MetricsFlush, StepBook
+from workers.step_kernels import before_draft, draft_step
 
 logger = logging.getLogger(__name__)
 
@@ -410,48 +412,158 @@ class DasProposer:
             joined = True
         if self._replica is not None and started >= self._next_catch_up:
             self.catch_up()
-        book = self._book
-        per_row, rows, accepted, every_row_new = book.prepare(
-            slots, num_tokens, self.index.committed(slots), self._step_no, self.max_model_len
-        )
-        end = per_row[END]
-        self._learn_from_last_step(rows, accepted, started, clean=not joined and every_row_new)
-        if self.settings.budget:
-            budgets, classes = self.policy.budgets(slots, per_row[OUTPUT], per_row[HEADROOM])
-        else:
-            budgets, classes = per_row[HEADROOM], np.full(n, MEDIUM, dtype=np.int64)
+        self._learn_from_last_step(slots, num_tokens, joined, started)
         # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
         width = token_ids.shape[1]
         if self._row_base.shape[0] < n or self._row_width != width:
             self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
             self._row_width = width
         src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
-        result = self.index.step(slots, src, self._row_base[:n], end, budgets)
-        lengths = result.lengths
-        if self.settings.budget:
-            lengths = self.policy.truncate(
-                lengths, result.probs, result.match_lens, result.sources, result.support
-            )
-
-        self._last_tokens = book.record(slots, lengths, classes, result.sources, budgets, self._step_no)
+        drafts, lengths = self._draft(slots, src, self._row_base[:n])
         self._last_rows = n
         self._step_no += 1
-        rows = result.tokens.tolist()
+        rows = drafts.tokens.tolist()
         return [row[:m] for row, m in zip(rows, lengths.tolist(), strict=True)]
 
-    def _learn_from_last_step(self, rows: np.ndarray, accepted: np.ndarray, now: float, clean: bool) -> None:
-        """Feeds the verified drafts of the previous step (their slots, tokens accepted) and the step's cost
-        to the budget."""
-        if rows.shape[0]:
-            self.policy.observe_acceptance(rows, accepted)
-        # The interval from the previous return to this call is the verification step of the previous drafts
-        # (an idle engine between batches always resumes with joining requests, so `clean` excludes it too).
-        self._verify_seconds = None
-        if clean and self._last_rows and self._last_ended_at is not None:
-            self._verify_seconds = now - self._last_ended_at
-            self.policy.observe_step(
-                self._last_rows, self._last_rows + self._last_tokens, self._verify_seconds
+    def _learn_from_last_step(
+        self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float
+    ) -> None:
+        """One native call: each row's tokens after this step, draft headroom and output length (into the
+        book's per-row table), and what the verification of the previous step's drafts teaches the budget:
+        the tokens each verified row accepted, and the step's cost. The interval from the previous return to
+        this call is the verification step of the previous drafts; it counts only for a clean step (no
+        joiner: an idle engine between batches always resumes with joining requests)."""
+        book, policy = self._book, self.policy
+        acceptance, config = policy.acceptance, policy.config
+        verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
+        m, clean, trials, refitted = before_draft(
+            self.index.forest.seqs,
+            self.index.slots,
+            slots,
+            num_tokens,
+            self._step_no,
+            self.k,
+            self.max_model_len,
+            book.drafted_at,
+            book.length,
+            book.prompt_len,
+            book.rows,
+            book.accepted,
+            book.accepted_by_position,
+            book.totals,
+            book.per_row(slots.shape[0]),
+            policy.kept,
+            policy.features,
+            policy.model_p,
+            policy.slot_problem,
+            policy.request_outcomes,
+            policy.problem_outcomes,
+            policy.problem_stamp,
+            acceptance.recalibration,
+            policy.observe_step_no + 1,
+            config.request_decay,
+            config.problem_decay,
+            policy.accepted_rate,
+            config.rate_decay,
+            acceptance.gradient,
+            acceptance.curvature,
+            joined,
+            verify_seconds,
+            self._last_rows,
+            self._last_tokens,
+            *policy.cost.kernel_state(),
+        )
+        if m:
+            policy.observe_step_no += 1
+        if trials:
+            acceptance.added(trials)
+        if refitted:
+            policy.cost.publish()
+        self._verify_seconds = verify_seconds if clean else None
+
+    def _draft(self, slots: np.ndarray, src: np.ndarray, bases: np.ndarray) -> tuple[BatchDrafts, np.ndarray]:
+        """Budgets, commit, drafts, the pay-off rule and counting in one native call (more only when the index
+        must grow mid-step). Returns the drafts and each row's kept length."""
+        n = slots.shape[0]
+        book, policy, index, cfg = self._book, self.policy, self.index, self.draft_config
+        per_row = book.per_row(n)
+        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = index.step_buffers(n)
+        weights, value, classes, budgets, predicted, kept = policy.step_buffers(n)
+        lengths = policy.lengths
+        budget_on = self.settings.budget
+        row, resume = 0, False
+        while True:
+            f = index.forest  # growing replaces its arrays
+            status, row, promoted, tokens = draft_step(
+                budget_on,
+                resume,
+                row,
+                slots,
+                per_row,
+                policy.slot_problem,
+                lengths.count,
+                lengths.quantiles,
+                lengths.atypical,
+                policy.accepted_rate,
+                policy.outlived,
+                policy.cost.coefficients,
+                policy.BINS,
+                policy.config.max_tokens,
+                weights,
+                value,
+                classes,
+                budgets,
+                f.states,
+                f.edges,
+                f.hashes,
+                f.meta,
+                f.cache,
+                f.trees,
+                f.seqs,
+                f.pool,
+                index.slots,
+                bases,
+                src,
+                cfg.max_depth,
+                cfg.max_spec_factor,
+                cfg.max_spec_offset,
+                cfg.min_token_prob,
+                cfg.escape,
+                cfg.all_matches,
+                out_tok,
+                out_prob,
+                out_sup,
+                out_info,
+                out_score,
+                policy.request_outcomes,
+                policy.problem_outcomes,
+                policy.acceptance.weights,
+                policy.acceptance.recalibration,
+                policy.features,
+                policy.kept,
+                policy.model_p,
+                policy.config.rate_decay,
+                predicted,
+                kept,
+                self._step_no,
+                book.bounds,
+                book.drafted_at,
+                book.length,
+                book.drafted_by_position,
+                book.by_source,
+                book.by_bucket,
+                book.sum_by_class,
+                book.totals,
             )
+            if promoted:
+                policy.count_promotions(promoted)
+            if status == DONE:
+                break
+            index.make_room(status, slots, row, per_row[END])
+            resume = True
+        self._last_tokens = tokens
+        policy.drafted(slots, value, classes, predicted)
+        return drafts, (kept if budget_on else drafts.lengths)
 
     def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
         sampling = request.sampling_params
@@ -460,7 +572,10 @@ class DasProposer:
             self._malformed += 1
             self._warn_once(f"malformed:{key}", f"request {key}: {problem}; drafting from its own context")
         prompt_len = int(request.num_prompt_tokens)
-        slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len])
+        max_tokens = getattr(sampling, "max_tokens", None)
+        # What it may commit: a step that meets a request outgrowing its token segment stops to move it.
+        expected = min(prompt_len + int(max_tokens or self.max_model_len), self.max_model_len)
+        slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len], expected)
         self.policy.start(slot, problem_id)
         self._live[key] = _Live(
             slot,
@@ -468,7 +583,7 @@ class DasProposer:
             epoch,
             sample,
             prompt_len,
-            getattr(sampling, "max_tokens", None),
+            max_tokens,
             # vLLM keeps EOS among all_stop_token_ids under ignore_eos; such a request stops only on its own.
             frozenset(
                 (getattr(sampling, "stop_token_ids", None) or ())

@@ -143,9 +143,10 @@ class StepBook:
         self.prompt_len = np.zeros(size, np.int64)
         self.drafted_at = np.full(size, -2, np.int64)  # the step that last drafted for the slot
         self.length = np.zeros(size, np.int64)
-        self._rows = np.zeros(size, np.int64)
-        self._accepted = np.zeros(size, np.int64)
+        self.rows = np.zeros(size, np.int64)
+        self.accepted = np.zeros(size, np.int64)
         self._per_row = np.zeros((4, size), np.int64)
+        self._per_row_view = self._per_row[:, :0]
         self.totals = np.zeros(len(TOTAL_NAMES), np.int64)
         self.accepted_by_position = np.zeros(k, np.int64)
         self.drafted_by_position = np.zeros(k, np.int64)
@@ -158,7 +159,7 @@ class StepBook:
         size = self.prompt_len.shape[0]
         if slot >= size:
             grown = max(2 * size, slot + 1)
-            for name in ("prompt_len", "drafted_at", "length", "_rows", "_accepted"):
+            for name in ("prompt_len", "drafted_at", "length", "rows", "accepted"):
                 old = getattr(self, name)
                 new = np.zeros((grown, *old.shape[1:]), old.dtype)
                 new[:size] = old
@@ -173,10 +174,7 @@ class StepBook:
         an int64 [4, n] array of END, NEW, HEADROOM and OUTPUT per row (see `_prepare`), the slots whose
         step-(step_no - 1) draft was verified now with the tokens each got accepted, and whether every row
         committed something. The arrays are views of reused buffers."""
-        n = slots.shape[0]
-        if self._per_row.shape[1] < n:
-            self._per_row = np.zeros((4, 2 * n), np.int64)
-        out = self._per_row[:, :n]
+        out = self.per_row(slots.shape[0])
         m, every_row_new = _prepare(
             slots,
             num_tokens,
@@ -187,13 +185,21 @@ class StepBook:
             self.drafted_at,
             self.length,
             self.prompt_len,
-            self._rows,
-            self._accepted,
+            self.rows,
+            self.accepted,
             self.accepted_by_position,
             self.totals,
             out,
         )
-        return out, self._rows[:m], self._accepted[:m], bool(every_row_new)
+        return out, self.rows[:m], self.accepted[:m], bool(every_row_new)
+
+    def per_row(self, n: int) -> np.ndarray:
+        """The reused int64 [4, n] table `prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
+        if self._per_row.shape[1] < n:
+            self._per_row = np.zeros((4, 2 * n), np.int64)
+        if self._per_row_view.shape[1] != n:
+            self._per_row_view = self._per_row[:, :n]
+        return self._per_row_view
 
     def record(
         self,
@@ -255,7 +261,7 @@ class MetricsFlush:
         self._drafted_at = [
             DRAFT_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(book.k)
         ]
-        self._accepted_at = [
+        self.accepted_at = [
             ACCEPTED_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(book.k)
         ]
         self._budget = [SPEC_BUDGET.labels(length_class=c) for c in LENGTH_CLASSES]
@@ -280,7 +286,7 @@ class MetricsFlush:
             ACCEPTED_TOKENS.inc(totals[ACCEPTED])
         for children, counts in (
             (self._drafted_at, book.drafted_by_position - old["drafted_by_position"]),
-            (self._accepted_at, book.accepted_by_position - old["accepted_by_position"]),
+            (self.accepted_at, book.accepted_by_position - old["accepted_by_position"]),
         ):
             for child, count in zip(children, counts.tolist(), strict=True):
                 if count:
