@@ -7,19 +7,20 @@ O(new tokens + draft length). Occurrence counts equal those of a depth-bounded s
 of length <= depth, so drafting semantics are the suffix tree's.
 
 The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel first, in this order:
-  states  int32 [n, 4]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
+  states  int32 [n, 6]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
           = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
-          degree in its tree), EDGE (head of the state's outgoing-edge list)
+          degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the edge to its most
+          frequent continuation, ties to the smaller token; -1: none) and TOTAL (its continuations' counts
+          summed), both kept up to date by insertion so that drafting reads a state's best continuation
+          and its probability in O(1) instead of scanning its children
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
   hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
   meta    int64 [3]: states, edges and hash entries in use.
 Bookkeeping tables beside it (int64, one row each):
-  trees   [T, 7]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
-          the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS, and T_STAMP (changes whenever its counts do).
-  cache   int64 [CACHE_ENTRIES, 4]: direct-mapped cache of high-degree states' best continuation (see
-          `_best_child`), 2 MiB per arena.
+  trees   [T, 6]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
+          the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS.
   seqs    [Q, 5]: where a sequence's tokens live in the token pool (Q_OFF, Q_LEN, Q_CAP), its end state
           (Q_LAST) and how many of its tokens the automaton has taken in (Q_EXT).
   slots   [S, 15]: a live request's sequence (R_SEQ) and live tree (R_LIVE), its candidate trees (R_CAND..,
@@ -37,14 +38,12 @@ from numba import njit
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
-LEN, LINK, COUNT, EDGE = 0, 1, 2, 3
+LEN, LINK, COUNT, EDGE, BEST, TOTAL = 0, 1, 2, 3, 4, 5
+STATE_FIELDS = 6
 TOK, TO, NEXT = 0, 1, 2
 H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
-ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS, T_STAMP = 0, 1, 2, 3, 4, 5, 6
-TREE_FIELDS = 7
-# The best-continuation cache (see `_best_child`): state, its tree's stamp, best edge, total count.
-C_STATE, C_STAMP, C_EDGE, C_TOTAL = 0, 1, 2, 3
-CACHE_ENTRIES = 1 << 16
+ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
+TREE_FIELDS = 6
 Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
 SEQ_FIELDS = 5
 N_CANDIDATES = 3
@@ -107,6 +106,8 @@ def new_state(states, meta, length, link, count):
     states[s, LINK] = link
     states[s, COUNT] = count
     states[s, EDGE] = -1
+    states[s, BEST] = -1
+    states[s, TOTAL] = 0
     return np.int64(s)
 
 
@@ -139,9 +140,13 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
 @njit(cache=True)
 def _clone(states, edges, hashes, meta, q, length):
     c = new_state(states, meta, length, states[q, LINK], states[q, COUNT])
+    states[c, TOTAL] = states[q, TOTAL]  # the same continuations, so the same counts
     e = np.int64(states[q, EDGE])
     while e != -1:
+        copy = meta[1]
         _add_edge(states, edges, hashes, meta, c, edges[e, TOK], edges[e, TO])
+        if e == states[q, BEST]:
+            states[c, BEST] = copy
         e = np.int64(edges[e, NEXT])
     return c
 
@@ -205,11 +210,28 @@ def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
                     states[q, LINK] = cl
                     states[cur, LINK] = cl
             r = cur
-        # The new end position belongs to every state on r's suffix path.
-        s = r
-        while s != root:
-            states[s, COUNT] += 1
-            s = np.int64(states[s, LINK])
+        # The new end position belongs to every state on r's suffix path. Those are exactly the targets of
+        # token c from the states on last's suffix path (each old suffix x, now followed by c), a run of
+        # sources per target: walking last's path counts each target once and grows each source's total and,
+        # when the grown child now leads, its best continuation (counts only grow between rebuilds, so the
+        # leader is the old one or the child that just grew).
+        p = last
+        grown = np.int64(-1)
+        while p != -1:
+            e = find_edge(states, edges, hashes, p, c)
+            s = np.int64(edges[e, TO])
+            if s != grown:
+                states[s, COUNT] += 1
+                grown = s
+            states[p, TOTAL] += 1
+            b = states[p, BEST]
+            if b == -1:
+                states[p, BEST] = e
+            elif b != e:
+                n_s, n_b = states[s, COUNT], states[edges[b, TO], COUNT]
+                if n_s > n_b or (n_s == n_b and c < edges[b, TOK]):
+                    states[p, BEST] = e
+            p = np.int64(states[p, LINK])
         last = r
         i += 1
     return i, last
@@ -230,7 +252,6 @@ def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, q):
     )
     seqs[q, Q_LAST] = last
     seqs[q, Q_EXT] = stop - off
-    trees[tid, T_STAMP] += 1  # counts changed: cached best continuations of this tree are stale
     trees[tid, T_TOKENS] += stop - start
     trees[tid, T_STATES] += meta[0] - s0
     trees[tid, T_EDGES] += meta[1] - e0
@@ -293,45 +314,17 @@ def advance_match(states, edges, hashes, root, state, length, tokens, lo, hi, ma
 
 
 @njit(cache=True)
-def _best_child(states, edges, cache, stamp, state):
+def _best_child(states, edges, state):
     """(edge, count) of a state's most frequent continuation (ties: the smaller token) and the total count of
-    its continuations; edge -1 when it has none.
-
-    Short child lists are scanned. A state with more than HASHED_DEGREE children (the short matches, with
-    hundreds of continuations) is looked up in a direct-mapped cache keyed by state and its tree's stamp,
-    which changes whenever the tree's counts do, so a hit is exact; a miss scans and fills the entry.
-    """
-    best_e = np.int64(-1)
-    best_c = -1
-    total = 0
-    seen = 0
-    slot = np.int64(-1)
-    e = np.int64(states[state, EDGE])
-    while e != -1:
-        if seen == HASHED_DEGREE:
-            slot = _slot(np.int64(state), cache.shape[0] - 1)
-            if cache[slot, C_STATE] == state and cache[slot, C_STAMP] == stamp:
-                hit = cache[slot, C_EDGE]
-                return hit, states[edges[hit, TO], COUNT], cache[slot, C_TOTAL]
-        c = states[edges[e, TO], COUNT]
-        total += c
-        if c > best_c or (c == best_c and edges[e, TOK] < edges[best_e, TOK]):
-            best_c = c
-            best_e = e
-        seen += 1
-        e = np.int64(edges[e, NEXT])
-    if slot >= 0:
-        cache[slot, C_STATE] = state
-        cache[slot, C_STAMP] = stamp
-        cache[slot, C_EDGE] = best_e
-        cache[slot, C_TOTAL] = total
-    return best_e, best_c, total
+    its continuations; edge -1 when it has none. O(1): insertion keeps BEST and TOTAL."""
+    best_e = np.int64(states[state, BEST])
+    if best_e == -1:
+        return best_e, 0, 0
+    return best_e, states[edges[best_e, TO], COUNT], states[state, TOTAL]
 
 
 @njit(cache=True)
-def _draft_path(
-    states, edges, cache, stamp, state, cap, scored, min_prob, escape, floor, out_tok, out_prob, out_sup
-):
+def _draft_path(states, edges, state, cap, scored, min_prob, escape, floor, out_tok, out_prob, out_sup):
     """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
     the smaller token id. out_sup gets each token's count (its support). The score is the sum of the first
@@ -341,7 +334,7 @@ def _draft_path(
     score = 0.0
     n = 0
     while n < cap:
-        best_e, best_c, total = _best_child(states, edges, cache, stamp, state)
+        best_e, best_c, total = _best_child(states, edges, state)
         if best_e == -1:
             break
         p = prob * best_c / (total + escape)
@@ -364,8 +357,6 @@ def _draft_path(
 def draft_best(
     states,
     edges,
-    cache,
-    stamp,
     root,
     state,
     length,
@@ -405,8 +396,6 @@ def draft_best(
             n, score = _draft_path(
                 states,
                 edges,
-                cache,
-                stamp,
                 state,
                 cap,
                 scored,
@@ -472,7 +461,6 @@ def _draft_rows(
     states,
     edges,
     hashes,
-    cache,
     trees,
     seqs,
     pool,
@@ -536,8 +524,6 @@ def _draft_rows(
             n, used, score = draft_best(
                 states,
                 edges,
-                cache,
-                trees[tid, T_STAMP],
                 root,
                 st,
                 ln,
@@ -569,7 +555,6 @@ def step_rows(
     edges,
     hashes,
     meta,
-    cache,
     trees,
     seqs,
     pool,
@@ -613,7 +598,6 @@ def step_rows(
         states,
         edges,
         hashes,
-        cache,
         trees,
         seqs,
         pool,

@@ -488,7 +488,6 @@ class ProblemIndex:
                 f.edges,
                 f.hashes,
                 f.meta,
-                f.cache,
                 f.trees,
                 f.seqs,
                 f.pool,

@@ -124,12 +124,10 @@ class SuffixForest:
 
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
-        self.states = np.zeros((2 * n, 4), np.int32)
+        self.states = np.zeros((2 * n, K.STATE_FIELDS), np.int32)
         self.edges = np.zeros((3 * n, 3), np.int32)
         self.hashes = np.full((_pow2(2 * n), 3), -1, np.int32)  # only high-degree states' edges are hashed
         self.meta = np.zeros(3, np.int64)
-        # Keyed by state ids, which a compaction reuses: a fresh arena starts with an empty cache.
-        self.cache = np.full((K.CACHE_ENTRIES, 4), -1, np.int64)
         self.garbage_states = 0
 
     @property
@@ -143,7 +141,7 @@ class SuffixForest:
     @property
     def memory_bytes(self) -> int:
         """Bytes the arena, its tables and the token pool have allocated."""
-        return sum(a.nbytes for a in (*self.arena, self.cache, self.trees, self.seqs, self.pool))
+        return sum(a.nbytes for a in (*self.arena, self.trees, self.seqs, self.pool))
 
     # ---- trees and sequences -------------------------------------------------------------------------
 
@@ -163,14 +161,13 @@ class SuffixForest:
         self.grow(states=1, edges=0)
         root = K.new_state(self.states, self.meta, 0, -1, 0)
         version = self.next_version()
-        self.trees[tid, [K.ROOT, K.VERSION, K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS, K.T_STAMP]] = (
+        self.trees[tid, [K.ROOT, K.VERSION, K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS]] = (
             root,
             version,
             1,
             0,
             0,
             0,
-            version,
         )
 
     def free_tree(self, tid: int) -> None:
@@ -342,9 +339,9 @@ class SuffixTree:
 
     @property
     def memory_bytes(self) -> int:
-        """Arena bytes this tree uses (16 per state, 12 per edge, 12 per hashed edge) plus its stored tokens."""
+        """Arena bytes this tree uses (24 per state, 12 per edge, 12 per hashed edge) plus its stored tokens."""
         row = self.forest.trees[self.tid]
-        return int(16 * row[K.T_STATES] + 12 * row[K.T_EDGES] + 12 * row[K.T_HASHED] + 4 * row[K.T_TOKENS])
+        return int(24 * row[K.T_STATES] + 12 * row[K.T_EDGES] + 12 * row[K.T_HASHED] + 4 * row[K.T_TOKENS])
 
     def seq_row(self, seq_id: int) -> int:
         """The forest's sequence row of `seq_id` (a kernel's handle on it). Raises KeyError if unknown."""
@@ -416,8 +413,6 @@ class SuffixTree:
         n, match_len, score = K.draft_best(
             f.states,
             f.edges,
-            f.cache,
-            int(f.trees[self.tid, K.T_STAMP]),
             root,
             state,
             length,

@@ -605,6 +605,63 @@ def _observe_kernel(
     return trials
 
 
+# Fields of `AcceptanceModel.state`: verified tokens learned from in all, and since the last Newton step.
+_A_TRIALS, _A_PENDING = 0, 1
+
+
+@njit(cache=True)
+def _acceptance_added(
+    state, trials, min_trials, forgetting, ridge, accumulated, curvature, gradient, recalibration, weights
+):
+    """`trials` more verified tokens are in gradient and curvature: once min_trials are pending, folds them
+    into the forgetting curvature and takes a Newton step on `weights` in place. Returns whether it stepped."""
+    state[_A_TRIALS] += trials
+    state[_A_PENDING] += trials
+    if state[_A_PENDING] < min_trials:
+        return False
+    f = weights.shape[0]
+    a = np.empty((f, f + 1))
+    for i in range(f):
+        for j in range(f):
+            accumulated[i, j] = forgetting * accumulated[i, j] + curvature[i, j]
+            a[i, j] = accumulated[i, j]
+        a[i, i] += ridge
+        a[i, f] = gradient[i]
+    for r in range(recalibration.shape[0]):
+        recalibration[r, 0] *= forgetting
+        recalibration[r, 1] *= forgetting
+    # Gaussian elimination with partial pivoting (the system is symmetric positive definite: the ridge).
+    for c in range(f):
+        p = c
+        for r in range(c + 1, f):
+            if abs(a[r, c]) > abs(a[p, c]):
+                p = r
+        if p != c:
+            for j in range(f + 1):
+                a[c, j], a[p, j] = a[p, j], a[c, j]
+        for r in range(c + 1, f):
+            m = a[r, c] / a[c, c]
+            for j in range(c, f + 1):
+                a[r, j] -= m * a[c, j]
+    step = np.empty(f)
+    largest = 1.0
+    for r in range(f - 1, -1, -1):
+        v = a[r, f]
+        for j in range(r + 1, f):
+            v -= a[r, j] * step[j]
+        step[r] = v / a[r, r]
+        largest = max(largest, abs(step[r]))
+    # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
+    # predictions is small): move at most one logit unit per feature per step; more data keeps coming.
+    for i in range(f):
+        weights[i] += step[i] / largest
+        gradient[i] = 0.0
+        for j in range(f):
+            curvature[i, j] = 0.0
+    state[_A_PENDING] = 0
+    return True
+
+
 class AcceptanceModel:
     """Online logistic regression of a draft token's acceptance given the previous token was accepted.
 
@@ -617,35 +674,38 @@ class AcceptanceModel:
     MIN_TRIALS = 64
 
     def __init__(self, config: BudgetConfig) -> None:
-        self._forgetting = config.acceptance_forgetting
-        self._ridge = config.acceptance_ridge * np.eye(N_FEATURES)
+        self.forgetting = config.acceptance_forgetting
+        self.ridge = config.acceptance_ridge
         # Start near the tree's own ratio, slightly discounted: overconfident ratios were the rule on real
         # rollouts, and thin evidence should draft little until the verifier has spoken.
         self.weights = np.zeros(N_FEATURES)
         self.weights[:3], self.weights[3] = -0.5, 1.0
-        self._curvature = np.zeros((N_FEATURES, N_FEATURES))
+        self.accumulated = np.zeros((N_FEATURES, N_FEATURES))  # the forgetting sum of past curvatures
         self.gradient = np.zeros(N_FEATURES)
         self.curvature = np.zeros((N_FEATURES, N_FEATURES))
-        self._pending = 0
+        self.state = np.zeros(2, np.int64)
         # Observed acceptance by bin of the model's prediction (accepted, tried), forgotten like the fit.
         self.recalibration = np.zeros((20, 2))
-        self.trials = 0
+
+    @property
+    def trials(self) -> int:
+        """Verified tokens learned from."""
+        return int(self.state[_A_TRIALS])
 
     def added(self, trials: int) -> None:
         """`trials` more verified tokens are in `gradient` and `curvature`: a Newton step once enough are."""
-        self.trials += trials
-        self._pending += trials
-        if self._pending < self.MIN_TRIALS:
-            return
-        self._curvature = self._forgetting * self._curvature + self.curvature
-        self.recalibration *= self._forgetting
-        step = np.linalg.solve(self._curvature + self._ridge, self.gradient)
-        # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
-        # predictions is small): move at most one logit unit per feature per step; more data keeps coming.
-        self.weights = self.weights + step / max(1.0, float(np.abs(step).max()))
-        self.gradient[:] = 0.0
-        self.curvature[:] = 0.0
-        self._pending = 0
+        _acceptance_added(
+            self.state,
+            trials,
+            self.MIN_TRIALS,
+            self.forgetting,
+            self.ridge,
+            self.accumulated,
+            self.curvature,
+            self.gradient,
+            self.recalibration,
+            self.weights,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the policy

@@ -436,7 +436,7 @@ class DasProposer:
         book, policy = self._book, self.policy
         acceptance, config = policy.acceptance, policy.config
         verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
-        m, clean, trials, refitted = before_draft(
+        m, clean, refitted = before_draft(
             self.index.forest.seqs,
             self.index.slots,
             slots,
@@ -467,6 +467,12 @@ class DasProposer:
             config.rate_decay,
             acceptance.gradient,
             acceptance.curvature,
+            acceptance.state,
+            acceptance.MIN_TRIALS,
+            acceptance.forgetting,
+            acceptance.ridge,
+            acceptance.accumulated,
+            acceptance.weights,
             joined,
             verify_seconds,
             self._last_rows,
@@ -475,8 +481,6 @@ class DasProposer:
         )
         if m:
             policy.observe_step_no += 1
-        if trials:
-            acceptance.added(trials)
         if refitted:
             policy.cost.publish()
         self._verify_seconds = verify_seconds if clean else None
@@ -517,7 +521,6 @@ class DasProposer:
                 f.edges,
                 f.hashes,
                 f.meta,
-                f.cache,
                 f.trees,
                 f.seqs,
                 f.pool,

@@ -1,8 +1,8 @@
 """The proposer's decode step in two native calls.
 
-`before_draft` works out what the previous step's verification did (`step_book._prepare`), teaches the budget
-policy (`budget._observe_kernel`, `budget._cost_observe`); Python then takes the acceptance model's Newton step
-when one is due; `draft_step` asks the policy for budgets (`budget._budgets_kernel`), commits every row's new
+`before_draft` works out what the previous step's verification did (`step_book._prepare`) and teaches the
+budget policy (`budget._observe_kernel`, the acceptance model's Newton step, `budget._cost_observe`);
+`draft_step` asks the policy for budgets (`budget._budgets_kernel`), commits every row's new
 tokens and drafts (`_kernels.step_rows`), applies the pay-off rule (`budget._truncate_kernel`) and counts the
 drafts (`step_book._record`). They compose the same kernels the replay and the per-part APIs call one by one,
 so the engine runs exactly the replay's policy; calling them from one kernel saves what dominates a small
@@ -14,7 +14,14 @@ from __future__ import annotations
 from numba import njit
 
 from history_store import _kernels as K
-from workers.budget import MEDIUM, _budgets_kernel, _cost_observe, _observe_kernel, _truncate_kernel
+from workers.budget import (
+    MEDIUM,
+    _acceptance_added,
+    _budgets_kernel,
+    _cost_observe,
+    _observe_kernel,
+    _truncate_kernel,
+)
 from workers.step_book import END, HEADROOM, OUTPUT, _prepare, _record
 
 
@@ -50,6 +57,12 @@ def before_draft(
     rate_decay,
     gradient,
     curvature,
+    acceptance_state,
+    min_trials,
+    forgetting,
+    acceptance_ridge,
+    accumulated,
+    acceptance_weights,
     joined,
     verify_seconds,
     last_rows,
@@ -104,6 +117,19 @@ def before_draft(
             gradient,
             curvature,
         )
+        if trials:
+            _acceptance_added(
+                acceptance_state,
+                trials,
+                min_trials,
+                forgetting,
+                acceptance_ridge,
+                accumulated,
+                curvature,
+                gradient,
+                recalibration,
+                acceptance_weights,
+            )
     clean = not joined and every_row_new and last_rows > 0 and verify_seconds > 0.0
     refitted = False
     if clean:
@@ -120,7 +146,7 @@ def before_draft(
             refit_every,
             ridge,
         )
-    return m, clean, trials, refitted
+    return m, clean, refitted
 
 
 @njit(cache=True)
@@ -147,7 +173,6 @@ def draft_step(
     edges,
     hashes,
     meta,
-    cache,
     trees,
     seqs,
     pool,
@@ -219,7 +244,6 @@ def draft_step(
         edges,
         hashes,
         meta,
-        cache,
         trees,
         seqs,
         pool,
