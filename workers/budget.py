@@ -711,14 +711,67 @@ class AcceptanceModel:
 # ---------------------------------------------------------------------------------------------- the policy
 
 
+# Fields of `LengthModel.stats`: ratios seen, responses past every predicted quantile, responses predicted.
+_L_RATIOS, _L_BEYOND, _L_PREDICTED = 0, 1, 2
+
+
+@njit(cache=True)
+def _requantile(lengths, count, ratios, n_ratios, quantiles, row, pseudo_samples):
+    """quantiles[row] from the row's recent lengths, mixed (n_ratios > 0) with its median times the shared
+    length / median ratios, weighted as `pseudo_samples` samples."""
+    own = lengths[row, : count[row]]
+    n = own.shape[0]
+    if n_ratios:
+        alpha = pseudo_samples / (n + pseudo_samples)
+        values = np.empty(n + n_ratios)
+        weights = np.empty(n + n_ratios)
+        median = np.median(own)
+        for i in range(n):
+            values[i] = own[i]
+            weights[i] = (1 - alpha) * (1.0 / n)
+        for i in range(n_ratios):
+            values[n + i] = median * ratios[i]
+            weights[n + i] = alpha / n_ratios
+    else:
+        values = own.copy()
+        weights = np.full(n, 1.0 / n)
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    q = quantiles.shape[1]
+    for j in range(q):
+        level = (j + 0.5) / q * cumulative[-1]
+        pick = min(np.searchsorted(cumulative, level), values.shape[0] - 1)
+        quantiles[row, j] = values[order[pick]]
+
+
+@njit(cache=True)
+def _observe_length(lengths, count, nxt, ratios, stats, quantiles, p, length, pseudo_samples):
+    """Records a finished response of problem row p (and of the pool, row 0) and recomputes both rows'
+    quantiles; counts whether it ran past every quantile predicted for it."""
+    if count[p]:
+        stats[_L_PREDICTED] += 1
+        if length > quantiles[p, quantiles.shape[1] - 1]:
+            stats[_L_BEYOND] += 1
+        ratios[stats[_L_RATIOS] % ratios.shape[0]] = length / max(np.median(lengths[p, : count[p]]), 1.0)
+        stats[_L_RATIOS] += 1
+    width = lengths.shape[1]
+    for row in (p, 0):
+        lengths[row, nxt[row]] = length
+        nxt[row] = (nxt[row] + 1) % width
+        count[row] = min(count[row] + 1, width)
+    n_ratios = min(stats[_L_RATIOS], ratios.shape[0])
+    _requantile(lengths, count, ratios, n_ratios, quantiles, p, pseudo_samples)
+    _requantile(lengths, count, ratios, 0, quantiles, 0, pseudo_samples)
+
+
 class LengthModel:
     """Each problem's response length distribution, as `QUANTILES` equally likely lengths per problem.
 
     A problem's distribution mixes its recent lengths with, as if two more samples, its median times the
     length / median ratios seen across all problems: a handful of samples understates how far the tail can
     run, and problems vary alike relative to their own scale. Row 0 holds every problem's recent lengths, the
-    distribution of a problem without history. Quantiles are recomputed when a length arrives, so a decode
-    step only gathers rows.
+    distribution of a problem without history. Quantiles are recomputed when a length arrives (one kernel),
+    so a decode step only gathers rows.
     """
 
     QUANTILES = 16
@@ -733,11 +786,9 @@ class LengthModel:
         self.count = np.zeros(1, np.int64)  # lengths held per row
         self._next = np.zeros(1, np.int64)
         self._ratios = np.zeros(self._RATIOS)
-        self._ratio_count = 0
         self.quantiles = np.zeros((1, self.QUANTILES))
-        # Responses that ran past every quantile their problem predicted, of those that had a prediction.
-        self._beyond = 0
-        self._predicted = 0
+        # Ratios seen; responses that ran past every quantile their problem predicted, of those predicted.
+        self._stats = np.zeros(3, np.int64)
 
     @property
     def capacity(self) -> int:
@@ -761,27 +812,25 @@ class LengthModel:
     def atypical(self) -> float:
         """Share of responses unlike their problem's history: measured as those longer than every quantile
         predicted for them (a 1/(2Q) share would be typical), with a prior of one in ten."""
-        return (self._beyond + 1.0) / (self._predicted + 10.0)
+        return (self._stats[_L_BEYOND] + 1.0) / (self._stats[_L_PREDICTED] + 10.0)
 
     def window(self, problem: int) -> np.ndarray:
         return self._lengths[problem, : self.count[problem]]
 
     def observe(self, problem_id: str, length: int) -> None:
         """Records a finished response of `problem_id`."""
-        p = self.problem(problem_id)
-        if self.count[p]:
-            self._predicted += 1
-            self._beyond += bool(length > self.quantiles[p, -1])
-            self._ratios[self._ratio_count % self._RATIOS] = length / max(
-                float(np.median(self.window(p))), 1.0
-            )
-            self._ratio_count += 1
-        for row in (p, 0):
-            self._lengths[row, self._next[row]] = length
-            self._next[row] = (self._next[row] + 1) % self._lengths.shape[1]
-            self.count[row] = min(self.count[row] + 1, self._lengths.shape[1])
-        self._requantile(p, shared=True)
-        self._requantile(0, shared=False)
+        p = self.problem(problem_id)  # first: a new problem may grow the arrays passed below
+        _observe_length(
+            self._lengths,
+            self.count,
+            self._next,
+            self._ratios,
+            self._stats,
+            self.quantiles,
+            p,
+            float(length),
+            self._PSEUDO_SAMPLES,
+        )
 
     def forget(self, problem_id: str) -> None:
         """Drops a problem's lengths (its history was evicted)."""
@@ -797,20 +846,6 @@ class LengthModel:
             return None
         p50, p90 = np.percentile(self.window(p), [50, 90], method="inverted_cdf")
         return int(p50), int(p90)
-
-    def _requantile(self, row: int, shared: bool) -> None:
-        own = self.window(row)
-        n_ratios = min(self._ratio_count, self._RATIOS)
-        values, weights = own, np.full(own.shape[0], 1.0 / own.shape[0])
-        if shared and n_ratios:
-            alpha = self._PSEUDO_SAMPLES / (own.shape[0] + self._PSEUDO_SAMPLES)
-            values = np.concatenate([own, np.median(own) * self._ratios[:n_ratios]])
-            weights = np.concatenate([(1 - alpha) * weights, np.full(n_ratios, alpha / n_ratios)])
-        order = np.argsort(values)
-        cumulative = np.cumsum(weights[order])
-        levels = (np.arange(self.QUANTILES) + 0.5) / self.QUANTILES
-        picks = np.minimum(np.searchsorted(cumulative, levels * cumulative[-1]), values.shape[0] - 1)
-        self.quantiles[row] = values[order][picks]
 
 
 class _StepBuffers:
