@@ -21,6 +21,9 @@ def register(cli) -> None:
     parser.add_argument("--steps", type=POSITIVE, default=400, help="timed steps per batch size")
     parser.add_argument("--warmup", type=integer(0), default=50, help="untimed steps first")
     parser.add_argument(
+        "--repeats", type=POSITIVE, default=3, help="runs per batch size; the least disturbed one is reported"
+    )
+    parser.add_argument(
         "--batches", type=_batch_sizes, default=(1, 64, 256), help="comma-separated batch sizes (1,64,256)"
     )
 
@@ -38,7 +41,9 @@ def _batch_sizes(raw: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     from workers.bench import proposer
 
-    result = proposer.run(args.trace, k=args.k, steps=args.steps, warmup=args.warmup, batches=args.batches)
+    result = proposer.run(
+        args.trace, k=args.k, steps=args.steps, warmup=args.warmup, batches=args.batches, repeats=args.repeats
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
