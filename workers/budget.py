@@ -107,6 +107,29 @@ def _add_row(sums, row, sign):
 
 
 @njit(cache=True)
+def _solve_augmented(a, m, x):
+    """Solves the m x m system a[:m, :m] x = a[:m, m] into x[:m] by Gaussian elimination with partial
+    pivoting (overwriting a)."""
+    for c in range(m):
+        p = c
+        for r in range(c + 1, m):
+            if abs(a[r, c]) > abs(a[p, c]):
+                p = r
+        if p != c:
+            for j in range(m + 1):
+                a[c, j], a[p, j] = a[p, j], a[c, j]
+        for r in range(c + 1, m):
+            f = a[r, c] / a[c, c]
+            for j in range(c, m + 1):
+                a[r, j] -= f * a[c, j]
+    for r in range(m - 1, -1, -1):
+        v = a[r, m]
+        for j in range(r + 1, m):
+            v -= a[r, j] * x[j]
+        x[r] = v / a[r, r]
+
+
+@njit(cache=True)
 def _solve_nonnegative(sums, target, ridge, coef):
     """Ridge least squares toward `target` (per column, weighted by the column's scale) over the window whose
     sums are `sums`; a coefficient that comes out negative is pinned at zero and the others refitted."""
@@ -122,35 +145,22 @@ def _solve_nonnegative(sums, target, ridge, coef):
     free = np.ones(3, np.bool_)
     idx = np.empty(3, np.int64)
     m_a = np.empty((3, 4))
+    x = np.empty(3)
     while free.any():
         m = 0
         for i in range(3):
             if free[i]:
                 idx[m] = i
                 m += 1
-        # Gaussian elimination with partial pivoting on the free columns' system (augmented with rhs).
+        # The free columns' system, augmented with its right-hand side.
         for r in range(m):
             for c in range(m):
                 m_a[r, c] = a[idx[r], idx[c]]
             m_a[r, m] = rhs[idx[r]]
-        for c in range(m):
-            p = c
-            for r in range(c + 1, m):
-                if abs(m_a[r, c]) > abs(m_a[p, c]):
-                    p = r
-            if p != c:
-                for j in range(m + 1):
-                    m_a[c, j], m_a[p, j] = m_a[p, j], m_a[c, j]
-            for r in range(c + 1, m):
-                f = m_a[r, c] / m_a[c, c]
-                for j in range(c, m + 1):
-                    m_a[r, j] -= f * m_a[c, j]
+        _solve_augmented(m_a, m, x)
         coef[:] = 0.0
-        for r in range(m - 1, -1, -1):
-            s = m_a[r, m]
-            for j in range(r + 1, m):
-                s -= m_a[r, j] * coef[idx[j]]
-            coef[idx[r]] = s / m_a[r, r]
+        for r in range(m):
+            coef[idx[r]] = x[r]
         if (coef >= 0.0).all():
             break
         # Time never shrinks with more work: a coefficient that comes out negative is pinned at zero and the
@@ -630,27 +640,11 @@ def _acceptance_added(
     for r in range(recalibration.shape[0]):
         recalibration[r, 0] *= forgetting
         recalibration[r, 1] *= forgetting
-    # Gaussian elimination with partial pivoting (the system is symmetric positive definite: the ridge).
-    for c in range(f):
-        p = c
-        for r in range(c + 1, f):
-            if abs(a[r, c]) > abs(a[p, c]):
-                p = r
-        if p != c:
-            for j in range(f + 1):
-                a[c, j], a[p, j] = a[p, j], a[c, j]
-        for r in range(c + 1, f):
-            m = a[r, c] / a[c, c]
-            for j in range(c, f + 1):
-                a[r, j] -= m * a[c, j]
     step = np.empty(f)
+    _solve_augmented(a, f, step)  # symmetric positive definite: the ridge
     largest = 1.0
-    for r in range(f - 1, -1, -1):
-        v = a[r, f]
-        for j in range(r + 1, f):
-            v -= a[r, j] * step[j]
-        step[r] = v / a[r, r]
-        largest = max(largest, abs(step[r]))
+    for i in range(f):
+        largest = max(largest, abs(step[i]))
     # Far from the optimum a Newton step on the logistic loss overshoots (the curvature of confident wrong
     # predictions is small): move at most one logit unit per feature per step; more data keeps coming.
     for i in range(f):
