@@ -484,13 +484,7 @@ class ProblemIndex:
         row = 0
         while True:
             row, status = K.step_rows(
-                f.states,
-                f.edges,
-                f.hashes,
-                f.meta,
-                f.trees,
-                f.seqs,
-                f.pool,
+                *f.tables(),
                 self.slots,
                 slots,
                 base,
@@ -499,12 +493,7 @@ class ProblemIndex:
                 src,
                 row,
                 draft,
-                cfg.max_depth,
-                cfg.max_spec_factor,
-                cfg.max_spec_offset,
-                cfg.min_token_prob,
-                cfg.escape,
-                cfg.all_matches,
+                *cfg.kernel_args(),
                 out_tok,
                 out_prob,
                 out_sup,

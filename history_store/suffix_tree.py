@@ -50,6 +50,17 @@ class DraftConfig:
     escape: float = 1.0
     all_matches: bool = True
 
+    def kernel_args(self) -> tuple[int, float, float, float, float, bool]:
+        """The drafting parameters in the order the step kernels take them."""
+        return (
+            self.max_depth,
+            self.max_spec_factor,
+            self.max_spec_offset,
+            self.min_token_prob,
+            self.escape,
+            self.all_matches,
+        )
+
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_spec_tokens < 0:
             raise ValueError(f"max_depth must be >= 1 and max_spec_tokens >= 0, got {self}")
@@ -133,6 +144,11 @@ class SuffixForest:
     @property
     def arena(self) -> Arena:
         return Arena(self.states, self.edges, self.hashes, self.meta)
+
+    def tables(self) -> tuple[np.ndarray, ...]:
+        """The arena and its bookkeeping tables in the order the step kernels take them first: states, edges,
+        hashes, meta, trees, seqs, pool (read again after any growth: growing replaces arrays)."""
+        return (self.states, self.edges, self.hashes, self.meta, self.trees, self.seqs, self.pool)
 
     def next_version(self) -> int:
         self._version += 1

@@ -493,13 +493,12 @@ class DasProposer:
         n = slots.shape[0]
         book, policy, index, cfg = self._book, self.policy, self.index, self.draft_config
         per_row = book.per_row(n)
-        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = index.step_buffers(n)
+        drafts, outputs = index.step_buffers(n)
         weights, value, classes, budgets, predicted, kept = policy.step_buffers(n)
         lengths = policy.lengths
         budget_on = self.settings.budget
         row, resume = 0, False
         while True:
-            f = index.forest  # growing replaces its arrays
             status, row, promoted, tokens = draft_step(
                 budget_on,
                 resume,
@@ -519,27 +518,12 @@ class DasProposer:
                 value,
                 classes,
                 budgets,
-                f.states,
-                f.edges,
-                f.hashes,
-                f.meta,
-                f.trees,
-                f.seqs,
-                f.pool,
+                *index.forest.tables(),  # growing replaces the arrays: read them on every pass
                 index.slots,
                 bases,
                 src,
-                cfg.max_depth,
-                cfg.max_spec_factor,
-                cfg.max_spec_offset,
-                cfg.min_token_prob,
-                cfg.escape,
-                cfg.all_matches,
-                out_tok,
-                out_prob,
-                out_sup,
-                out_info,
-                out_score,
+                *cfg.kernel_args(),
+                *outputs,
                 policy.request_outcomes,
                 policy.problem_outcomes,
                 policy.acceptance.weights,
