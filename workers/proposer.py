@@ -223,10 +223,27 @@ class DasProposer:
         self._book = StepBook(64, self.k)
         self._metrics = MetricsFlush(self._book)
         self.reset_stats()
-        # Compile the index's native kernels now, so the first real decode step is not slow.
-        self.index.start_request("__warmup__", None, np.arange(8, dtype=np.int32))
-        self.index.draft_batch(["__warmup__"], np.full(1, self.k, dtype=np.int32))
-        self.index.finish_request("__warmup__")
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compiles the step's native kernels now (numba caches them on disk, but a cold cache costs seconds),
+        so that vLLM's first decode step is not the one that waits: two steps of a throwaway request, typed as
+        vLLM's runner types its arrays (int32 token counts and matrix), then fresh counters and policy."""
+        key = "__das_warmup__"
+        tokens = np.tile(np.arange(1, 9, dtype=np.int32), (1, 4))  # repeats: the second step has a draft
+        request = SimpleNamespace(
+            num_prompt_tokens=8, sampling_params=SimpleNamespace(extra_args=None, max_tokens=16)
+        )
+        self._metrics.publish = False
+        for end in (9, 10):
+            self.step([key], np.array([end], np.int32), tokens, {key: request})
+        self._finish(key)
+        self.policy = BudgetPolicy(self.policy.config)
+        self._book = StepBook(64, self.k)
+        self._metrics = MetricsFlush(self._book)
+        self._step_no = self._last_rows = self._last_tokens = 0
+        self._last_ended_at = self._verify_seconds = None
+        self.reset_stats()
 
     @classmethod
     def standalone(cls, k: int, max_model_len: int) -> DasProposer:

@@ -251,8 +251,9 @@ class StepBook:
 class MetricsFlush:
     """Hands the growth of a StepBook's totals, and the step and draft durations seen, to Prometheus."""
 
-    def __init__(self, book: StepBook) -> None:
+    def __init__(self, book: StepBook, publish: bool = True) -> None:
         self.book = book
+        self.publish = publish  # False: keep the totals to itself (the proposer's warm-up steps)
         self._flushed = book.snapshot()
         self._draft_seconds: list[float] = []
         self._step_seconds: list[float] = []
@@ -271,7 +272,7 @@ class MetricsFlush:
         self._draft_seconds.append(draft_seconds)
         if step_seconds is not None:
             self._step_seconds.append(step_seconds)
-        if now >= self._next:
+        if self.publish and now >= self._next:
             self.flush(now)
 
     def flush(self, now: float | None = None) -> None:
