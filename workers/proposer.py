@@ -224,7 +224,8 @@ class DasProposer:
         self._book = StepBook(64, self.k)
         self._metrics = MetricsFlush(self._book)
         self.reset_stats()
-        self._warm_up()
+        if self.drafting:  # the other tensor-parallel ranks never draft: nothing to compile there
+            self._warm_up()
 
     def _warm_up(self) -> None:
         """Compiles the step's native kernels now (numba caches them on disk, but a cold cache costs seconds),
