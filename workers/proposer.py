@@ -207,45 +207,43 @@ class DasProposer:
             min_token_prob=self.settings.min_token_prob,
         )
         self.index = ProblemIndex(window_epochs=self.settings.window_epochs, config=self.draft_config)
-        self.policy = BudgetPolicy(BudgetConfig(max_tokens=self.k))
         self.runner: Any = None
         self._live: dict[str, _Live] = {}
         self._slot_of: dict[str, int] = {}
-        self._step_no = 0
-        self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
-        self._last_tokens = 0
-        self._last_ended_at: float | None = None
-        self._verify_seconds: float | None = None
         self._row_base = np.zeros(0, np.int64)
         self._row_width = 0
         self._warned: set[str] = set()
         self._replica: Any = None
         self._next_catch_up = 0.0
-        self._book = StepBook(64, self.k)
-        self._metrics = MetricsFlush(self._book)
-        self.reset_stats()
         if self.drafting:  # the other tensor-parallel ranks never draft: nothing to compile there
+            self._new_step_state(publish=False)
             self._warm_up()
+        self._new_step_state(publish=True)
+
+    def _new_step_state(self, publish: bool) -> None:
+        """Fresh budget policy, bookkeeping and counters; `publish`: whether the counts reach Prometheus."""
+        self.policy = BudgetPolicy(BudgetConfig(max_tokens=self.k))
+        self._book = StepBook(64, self.k)
+        self._metrics = MetricsFlush(self._book, publish=publish)
+        self._step_no = 0
+        self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
+        self._last_tokens = 0
+        self._last_ended_at: float | None = None
+        self._verify_seconds: float | None = None
+        self.reset_stats()
 
     def _warm_up(self) -> None:
         """Compiles the step's native kernels now (numba caches them on disk, but a cold cache costs seconds),
         so that vLLM's first decode step is not the one that waits: two steps of a throwaway request, typed as
-        vLLM's runner types its arrays (int32 token counts and matrix), then fresh counters and policy."""
+        vLLM's runner types its arrays (int32 token counts and matrix). The caller then starts afresh."""
         key = "__das_warmup__"
         tokens = np.tile(np.arange(1, 9, dtype=np.int32), (1, 4))  # repeats: the second step has a draft
         request = SimpleNamespace(
             num_prompt_tokens=8, sampling_params=SimpleNamespace(extra_args=None, max_tokens=16)
         )
-        self._metrics.publish = False
         for end in (9, 10):
             self.step([key], np.array([end], np.int32), tokens, {key: request})
         self._finish(key)
-        self.policy = BudgetPolicy(self.policy.config)
-        self._book = StepBook(64, self.k)
-        self._metrics = MetricsFlush(self._book)
-        self._step_no = self._last_rows = self._last_tokens = 0
-        self._last_ended_at = self._verify_seconds = None
-        self.reset_stats()
 
     @classmethod
     def standalone(cls, k: int, max_model_len: int) -> DasProposer:

@@ -1,8 +1,9 @@
-"""The proposer's per-step bookkeeping in two native calls, over a table indexed by the index's request slots.
+"""The proposer's per-step bookkeeping, two kernels over a table indexed by the index's request slots (the
+proposer's step calls them from `workers.step_kernels`).
 
-`prepare` works out each row's committed tokens, draft headroom and output length, and finds the rows whose
+`_prepare` works out each row's committed tokens, draft headroom and output length, and finds the rows whose
 previous-step draft was just verified and how many of its tokens were accepted (a row commits accepted + 1
-tokens); `record` remembers this step's drafts for the next step. Both
+tokens); `_record` remembers this step's drafts for the next step. Both
 add to running totals (drafts, tokens, per position, per source, per budget-histogram bucket and length
 class) that `stats` reads and `MetricsFlush` hands to Prometheus a few times a second. Nothing is counted per
 request, or even per step, in Python.
@@ -167,66 +168,13 @@ class StepBook:
         self.prompt_len[slot] = prompt_len
         self.drafted_at[slot] = -2
 
-    def prepare(
-        self, slots: np.ndarray, num_tokens: np.ndarray, have: np.ndarray, step_no: int, max_model_len: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-        """For a batch whose rows' requests sit in `slots`, hold `num_tokens` tokens and had `have` committed:
-        an int64 [4, n] array of END, NEW, HEADROOM and OUTPUT per row (see `_prepare`), the slots whose
-        step-(step_no - 1) draft was verified now with the tokens each got accepted, and whether every row
-        committed something. The arrays are views of reused buffers."""
-        out = self.per_row(slots.shape[0])
-        m, every_row_new = _prepare(
-            slots,
-            num_tokens,
-            have,
-            step_no,
-            self.k,
-            max_model_len,
-            self.drafted_at,
-            self.length,
-            self.prompt_len,
-            self.rows,
-            self.accepted,
-            self.accepted_by_position,
-            self.totals,
-            out,
-        )
-        return out, self.rows[:m], self.accepted[:m], bool(every_row_new)
-
     def per_row(self, n: int) -> np.ndarray:
-        """The reused int64 [4, n] table `prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
+        """The reused int64 [4, n] table `_prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
         if self._per_row.shape[1] < n:
             self._per_row = np.zeros((4, 2 * n), np.int64)
         if self._per_row_view.shape[1] != n:
             self._per_row_view = self._per_row[:, :n]
         return self._per_row_view
-
-    def record(
-        self,
-        slots: np.ndarray,
-        lengths: np.ndarray,
-        classes: np.ndarray,
-        sources: np.ndarray,
-        budgets: np.ndarray,
-        step_no: int,
-    ) -> int:
-        """Remembers this step's drafts per slot and adds them to the totals; returns the draft tokens."""
-        return _record(
-            slots,
-            lengths,
-            classes,
-            sources,
-            budgets,
-            step_no,
-            self.bounds,
-            self.drafted_at,
-            self.length,
-            self.drafted_by_position,
-            self.by_source,
-            self.by_bucket,
-            self.sum_by_class,
-            self.totals,
-        )
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of the running totals (for `since` and for flushing)."""
@@ -253,7 +201,7 @@ class MetricsFlush:
 
     def __init__(self, book: StepBook, publish: bool = True) -> None:
         self.book = book
-        self.publish = publish  # False: keep the totals to itself (the proposer's warm-up steps)
+        self._publish = publish  # False: keep the totals to itself (the proposer's warm-up steps)
         self._flushed = book.snapshot()
         self._draft_seconds: list[float] = []
         self._step_seconds: list[float] = []
@@ -272,7 +220,7 @@ class MetricsFlush:
         self._draft_seconds.append(draft_seconds)
         if step_seconds is not None:
             self._step_seconds.append(step_seconds)
-        if self.publish and now >= self._next:
+        if self._publish and now >= self._next:
             self.flush(now)
 
     def flush(self, now: float | None = None) -> None:
