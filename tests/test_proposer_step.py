@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from _store_workload import Workload
+from numba import njit, types
 from rocksdict import Options, Rdict
 
 from history_store import layout
@@ -18,7 +19,11 @@ from history_store.indexed import load_index
 from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
+from workers import proposer as proposer_module
+from workers.bench.proposer import _Batch, _build
+from workers.bench.replay import load_traces
 from workers.proposer import DasProposer
+from workers.step_kernels import _FIELDS
 
 K = 8
 MAX_LEN = 4096
@@ -203,3 +208,68 @@ def test_metrics_of_a_step_are_tallied_once_per_step_and_match_per_row_observati
     assert rows_counted == 3
     assert tokens_counted == sum(map(len, drafts)) > 0
     assert (REGISTRY.get_sample_value("das_draft_tokens_total") or 0.0) - drafted_before == tokens_counted
+
+
+def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_current(monkeypatch) -> None:
+    """The proposer packs the step kernels' tables once and reuses them until something outside the kernels
+    may have replaced an array (requests joining and finishing, history added and evicted, the index growing
+    mid-step, the batch size changing). A run that reuses them must draft exactly as one that packs them
+    afresh every step; the clock is fixed, so the budget's cost model sees the same step times in both."""
+    records = load_traces(Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl")
+    max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + K + 2
+    last_epoch = max(r.epoch for r in records)
+    extra = [r for r in records if r.epoch == last_epoch][:12]
+
+    # Every field of packed tables, as numbers: an array's address and size, a setting's value.
+    fields = [
+        f"t.{name}.ctypes.data, t.{name}.size" if isinstance(kind, types.Array) else f"t.{name}"
+        for name, kind in _FIELDS
+    ]
+    namespace: dict = {}
+    exec(f"def contents(t):\n    return ({', '.join(fields)},)", namespace)
+    contents = njit(namespace["contents"])
+    pack = proposer_module.DasProposer._tables
+    reused = 0
+
+    def checked_tables(self: DasProposer, n: int):  # noqa: ANN202
+        nonlocal reused
+        fresh = self._step_tables is None or self._tables_rows != n
+        tables = pack(self, n)
+        if not fresh:
+            reused += 1
+            self._stale()
+            assert contents(tables) == contents(pack(self, n)), "reused tables hold a replaced array"
+        return tables
+
+    def run(repack_every_step: bool) -> list[list[list[int]]]:
+        ticks = iter(range(1, 10**9))
+        monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: next(ticks) * 1e-3)
+        monkeypatch.setattr(
+            proposer_module.DasProposer, "_tables", pack if repack_every_step else checked_tables
+        )
+        proposer, live, last = _build(records, K, max_len)
+        steps = []
+        for batch, n_steps in ((5, 60), (40, 120), (7, 60)):
+            engine = _Batch(live, batch, max_len, last)
+            for i in range(n_steps):
+                if repack_every_step:
+                    proposer._stale()
+                if batch == 40 and i == 30:  # history arrives and leaves between steps (the replica, verl)
+                    proposer.add_trajectories([r.model_dump() | {"epoch": last + 5} for r in extra])
+                if batch == 40 and i == 90:
+                    proposer.evict(extra[0].problem_id, last + 6)
+                drafts = proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests)
+                steps.append(drafts)
+                engine.verify(drafts)
+            for key in list(engine.requests):  # the batch ends: its requests leave the engine
+                del engine.requests[key]
+            proposer.step([], np.zeros(0, np.int32), engine.token_ids[:0], engine.requests)
+        assert proposer.stats()["errors"] == 0
+        return steps
+
+    repacked = run(repack_every_step=True)
+    reused_drafts = run(repack_every_step=False)
+    assert reused > 100, "the tables must be reused between steps"
+    assert sum(len(d) for drafts in reused_drafts for d in drafts) > 1000, "the workload must draft"
+    for i, (a, b) in enumerate(zip(repacked, reused_drafts, strict=True)):
+        assert a == b, f"step {i} drafted differently with reused tables"

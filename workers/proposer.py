@@ -54,11 +54,11 @@ import numpy as np
 
 from history_store._kernels import DONE
 from history_store.indexed import follow, load_index
-from history_store.problem_index import BatchDrafts, ProblemIndex
+from history_store.problem_index import ProblemIndex
 from history_store.suffix_tree import DraftConfig
 from workers.budget import BudgetConfig, BudgetPolicy
 from workers.step_book import END, MetricsFlush, StepBook
-from workers.step_kernels import before_draft, draft_step
+from workers.step_kernels import StepTables, decode_step, draft_step, pack_tables
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +224,8 @@ class DasProposer:
         """Fresh budget policy, bookkeeping and counters; `publish`: whether the counts reach Prometheus."""
         self.policy = BudgetPolicy(BudgetConfig(max_tokens=self.k))
         self._book = StepBook(64, self.k)
+        self._step_tables: StepTables | None = None
+        self._tables_rows = -1
         self._metrics = MetricsFlush(self._book, publish=publish)
         self._step_no = 0
         self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
@@ -302,6 +304,7 @@ class DasProposer:
         return added
 
     def _add(self, problem_id: str, epoch: int, sample: int, prompt_ids: Any, response_ids: Any) -> int:
+        self._stale()
         new = self.index.add_trajectory(problem_id, epoch, sample, prompt_ids, response_ids)
         if new:
             self.policy.lengths.observe(problem_id, len(response_ids))
@@ -309,6 +312,7 @@ class DasProposer:
 
     def evict(self, problem_id: str, min_epoch: int) -> int:
         """Drops a problem's history epochs below `min_epoch`; returns how many trajectories left."""
+        self._stale()
         evicted = self.index.evict_epochs_before(problem_id, min_epoch)
         if evicted:
             self.policy.lengths.forget(problem_id)
@@ -321,6 +325,7 @@ class DasProposer:
             os.environ.get("DAS_SECONDARY_DIR") or path.parent / f".{path.name}.secondary-{os.getpid()}"
         )
         self._replica = HistoryStore.open_secondary(path, secondary)
+        self._stale()
         load_index(self._replica, self.index)
         self._relearn_lengths()
 
@@ -334,6 +339,7 @@ class DasProposer:
     def catch_up(self) -> None:
         """Brings the trees in step with the node's replica (the step does this every catch_up_interval_s)."""
         self._next_catch_up = time.perf_counter() + self.settings.catch_up_interval_s
+        self._stale()
         followed = follow(self._replica, self.index)
         if followed.reloaded:
             self._relearn_lengths()
@@ -429,149 +435,141 @@ class DasProposer:
             joined = True
         if self._replica is not None and started >= self._next_catch_up:
             self.catch_up()
-        self._learn_from_last_step(slots, num_tokens, joined, started)
         # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
         width = token_ids.shape[1]
         if self._row_base.shape[0] < n or self._row_width != width:
             self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
             self._row_width = width
         src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
-        drafts, lengths = self._draft(slots, src, self._row_base[:n])
+        lengths = self._native_step(slots, num_tokens, joined, started, src)
         self._last_rows = n
         self._step_no += 1
-        rows = drafts.tokens.tolist()  # fresh lists: cutting them in place is cheaper than slicing copies
+        rows = (
+            self._drafts.tokens.tolist()
+        )  # fresh lists: cutting them in place is cheaper than slicing copies
         for row, m in zip(rows, lengths.tolist(), strict=True):
             del row[m:]
         return rows
 
-    def _learn_from_last_step(
-        self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float
-    ) -> None:
-        """One native call: each row's tokens after this step, draft headroom and output length (into the
-        book's per-row table), and what the verification of the previous step's drafts teaches the budget:
-        the tokens each verified row accepted, and the step's cost. The interval from the previous return to
-        this call is the verification step of the previous drafts; it counts only for a clean step (no
-        joiner: an idle engine between batches always resumes with joining requests)."""
-        book, policy = self._book, self.policy
-        acceptance, config = policy.acceptance, policy.config
+    def _tables(self, n: int) -> StepTables:
+        """The step kernels' tables for a batch of n rows: packed again only when the batch size changed or
+        something outside the kernels may have replaced an array since (`_stale` says so)."""
+        if self._step_tables is None or self._tables_rows != n:
+            policy, book, index = self.policy, self._book, self.index
+            config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
+            self._drafts, outputs = index.step_buffers(n)
+            self._buffers = policy.step_buffers(n)
+            self._step_tables = pack_tables(
+                index.forest.tables(),
+                index.slots,
+                outputs,
+                self.draft_config.kernel_args(),
+                (
+                    book.drafted_at,
+                    book.length,
+                    book.prompt_len,
+                    book.rows,
+                    book.accepted,
+                    book.accepted_by_position,
+                    book.drafted_by_position,
+                    book.totals,
+                    book.per_row(n),
+                    book.bounds,
+                    book.by_source,
+                    book.by_bucket,
+                    book.sum_by_class,
+                ),
+                (
+                    policy.kept,
+                    policy.features,
+                    policy.model_p,
+                    policy.slot_problem,
+                    policy.request_outcomes,
+                    policy.problem_outcomes,
+                    policy.problem_stamp,
+                    policy.accepted_rate,
+                    policy.outlived,
+                    policy.BINS,
+                    config.max_tokens,
+                    config.request_decay,
+                    config.problem_decay,
+                    config.rate_decay,
+                ),
+                self._buffers,
+                (lengths.count, lengths.quantiles, lengths.atypical),
+                (
+                    acceptance.recalibration,
+                    acceptance.gradient,
+                    acceptance.curvature,
+                    acceptance.state,
+                    acceptance.MIN_TRIALS,
+                    acceptance.forgetting,
+                    acceptance.ridge,
+                    acceptance.accumulated,
+                    acceptance.weights,
+                ),
+                policy.cost.kernel_state(),
+                self.k,
+                self.max_model_len,
+            )
+            self._tables_rows = n
+        return self._step_tables
+
+    def _stale(self) -> None:
+        """Something outside the step kernels ran (a request joined or finished, the history or the index
+        changed): it may have replaced arrays the packed tables hold, so the next step packs them again."""
+        self._step_tables = None
+
+    def _native_step(
+        self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float, src: np.ndarray
+    ) -> np.ndarray:
+        """The step's native work, in one call unless the index must grow mid-step: what the verification of
+        the previous step's drafts teaches the budget (the tokens each verified row accepted, and the step's
+        cost), then budgets, commit, drafts, the pay-off rule and counting. The interval from the previous
+        return to this call is the verification step of the previous drafts; it counts only for a clean step
+        (no joiner: an idle engine between batches always resumes with joining requests). Returns each row's
+        kept draft length; the drafts are in `self._drafts`."""
+        n = slots.shape[0]
+        policy, budget_on = self.policy, self.settings.budget
+        tables = self._tables(n)
+        bases = self._row_base[:n]
         verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
-        m, clean, refitted = before_draft(
-            self.index.forest.seqs,
-            self.index.slots,
+        m, clean, refitted, status, row, promoted, tokens = decode_step(
+            tables,
             slots,
             num_tokens,
             self._step_no,
-            self.k,
-            self.max_model_len,
-            book.drafted_at,
-            book.length,
-            book.prompt_len,
-            book.rows,
-            book.accepted,
-            book.accepted_by_position,
-            book.totals,
-            book.per_row(slots.shape[0]),
-            policy.kept,
-            policy.features,
-            policy.model_p,
-            policy.slot_problem,
-            policy.request_outcomes,
-            policy.problem_outcomes,
-            policy.problem_stamp,
-            acceptance.recalibration,
             policy.observe_step_no + 1,
-            config.request_decay,
-            config.problem_decay,
-            policy.accepted_rate,
-            config.rate_decay,
-            acceptance.gradient,
-            acceptance.curvature,
-            acceptance.state,
-            acceptance.MIN_TRIALS,
-            acceptance.forgetting,
-            acceptance.ridge,
-            acceptance.accumulated,
-            acceptance.weights,
             joined,
             verify_seconds,
             self._last_rows,
             self._last_tokens,
-            *policy.cost.kernel_state(),
+            budget_on,
+            bases,
+            src,
         )
         if m:
             policy.observe_step_no += 1
         if refitted:
             policy.cost.publish()
         self._verify_seconds = verify_seconds if clean else None
-
-    def _draft(self, slots: np.ndarray, src: np.ndarray, bases: np.ndarray) -> tuple[BatchDrafts, np.ndarray]:
-        """Budgets, commit, drafts, the pay-off rule and counting in one native call (more only when the index
-        must grow mid-step). Returns the drafts and each row's kept length."""
-        n = slots.shape[0]
-        book, policy, index, cfg = self._book, self.policy, self.index, self.draft_config
-        per_row = book.per_row(n)
-        drafts, outputs = index.step_buffers(n)
-        weights, value, classes, budgets, predicted, kept = policy.step_buffers(n)
-        lengths = policy.lengths
-        budget_on = self.settings.budget
-        row, resume = 0, False
         while True:
-            status, row, promoted, tokens = draft_step(
-                budget_on,
-                resume,
-                row,
-                slots,
-                per_row,
-                policy.slot_problem,
-                lengths.count,
-                lengths.quantiles,
-                lengths.atypical,
-                policy.accepted_rate,
-                policy.outlived,
-                policy.cost.coefficients,
-                policy.BINS,
-                policy.config.max_tokens,
-                weights,
-                value,
-                classes,
-                budgets,
-                *index.forest.tables(),  # growing replaces the arrays: read them on every pass
-                index.slots,
-                bases,
-                src,
-                *cfg.kernel_args(),
-                *outputs,
-                policy.request_outcomes,
-                policy.problem_outcomes,
-                policy.acceptance.weights,
-                policy.acceptance.recalibration,
-                policy.features,
-                policy.kept,
-                policy.model_p,
-                policy.config.rate_decay,
-                predicted,
-                kept,
-                self._step_no,
-                book.bounds,
-                book.drafted_at,
-                book.length,
-                book.drafted_by_position,
-                book.by_source,
-                book.by_bucket,
-                book.sum_by_class,
-                book.totals,
-            )
             if promoted:
                 policy.count_promotions(promoted)
             if status == DONE:
                 break
-            index.make_room(status, slots, row, per_row[END])
-            resume = True
+            self.index.make_room(status, slots, row, self._book.per_row(n)[END])
+            self._stale()  # growing replaced arrays
+            status, row, promoted, tokens = draft_step(
+                self._tables(n), budget_on, True, row, slots, bases, src, self._step_no
+            )
         self._last_tokens = tokens
+        _, value, classes, _, predicted, kept = self._buffers
         policy.drafted(slots, value, classes, predicted)
-        return drafts, (kept if budget_on else drafts.lengths)
+        return kept if budget_on else self._drafts.lengths
 
     def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
+        self._stale()
         sampling = request.sampling_params
         problem_id, epoch, sample, problem = parse_extra_args(getattr(sampling, "extra_args", None))
         if problem is not None:
@@ -603,6 +601,7 @@ class DasProposer:
         return slot
 
     def _finish(self, key: str) -> None:
+        self._stale()
         live = self._live.pop(key)
         del self._slot_of[key]
         tokens = self.index.request_tokens(key)

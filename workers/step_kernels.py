@@ -5,13 +5,18 @@ budget policy (`budget._observe_kernel`, the acceptance model's Newton step, `bu
 `draft_step` asks the policy for budgets (`budget._budgets_kernel`), commits every row's new
 tokens and drafts (`_kernels.step_rows`), applies the pay-off rule (`budget._truncate_kernel`) and counts the
 drafts (`step_book._record`). They compose the same kernels the replay and the per-part APIs call one by one,
-so the engine runs exactly the replay's policy; calling them from one kernel saves what dominates a small
-batch: numba unboxes every argument of every call (about 60 ns an array) and each Python wrapper around it.
+so the engine runs exactly the replay's policy.
+
+Both take the step's tables as one `StepTables` value: numba unboxes every argument of every call (about
+100 ns an array), so passing some sixty arrays cost more than a batch of one's whole drafting. The proposer
+packs them once and packs again only after something outside these kernels replaced an array (a request
+joined or finished, the history changed, the index grew, the batch size changed).
 """
 
 from __future__ import annotations
 
-from numba import njit
+from numba import njit, types
+from numba.experimental import structref
 
 from history_store import _kernels as K
 from workers.budget import (
@@ -25,213 +30,289 @@ from workers.budget import (
 from workers.step_book import END, HEADROOM, OUTPUT, _prepare, _record
 
 
+@structref.register
+class _StepTablesType(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class StepTables(structref.StructRefProxy):
+    """Every array and setting the two step kernels read or update, as one native value (`pack_tables`)."""
+
+
+structref.define_boxing(_StepTablesType, StepTables)
+
+_I1, _I2, _I32_1, _I32_2 = types.int64[::1], types.int64[:, ::1], types.int32[::1], types.int32[:, ::1]
+_F1, _F2 = types.float64[::1], types.float64[:, ::1]
+# Grouped as `pack_tables` takes them, one group per owner.
+_FIELDS = (
+    # the index's forest (SuffixForest.tables) and per-request slots
+    ("states", _I32_2),
+    ("edges", _I32_2),
+    ("hashes", _I32_2),
+    ("meta", _I1),
+    ("trees", _I2),
+    ("seqs", _I2),
+    ("pool", _I32_1),
+    ("slot_table", _I2),
+    # the index's per-batch outputs (ProblemIndex.step_buffers)
+    ("out_tok", _I32_2),
+    ("out_prob", types.float32[:, ::1]),
+    ("out_sup", _I32_2),
+    ("out_info", _I32_2),
+    ("out_score", _F1),
+    # drafting settings (DraftConfig.kernel_args)
+    ("max_depth", types.int64),
+    ("spec_factor", types.float64),
+    ("spec_offset", types.float64),
+    ("min_prob", types.float64),
+    ("escape", types.float64),
+    ("all_matches", types.boolean),
+    # the step book
+    ("drafted_at", _I1),
+    ("length", _I1),
+    ("prompt_len", _I1),
+    ("rows", _I1),
+    ("accepted", _I1),
+    ("accepted_by_position", _I1),
+    ("drafted_by_position", _I1),
+    ("totals", _I1),
+    ("per_row", types.int64[:, :]),  # a view of the first n columns
+    ("bounds", _F1),
+    ("by_source", _I1),
+    ("by_bucket", _I2),
+    ("sum_by_class", _I1),
+    # the budget policy's per-request and per-problem state and settings
+    ("kept_store", _I1),
+    ("features", types.float64[:, :, ::1]),
+    ("model_p", _F2),
+    ("slot_problem", _I1),
+    ("request_outcomes", _F2),
+    ("problem_outcomes", _F2),
+    ("problem_stamp", _I1),
+    ("accepted_rate", _F1),
+    ("outlived", types.boolean[::1]),
+    ("n_bins", types.int64),
+    ("budget_max_tokens", types.int64),
+    ("request_decay", types.float64),
+    ("problem_decay", types.float64),
+    ("rate_decay", types.float64),
+    # the policy's per-batch buffers (BudgetPolicy.step_buffers)
+    ("weights", _F1),
+    ("value", _F1),
+    ("classes", _I1),
+    ("budgets", _I32_1),
+    ("predicted", _F2),
+    ("kept", _I32_1),
+    # the length model
+    ("length_count", _I1),
+    ("quantile_table", _F2),
+    ("atypical", types.float64),
+    # the acceptance model
+    ("recalibration", _F2),
+    ("gradient", _F1),
+    ("curvature", _F2),
+    ("acceptance_state", _I1),
+    ("min_trials", types.int64),
+    ("forgetting", types.float64),
+    ("acceptance_ridge", types.float64),
+    ("accumulated", _F2),
+    ("acceptance_weights", _F1),
+    # the cost model (CostModel.kernel_state)
+    ("ring", _F2),
+    ("sums", _F2),
+    ("cost_state", _I1),
+    ("prior", _F1),
+    ("coefficients", _F1),
+    ("min_fit_steps", types.int64),
+    ("refit_every", types.int64),
+    ("ridge", types.float64),
+    # the proposer
+    ("k", types.int64),
+    ("max_model_len", types.int64),
+)
+_STEP_TABLES = _StepTablesType(_FIELDS)
+
+
 @njit(cache=True)
-def before_draft(
-    seqs,
+def pack_tables(
+    forest,
     slot_table,
-    slots,
-    num_tokens,
-    step_no,
+    outputs,
+    draft_args,
+    book,
+    policy,
+    buffers,
+    lengths,
+    acceptance,
+    cost,
     k,
     max_model_len,
-    drafted_at,
-    length,
-    prompt_len,
-    rows,
-    accepted,
-    accepted_by_position,
-    totals,
-    per_row,
-    kept_store,
-    features,
-    model_p,
-    slot_problem,
-    request_outcomes,
-    problem_outcomes,
-    problem_stamp,
-    recalibration,
-    policy_step,
-    request_decay,
-    problem_decay,
-    accepted_rate,
-    rate_decay,
-    gradient,
-    curvature,
-    acceptance_state,
-    min_trials,
-    forgetting,
-    acceptance_ridge,
-    accumulated,
-    acceptance_weights,
-    joined,
-    verify_seconds,
-    last_rows,
-    last_tokens,
-    ring,
-    sums,
-    cost_state,
-    prior,
-    coefficients,
-    min_fit_steps,
-    refit_every,
-    ridge,
 ):
+    """One StepTables from its owners' groups, in `_FIELDS`' order (arrays are shared, not copied)."""
+    t = structref.new(_STEP_TABLES)
+    t.states, t.edges, t.hashes, t.meta, t.trees, t.seqs, t.pool = forest
+    t.slot_table = slot_table
+    t.out_tok, t.out_prob, t.out_sup, t.out_info, t.out_score = outputs
+    t.max_depth, t.spec_factor, t.spec_offset, t.min_prob, t.escape, t.all_matches = draft_args
+    (
+        t.drafted_at,
+        t.length,
+        t.prompt_len,
+        t.rows,
+        t.accepted,
+        t.accepted_by_position,
+        t.drafted_by_position,
+        t.totals,
+        t.per_row,
+        t.bounds,
+        t.by_source,
+        t.by_bucket,
+        t.sum_by_class,
+    ) = book
+    (
+        t.kept_store,
+        t.features,
+        t.model_p,
+        t.slot_problem,
+        t.request_outcomes,
+        t.problem_outcomes,
+        t.problem_stamp,
+        t.accepted_rate,
+        t.outlived,
+        t.n_bins,
+        t.budget_max_tokens,
+        t.request_decay,
+        t.problem_decay,
+        t.rate_decay,
+    ) = policy
+    t.weights, t.value, t.classes, t.budgets, t.predicted, t.kept = buffers
+    t.length_count, t.quantile_table, t.atypical = lengths
+    (
+        t.recalibration,
+        t.gradient,
+        t.curvature,
+        t.acceptance_state,
+        t.min_trials,
+        t.forgetting,
+        t.acceptance_ridge,
+        t.accumulated,
+        t.acceptance_weights,
+    ) = acceptance
+    (
+        t.ring,
+        t.sums,
+        t.cost_state,
+        t.prior,
+        t.coefficients,
+        t.min_fit_steps,
+        t.refit_every,
+        t.ridge,
+    ) = cost
+    t.k = k
+    t.max_model_len = max_model_len
+    return t
+
+
+@njit(cache=True)
+def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seconds, last_rows, last_tokens):
     """Per-row END/NEW/HEADROOM/OUTPUT into per_row, the verified rows' acceptance into the policy, and the
     previous step's time into the cost model when it was a clean decode step (no request joined, every row
-    committed, something was verified). Returns (verified rows, clean, trials learned, cost refitted)."""
-    have = K.committed(seqs, slot_table, slots)
+    committed, something was verified). Returns (verified rows, clean, cost refitted)."""
+    have = K.committed(t.seqs, t.slot_table, slots)
     m, every_row_new = _prepare(
         slots,
         num_tokens,
         have,
         step_no,
-        k,
-        max_model_len,
-        drafted_at,
-        length,
-        prompt_len,
-        rows,
-        accepted,
-        accepted_by_position,
-        totals,
-        per_row,
+        t.k,
+        t.max_model_len,
+        t.drafted_at,
+        t.length,
+        t.prompt_len,
+        t.rows,
+        t.accepted,
+        t.accepted_by_position,
+        t.totals,
+        t.per_row,
     )
-    trials = 0
     if m:
         trials = _observe_kernel(
-            rows[:m],
-            accepted[:m],
-            kept_store,
-            features,
-            model_p,
-            slot_problem,
-            request_outcomes,
-            problem_outcomes,
-            problem_stamp,
-            recalibration,
+            t.rows[:m],
+            t.accepted[:m],
+            t.kept_store,
+            t.features,
+            t.model_p,
+            t.slot_problem,
+            t.request_outcomes,
+            t.problem_outcomes,
+            t.problem_stamp,
+            t.recalibration,
             policy_step,
-            request_decay,
-            problem_decay,
-            accepted_rate,
-            rate_decay,
-            gradient,
-            curvature,
+            t.request_decay,
+            t.problem_decay,
+            t.accepted_rate,
+            t.rate_decay,
+            t.gradient,
+            t.curvature,
         )
         if trials:
             _acceptance_added(
-                acceptance_state,
+                t.acceptance_state,
                 trials,
-                min_trials,
-                forgetting,
-                acceptance_ridge,
-                accumulated,
-                curvature,
-                gradient,
-                recalibration,
-                acceptance_weights,
+                t.min_trials,
+                t.forgetting,
+                t.acceptance_ridge,
+                t.accumulated,
+                t.curvature,
+                t.gradient,
+                t.recalibration,
+                t.acceptance_weights,
             )
     clean = not joined and every_row_new and last_rows > 0 and verify_seconds > 0.0
     refitted = False
     if clean:
         refitted = _cost_observe(
-            ring,
-            sums,
-            cost_state,
-            prior,
-            coefficients,
+            t.ring,
+            t.sums,
+            t.cost_state,
+            t.prior,
+            t.coefficients,
             last_rows,
             last_rows + last_tokens,
             verify_seconds,
-            min_fit_steps,
-            refit_every,
-            ridge,
+            t.min_fit_steps,
+            t.refit_every,
+            t.ridge,
         )
     return m, clean, refitted
 
 
 @njit(cache=True)
-def draft_step(
-    budget_on,
-    resume,
-    row,
-    slots,
-    per_row,
-    slot_problem,
-    length_count,
-    quantile_table,
-    atypical,
-    accepted_rate,
-    outlived,
-    coefficients,
-    n_bins,
-    k,
-    weights,
-    value,
-    classes,
-    budgets,
-    states,
-    edges,
-    hashes,
-    meta,
-    trees,
-    seqs,
-    pool,
-    slot_table,
-    bases,
-    src,
-    max_depth,
-    spec_factor,
-    spec_offset,
-    min_prob,
-    escape,
-    all_matches,
-    out_tok,
-    out_prob,
-    out_sup,
-    out_info,
-    out_score,
-    request_outcomes,
-    problem_outcomes,
-    acceptance_weights,
-    recalibration,
-    features,
-    kept_store,
-    model_p,
-    rate_decay,
-    predicted,
-    kept,
-    step_no,
-    bounds,
-    drafted_at,
-    length,
-    drafted_by_position,
-    by_source,
-    by_bucket,
-    sum_by_class,
-    totals,
-):
+def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
     """Budgets (unless `resume`), commit and draft from `row` on, truncation and counting. Returns (status,
     row reached, rows promoted to the tail, draft tokens): a status other than K.DONE means the index must
-    make room for that row and the caller calls again with resume=True from it. The kept draft lengths are
-    in `kept` with the budget on, else in out_info[:, I_LEN]."""
+    make room for that row and the caller packs the tables again and calls with resume=True from it. The
+    kept draft lengths are in `kept` with the budget on, else in out_info[:, I_LEN]."""
     promoted = 0
+    per_row, budgets, classes = t.per_row, t.budgets, t.classes
     if not resume:
         if budget_on:
             promoted = _budgets_kernel(
                 slots,
                 per_row[OUTPUT],
                 per_row[HEADROOM],
-                slot_problem,
-                length_count,
-                quantile_table,
-                atypical,
-                accepted_rate,
-                outlived,
-                coefficients,
-                n_bins,
-                k,
-                weights,
-                value,
+                t.slot_problem,
+                t.length_count,
+                t.quantile_table,
+                t.atypical,
+                t.accepted_rate,
+                t.outlived,
+                t.coefficients,
+                t.n_bins,
+                t.budget_max_tokens,
+                t.weights,
+                t.value,
                 classes,
                 budgets,
             )
@@ -239,15 +320,16 @@ def draft_step(
             for i in range(slots.shape[0]):
                 budgets[i] = per_row[HEADROOM, i]
                 classes[i] = MEDIUM
+    out_info = t.out_info
     row, status = K.step_rows(
-        states,
-        edges,
-        hashes,
-        meta,
-        trees,
-        seqs,
-        pool,
-        slot_table,
+        t.states,
+        t.edges,
+        t.hashes,
+        t.meta,
+        t.trees,
+        t.seqs,
+        t.pool,
+        t.slot_table,
         slots,
         bases,
         per_row[END],
@@ -255,75 +337,86 @@ def draft_step(
         src,
         row,
         True,
-        max_depth,
-        spec_factor,
-        spec_offset,
-        min_prob,
-        escape,
-        all_matches,
-        out_tok,
-        out_prob,
-        out_sup,
+        t.max_depth,
+        t.spec_factor,
+        t.spec_offset,
+        t.min_prob,
+        t.escape,
+        t.all_matches,
+        t.out_tok,
+        t.out_prob,
+        t.out_sup,
         out_info,
-        out_score,
+        t.out_score,
     )
     if status != K.DONE:
         return status, row, promoted, 0
     sources = out_info[:, K.I_SOURCE]
-    if not budget_on:
-        tokens = _record(
-            slots,
+    if budget_on:
+        _truncate_kernel(
+            t.out_prob,
+            t.out_sup,
             out_info[:, K.I_LEN],
-            classes,
+            out_info[:, K.I_MATCH],
             sources,
-            budgets,
-            step_no,
-            bounds,
-            drafted_at,
-            length,
-            drafted_by_position,
-            by_source,
-            by_bucket,
-            sum_by_class,
-            totals,
+            slots,
+            t.slot_problem,
+            t.request_outcomes,
+            t.problem_outcomes,
+            t.acceptance_weights,
+            t.recalibration,
+            t.value,
+            t.coefficients[2],
+            t.features,
+            t.kept_store,
+            t.model_p,
+            t.accepted_rate,
+            t.rate_decay,
+            t.predicted,
+            t.kept,
         )
-        return status, row, promoted, tokens
-    _truncate_kernel(
-        out_prob,
-        out_sup,
-        out_info[:, K.I_LEN],
-        out_info[:, K.I_MATCH],
-        sources,
-        slots,
-        slot_problem,
-        request_outcomes,
-        problem_outcomes,
-        acceptance_weights,
-        recalibration,
-        value,
-        coefficients[2],
-        features,
-        kept_store,
-        model_p,
-        accepted_rate,
-        rate_decay,
-        predicted,
-        kept,
-    )
+        lengths = t.kept
+    else:
+        lengths = out_info[:, K.I_LEN]
     tokens = _record(
         slots,
-        kept,
+        lengths,
         classes,
         sources,
         budgets,
         step_no,
-        bounds,
-        drafted_at,
-        length,
-        drafted_by_position,
-        by_source,
-        by_bucket,
-        sum_by_class,
-        totals,
+        t.bounds,
+        t.drafted_at,
+        t.length,
+        t.drafted_by_position,
+        t.by_source,
+        t.by_bucket,
+        t.sum_by_class,
+        t.totals,
     )
     return status, row, promoted, tokens
+
+
+@njit(cache=True)
+def decode_step(
+    t,
+    slots,
+    num_tokens,
+    step_no,
+    policy_step,
+    joined,
+    verify_seconds,
+    last_rows,
+    last_tokens,
+    budget_on,
+    bases,
+    src,
+):
+    """`before_draft`, then `draft_step` from the first row: the whole step in one call when the index has
+    room. Returns before_draft's (verified rows, clean, cost refitted), then draft_step's (status, row reached,
+    rows promoted, draft tokens)."""
+    m, clean, refitted = before_draft(
+        t, slots, num_tokens, step_no, policy_step, joined, verify_seconds, last_rows, last_tokens
+    )
+    status, row, promoted, tokens = draft_step(t, budget_on, False, 0, slots, bases, src, step_no)
+    return m, clean, refitted, status, row, promoted, tokens

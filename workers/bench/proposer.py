@@ -9,10 +9,11 @@ prefix of its draft that equals the recorded continuation, plus one token, as ve
 step registers and finishes requests, commits tokens, asks the budget, drafts, learns acceptance, counts
 metrics and adds finished rollouts to the history: the proposer's real work, minus the engine.
 
-Reported per request per step: the whole step, its two native calls (`step_kernels.before_draft` and
-`draft_step`, timed by wrapping them for the run: the policy's kernels, the bookkeeping and the index's
-commit and draft), and the Python around them (registering and finishing requests, history adds, the
-acceptance model's Newton steps, building the drafts' lists).
+Reported per request per step: the whole step, its native calls (`step_kernels.decode_step`, and
+`draft_step` when the index grew mid-step; timed by wrapping them for the run: the policy's kernels, the
+bookkeeping and the index's commit and draft, plus numba's unboxing of their arguments), and the Python around
+them (registering and finishing requests, history adds, packing the step's tables again after those, building
+the drafts' lists).
 Times are the thread's CPU time (`time.thread_time`), which other processes on a loaded machine inflate far
 less than wall time (they still share caches); the whole step's wall time is reported beside it.
 Bytes allocated per step come from a separate tracemalloc pass (tracing slows the step).
@@ -149,7 +150,7 @@ def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) 
     for _ in range(warmup):
         engine.verify(proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests))
     proposer.reset_stats()
-    kernel = _Timed(proposer_module, ("before_draft", "draft_step"))
+    kernel = _Timed(proposer_module, ("decode_step", "draft_step"))
     committed0 = engine.committed
     step_s = wall_s = 0.0
     per_step = []
