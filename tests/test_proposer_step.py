@@ -214,7 +214,8 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
     """The proposer packs the step kernels' tables once and reuses them until something outside the kernels
     may have replaced an array (requests joining and finishing, history added and evicted, the index growing
     mid-step, the batch size changing). A run that reuses them must draft exactly as one that packs them
-    afresh every step; the clock is fixed, so the budget's cost model sees the same step times in both."""
+    afresh every step; the engine's clock is modelled, so the budget's cost model sees the same step times in
+    both."""
     records = load_traces(Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl")
     max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + K + 2
     last_epoch = max(r.epoch for r in records)
@@ -242,8 +243,6 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
         return tables
 
     def run(repack_every_step: bool) -> list[list[list[int]]]:
-        ticks = iter(range(1, 10**9))
-        monkeypatch.setattr(proposer_module.time, "perf_counter", lambda: next(ticks) * 1e-3)
         monkeypatch.setattr(
             proposer_module.DasProposer, "_tables", pack if repack_every_step else checked_tables
         )
@@ -251,6 +250,7 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
         steps = []
         for batch, n_steps in ((5, 60), (40, 120), (7, 60)):
             engine = _Batch(live, batch, max_len, last)
+            proposer.clock = engine.clock
             for i in range(n_steps):
                 if repack_every_step:
                     proposer._stale()

@@ -4,10 +4,13 @@ Workload: every epoch of the trace but the last goes into the history (as the re
 last epoch's rollouts are then decoded by `DasProposer.step` exactly as vLLM's runner would call it: a token
 matrix like `token_ids_cpu` (prompt, then output), request descriptions with `das_problem_id`/`das_epoch`/
 `das_sample` in `extra_args`, continuous batching at a fixed batch size (a finished request's row goes to the
-next one, cycling through the epoch's rollouts with fresh sample numbers). Each step a row commits the longest
-prefix of its draft that equals the recorded continuation, plus one token, as verification would. So every
-step registers and finishes requests, commits tokens, asks the budget, drafts, learns acceptance, counts
-metrics and adds finished rollouts to the history: the proposer's real work, minus the engine.
+next one, cycling through the epoch's rollouts as new samples of the same epoch). Each step a row commits the
+longest prefix of its draft that equals the recorded continuation, plus one token, as verification would, and
+the proposer sees a finished request's last tokens before the request leaves, as in vLLM. So every step
+registers and finishes requests, commits tokens, asks the budget, drafts, learns acceptance, counts metrics
+and adds finished rollouts to the history: the proposer's real work, minus the engine. One distortion: from
+the second lap on, the history holds earlier copies of the very rollouts being decoded, so drafts are
+accepted more often than on fresh rollouts (`tokens_per_step` shows it) and each step commits more tokens.
 
 Reported per request per step: the whole step, its native calls (`step_kernels.decode_step`, and
 `draft_step` when the index grew mid-step; timed by wrapping them for the run: the policy's kernels, the
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from workers import proposer as proposer_module
-from workers.bench.replay import load_traces
+from workers.bench.replay import CostModel, load_traces
 from workers.proposer import DasProposer
 
 BATCHES = (1, 64, 256)
@@ -85,6 +88,12 @@ class _Batch:
         self.rows: list[_Row | None] = [None] * batch
         self.requests: dict[str, Any] = {}
         self.next_record = 0
+        # The engine's clock: each verification advances it by the replay's default cost model, so the
+        # budget learns the same step costs on every run (timing the bench's own Python made the workload
+        # itself vary from run to run).
+        self.cost = CostModel()
+        self.now = 0.0
+        self.sample_stride = max(r.sample for r in records) + 1
         self.served = 0
         self.committed = 0
         for i in range(batch):
@@ -104,21 +113,37 @@ class _Batch:
         self.rows[i] = _Row(key, prompt.shape[0], response, pos=1)
         extra = {
             "das_problem_id": record.problem_id,
-            "das_epoch": self.epoch + lap,
-            "das_sample": record.sample,
+            # Later laps stay in the epoch (windows slide once an epoch, not once a lap) as new samples.
+            "das_epoch": self.epoch,
+            "das_sample": record.sample + lap * self.sample_stride,
         }
         self.requests[key] = SimpleNamespace(
             num_prompt_tokens=prompt.shape[0],
             sampling_params=SimpleNamespace(extra_args=extra, max_tokens=response.shape[0]),
         )
 
+    def clock(self) -> float:
+        return self.now
+
     def req_ids(self) -> list[str]:
         return [row.key for row in self.rows]  # type: ignore[union-attr]
 
     def verify(self, drafts: list[list[int]]) -> None:
-        """Commits each row's accepted draft prefix plus one token; a finished row takes the next request."""
+        """Commits each row's accepted draft prefix plus one token. A row whose request finished stays one
+        more step, as in vLLM: the runner asks for drafts right after it writes a step's sampled tokens, and
+        removes finished requests only when it next schedules, so the proposer sees every request's last
+        tokens (and adds the finished rollout to its history when the request is gone). Its draft is ignored
+        and the next request takes its row."""
+        active = verified = 0
         for i, draft in enumerate(drafts):
             row = self.rows[i]
+            if row.pos >= row.response.shape[0]:
+                del self.requests[row.key]
+                self.served += 1
+                self._admit(i)
+                continue
+            active += 1
+            verified += 1 + len(draft)
             target = row.response[row.pos : row.pos + len(draft)]
             n = min(len(draft), target.shape[0])
             mismatch = np.flatnonzero(np.asarray(draft[:n], np.int32) != target[:n])
@@ -129,10 +154,7 @@ class _Batch:
             row.pos += advance
             self.num_tokens[i] = row.prompt_len + row.pos
             self.committed += advance
-            if row.pos >= row.response.shape[0]:
-                del self.requests[row.key]
-                self.served += 1
-                self._admit(i)
+        self.now += self.cost.step(active, verified)
 
 
 def _build(records: list[Any], k: int, max_len: int) -> tuple[DasProposer, list[Any], int]:
@@ -147,6 +169,7 @@ def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) 
     max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + k + 2
     proposer, live, last = _build(records, k, max_len)
     engine = _Batch(live, batch, max_len, last)
+    proposer.clock = engine.clock
     for _ in range(warmup):
         engine.verify(proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests))
     proposer.reset_stats()
