@@ -44,14 +44,15 @@ TARGET_US_PER_REQUEST = {1: 15.0, 64: 4.0, 256: 2.5}  # batch 1: the whole step,
 
 
 class _Timed:
-    """Wraps `owner.name` so every call's wall time adds up in `seconds` (restored by `restore`)."""
+    """Wraps `owner.name` so every call's thread time adds up in `seconds` (undone by `restore`). The owner may
+    be a module (its functions) or an instance (its methods, shadowed by instance attributes meanwhile)."""
 
     def __init__(self, owner: Any, names: tuple[str, ...]) -> None:
         self.owner = owner
-        self.saved = {name: getattr(owner, name) for name in names}
+        self.saved = {name: vars(owner).get(name) for name in names}  # None: a method of the instance's class
         self.seconds = 0.0
-        for name, fn in self.saved.items():
-            setattr(owner, name, self._wrap(fn))
+        for name in names:
+            setattr(owner, name, self._wrap(getattr(owner, name)))
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -65,7 +66,10 @@ class _Timed:
 
     def restore(self) -> None:
         for name, fn in self.saved.items():
-            setattr(self.owner, name, fn)
+            if fn is None:
+                delattr(self.owner, name)
+            else:
+                setattr(self.owner, name, fn)
 
 
 @dataclass
@@ -174,20 +178,25 @@ def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) 
         engine.verify(proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests))
     proposer.reset_stats()
     kernel = _Timed(proposer_module, ("decode_step", "draft_step"))
+    # Requests starting and finishing (a finished rollout's history adds included): per request, not per step.
+    lifecycle = _Timed(proposer, ("_reap", "_start"))
     committed0 = engine.committed
     step_s = wall_s = 0.0
-    per_step = []
+    per_step, steady = [], []
     try:
         for _ in range(steps):
             req_ids = engine.req_ids()
+            before = lifecycle.seconds
             start, wall = time.thread_time(), time.perf_counter()
             drafts = proposer.step(req_ids, engine.num_tokens, engine.token_ids, engine.requests)
             wall_s += time.perf_counter() - wall
             per_step.append(time.thread_time() - start)
+            steady.append(per_step[-1] - (lifecycle.seconds - before))
             engine.verify(drafts)
         step_s = sum(per_step)
     finally:
         kernel.restore()
+        lifecycle.restore()
     stats = proposer.stats()
     if stats["errors"]:
         raise RuntimeError(f"the proposer reported {stats['errors']} errors; see the log")
@@ -206,6 +215,11 @@ def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) 
         "step_median_us_per_request": round(1e6 * float(np.median(per_step)) / batch, 3),
         "step_p10_us_per_request": round(1e6 * float(np.percentile(per_step, 10)) / batch, 3),
         "step_wall_us_per_request": round(wall_s * per, 3),
+        "lifecycle_us_per_request": round(lifecycle.seconds * per, 3),
+        # The step without requests starting and finishing: budgets, commit, drafts, truncation, learning
+        # and counting, the scope of the step targets.
+        "steady_step_us_per_request": round(sum(steady) * per, 3),
+        "steady_step_median_us_per_request": round(1e6 * float(np.median(steady)) / batch, 3),
         "tokens_per_step": round((engine.committed - committed0) / rows, 3),
         "accepted_tokens_per_draft": round(stats["accepted_tokens"] / max(stats["verified_drafts"], 1), 3),
         "draft_tokens_per_row": round(stats["draft_tokens"] / rows, 3),
