@@ -498,7 +498,18 @@ def _draft_rows(
             if tid < 0:
                 continue
             root = trees[tid, ROOT]
-            if slots[s, R_MVER + c] != trees[tid, VERSION]:
+            if tid == slots[s, R_LIVE] and seqs[q, Q_EXT] == seqs[q, Q_LEN]:
+                # The request's own tokens are a sequence of its live tree, all of them inserted: the longest
+                # suffix that occurs there is the whole context (capped at max_depth), whose state insertion
+                # just left in Q_LAST. No token-by-token matching needed.
+                st = np.int64(seqs[q, Q_LAST])
+                ln = np.int64(states[st, LEN])
+                if ln > max_depth:
+                    while states[states[st, LINK], LEN] >= max_depth:
+                        st = np.int64(states[st, LINK])
+                    ln = np.int64(max_depth)
+                slots[s, R_MVER + c] = trees[tid, VERSION]
+            elif slots[s, R_MVER + c] != trees[tid, VERSION]:
                 # The tree was rebuilt or gained sequences: re-match from the request's last tokens.
                 st, ln = advance_match(
                     states, edges, hashes, root, root, 0, pool, max(off, end - max_depth), end, max_depth
