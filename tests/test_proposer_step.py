@@ -20,7 +20,7 @@ from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
 from workers import proposer as proposer_module
-from workers.bench.proposer import _Batch, _build
+from workers.bench.proposer import _build, _engine_for
 from workers.bench.replay import load_traces
 from workers.proposer import DasProposer
 from workers.step_kernels import _FIELDS
@@ -246,11 +246,10 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
         monkeypatch.setattr(
             proposer_module.DasProposer, "_tables", pack if repack_every_step else checked_tables
         )
-        proposer, live, last = _build(records, K, max_len)
+        proposer, live, history, last = _build(records, K, max_len)
         steps = []
         for batch, n_steps in ((5, 60), (40, 120), (7, 60)):
-            engine = _Batch(live, batch, max_len, last)
-            proposer.clock = engine.clock
+            engine = _engine_for(proposer, live, history, last, batch, max_len)
             for i in range(n_steps):
                 if repack_every_step:
                     proposer._stale()

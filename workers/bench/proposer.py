@@ -83,7 +83,15 @@ class _Row:
 class _Batch:
     """The engine's side of the step: rows, the token matrix, request descriptions, verification."""
 
-    def __init__(self, records: list[Any], batch: int, max_len: int, first_epoch: int) -> None:
+    def __init__(
+        self,
+        records: list[Any],
+        batch: int,
+        max_len: int,
+        first_epoch: int,
+        history: list[Any],
+        add_history: Callable[[list[Any]], Any],
+    ) -> None:
         self.records = records
         self.batch = batch
         self.epoch = first_epoch
@@ -97,15 +105,37 @@ class _Batch:
         # itself vary from run to run).
         self.cost = CostModel()
         self.now = 0.0
-        self.sample_stride = max(r.sample for r in records) + 1
+        # Each lap through the epoch's rollouts decodes them as new problems in their own token alphabet (ids
+        # shifted by `alphabet` per lap), whose history (the earlier epochs, shifted alike) arrives when the
+        # lap starts. A lap drafts from its own problems' history and siblings, as lap 0 does, never from
+        # copies of the very rollouts it decodes, which earlier laps put in the history.
+        self.history = history
+        self.add_history = add_history
+        self.alphabet = 1 + max(max(r.prompt_ids + r.response_ids) for r in (*records, *history))
+        self.laps_seeded = 0
         self.served = 0
         self.committed = 0
         for i in range(batch):
             self._admit(i)
 
+    def _in_lap(self, record: Any, lap: int) -> Any:
+        if lap == 0:
+            return record
+        shift = lap * self.alphabet
+        return record.model_copy(
+            update={
+                "problem_id": f"{record.problem_id}@lap{lap}",
+                "prompt_ids": [t + shift for t in record.prompt_ids],
+                "response_ids": [t + shift for t in record.response_ids],
+            }
+        )
+
     def _admit(self, i: int) -> None:
-        record = self.records[self.next_record % len(self.records)]
         lap = self.next_record // len(self.records)
+        if lap > self.laps_seeded:
+            self.add_history([self._in_lap(r, lap) for r in self.history])
+            self.laps_seeded = lap
+        record = self._in_lap(self.records[self.next_record % len(self.records)], lap)
         self.next_record += 1
         key = f"req-{self.next_record}"
         prompt = np.asarray(record.prompt_ids, np.int32)
@@ -115,12 +145,7 @@ class _Batch:
         self.token_ids[i, prompt.shape[0]] = response[0]
         self.num_tokens[i] = prompt.shape[0] + 1
         self.rows[i] = _Row(key, prompt.shape[0], response, pos=1)
-        extra = {
-            "das_problem_id": record.problem_id,
-            # Later laps stay in the epoch (windows slide once an epoch, not once a lap) as new samples.
-            "das_epoch": self.epoch,
-            "das_sample": record.sample + lap * self.sample_stride,
-        }
+        extra = {"das_problem_id": record.problem_id, "das_epoch": self.epoch, "das_sample": record.sample}
         self.requests[key] = SimpleNamespace(
             num_prompt_tokens=prompt.shape[0],
             sampling_params=SimpleNamespace(extra_args=extra, max_tokens=response.shape[0]),
@@ -161,19 +186,30 @@ class _Batch:
         self.now += self.cost.step(active, verified)
 
 
-def _build(records: list[Any], k: int, max_len: int) -> tuple[DasProposer, list[Any], int]:
+def _build(records: list[Any], k: int, max_len: int) -> tuple[DasProposer, list[Any], list[Any], int]:
+    """A proposer holding every epoch of the trace but the last as history; returns it, the last epoch's
+    rollouts, the history and the last epoch's number."""
     last = max(r.epoch for r in records)
     proposer = DasProposer.standalone(k, max_len)
-    proposer.add_trajectories([r for r in records if r.epoch < last])
+    history = [r for r in records if r.epoch < last]
+    proposer.add_trajectories(history)
     live = [r for r in records if r.epoch == last and len(r.response_ids) > 0]
-    return proposer, live, last
+    return proposer, live, history, last
+
+
+def _engine_for(
+    proposer: DasProposer, live: list[Any], history: list[Any], last: int, batch: int, max_len: int
+) -> _Batch:
+    """The bench's engine at `batch` rows, decoding `live` with `proposer`, whose clock it sets."""
+    engine = _Batch(live, batch, max_len, last, history, proposer.add_trajectories)
+    proposer.clock = engine.clock
+    return engine
 
 
 def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) -> dict:
     max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + k + 2
-    proposer, live, last = _build(records, k, max_len)
-    engine = _Batch(live, batch, max_len, last)
-    proposer.clock = engine.clock
+    proposer, live, history, last = _build(records, k, max_len)
+    engine = _engine_for(proposer, live, history, last, batch, max_len)
     for _ in range(warmup):
         engine.verify(proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests))
     proposer.reset_stats()
