@@ -8,9 +8,11 @@ Engine arguments::
 
 Each decode step vLLM calls `propose` once for the whole batch. The proposer keeps one `ProblemIndex` (history
 trees per problem, a global tree of recent responses, a live overlay per request that also serves in-flight
-siblings of the same problem), registers requests that joined the batch, and then works in two native calls
-for the whole batch (`workers.step_kernels`): one learns from the previous step's verification, one asks the
-budget policy how many tokens each row may draft, appends the tokens the rows committed, drafts and counts.
+siblings of the same problem), registers requests that joined the batch, and then works in one native call
+for the whole batch (`workers.step_kernels.decode_step`): it learns from the previous step's verification,
+asks the budget policy how many tokens each row may draft, appends the tokens the rows committed, drafts and
+counts. Its tables travel as one packed value (`StepTables`), packed again only after something outside the
+call may have replaced an array.
 
 Request identity: row i of the batch is `runner.input_batch.req_ids[i]`; `runner.requests[id]` holds the
 prompt and `SamplingParams.extra_args` (`das_problem_id`, optional `das_epoch`, `das_sample`). vLLM builds the
@@ -21,9 +23,10 @@ proposers in `CustomClassProposer`). No engine argument or RPC is needed, so ser
 `collective_rpc` (verl's) work unchanged; `collective_rpc("das_attach")` attaches explicitly.
 
 The step itself (`DasProposer.step`) needs no engine: request ids, token counts, the token matrix and the
-requests' descriptions. It registers joiners, finishes leavers, learns from the previous step's verification
+requests' descriptions, and a clock (`clock`: the verifier's step is the interval between a return and the
+next call). It registers joiners, finishes leavers, learns from the previous step's verification
 (`before_draft`), then budgets, commits every row's new tokens, drafts, applies the pay-off rule and counts
-(`draft_step`); metrics reach Prometheus as running totals a few times a second.
+(`draft_step`), both inside `decode_step`; metrics reach Prometheus as running totals a few times a second.
 
 History freshness:
 - embedded: the rollout driver pushes finished trajectories with `collective_rpc("das_add_trajectories")`;

@@ -1,4 +1,5 @@
-"""The proposer's decode step in two native calls.
+"""The proposer's decode step in one native call (`decode_step`; `draft_step` again only when the index had
+to grow mid-step).
 
 `before_draft` works out what the previous step's verification did (`step_book._prepare`) and teaches the
 budget policy (`budget._observe_kernel`, the acceptance model's Newton step, `budget._cost_observe`);
