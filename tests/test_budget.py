@@ -115,11 +115,15 @@ def test_cost_model_stays_defined_when_the_batch_size_never_changes() -> None:
     assert model.predict(1, 5) == pytest.approx(0.055, rel=0.02)
 
 
-def _least_squares_from_scratch(rows: np.ndarray, config: BudgetConfig) -> np.ndarray:
-    """The cost model's fit over a window, from the window's rows (1, active, tokens, seconds) alone."""
+def _least_squares_from_scratch(rows: np.ndarray, config: BudgetConfig, previous: np.ndarray) -> np.ndarray:
+    """The cost model's fit over a window, from the window's rows (1, active, tokens, seconds) and the
+    previous fit alone."""
     prior = np.array([config.prior_c_base, config.prior_c_seq, config.prior_c_tok])
     x, y = rows[:, :3], rows[:, 3]
-    target = prior * (y.sum() / max(float((x @ prior).sum()), 1e-12))
+    if rows.shape[0] > config.min_fit_steps:
+        target = previous  # after the first fit the ridge holds the current fit, not the prior
+    else:
+        target = prior * (y.sum() / max(float((x @ prior).sum()), 1e-12))
     if rows.shape[0] < config.min_fit_steps:
         return target
     gram = x.T @ x
@@ -150,7 +154,7 @@ def test_cost_model_incremental_fit_equals_a_fit_from_scratch(c_tok: float) -> N
         model.observe(active, tokens, seconds)
         rows = [*rows, (1.0, active, tokens, seconds)][-config.cost_window :]
         if len(rows) < config.min_fit_steps or (step + 1 - config.min_fit_steps) % config.refit_every == 0:
-            fitted = _least_squares_from_scratch(np.array(rows), config)
+            fitted = _least_squares_from_scratch(np.array(rows), config, fitted.copy())
         np.testing.assert_allclose(model.coefficients, fitted, rtol=1e-9, atol=1e-15)
         assert model.steps == len(rows)
     assert np.all(model.coefficients >= 0)
@@ -320,3 +324,19 @@ def test_invalid_configuration_is_rejected_with_the_reason() -> None:
         BudgetConfig(max_tokens=0)
     with pytest.raises(ValueError, match="request_decay"):
         BudgetConfig(request_decay=1.5)
+
+
+def test_cost_model_keeps_what_it_learned_when_drafting_stops_varying() -> None:
+    """Once the window no longer separates requests from tokens (every row drafts nothing, so tokens equal
+    active requests), the fit keeps the per-token cost it learned while drafts varied, instead of sliding back
+    to the prior's split (a verified token as dear as a request)."""
+    config = BudgetConfig()
+    model = CostModel(config)
+    rng = np.random.default_rng(0)
+    c_base, c_seq, c_tok = 0.008, 1e-4, 1e-5
+    for step in range(2000):
+        active = int(rng.integers(8, 64))
+        drafted = int(rng.integers(0, 4 * active + 1)) if step < 300 else 0
+        model.observe(active, active + drafted, c_base + c_seq * active + c_tok * (active + drafted))
+    assert model.coefficients[2] == pytest.approx(c_tok, rel=0.2)
+    assert model.predict(32, 32) == pytest.approx(c_base + (c_seq + c_tok) * 32, rel=0.01)

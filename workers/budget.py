@@ -195,12 +195,19 @@ def _cost_observe(ring, sums, state, prior, coef, active, tokens, seconds, min_f
     refit = state[_C_SINCE] >= refit_every
     if state[_C_COUNT] >= min_fit_steps and not refit:
         return False
-    # The prior says how a step's time splits, not how long it is: scaled to the measured steps (sums[0] sums
-    # each column), it is the ridge target, which decides the split along directions the data leave free (a
-    # batch size that never changed, drafts that never varied) while the data set the overall scale.
-    predicted = sums[0, 0] * prior[0] + sums[0, 1] * prior[1] + sums[0, 2] * prior[2]
-    scale = sums[0, 3] / max(predicted, 1e-12)
-    target = prior * scale
+    # The ridge target decides the split along directions the window leaves free (a batch size that never
+    # changed, drafts that never varied) while the data set the rest. Until the first fit it is the prior: it
+    # says how a step's time splits, not how long it is, so it is scaled to the measured steps (sums[0] sums
+    # each column). From then on it is the current fit (fits start once min_fit_steps are in the window): a
+    # free direction keeps what earlier windows taught instead of sliding back to the prior's split, which is
+    # deliberately pessimistic about drafting. Pulled back, c_tok sat 10-70% high through the cold epoch of a
+    # replay whose verifier charged 1e-5 s a token, because there the active requests and the verified tokens
+    # move almost together.
+    if state[_C_COUNT] > min_fit_steps:
+        target = coef.copy()
+    else:
+        predicted = sums[0, 0] * prior[0] + sums[0, 1] * prior[1] + sums[0, 2] * prior[2]
+        target = prior * (sums[0, 3] / max(predicted, 1e-12))
     if state[_C_COUNT] < min_fit_steps:
         coef[:] = target  # too few steps to fit: the prior's split at the measured scale
     else:
