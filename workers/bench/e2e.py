@@ -109,6 +109,7 @@ def _run_strategy(config: E2eConfig, strategy: str) -> list[dict[int, dict[str, 
                 if proposer is not None:
                     row["das_sources"] = proposer["sources"]
                     row["das_cost_model"] = proposer["policy"]["cost_model"]
+                    row["das_draft_seconds"] = round(proposer["draft_seconds"], 4)  # the proposer's own time
                     for problem in chosen:
                         worker.evict(problem.problem_id, config.history_epochs + 1)
                 row["outputs"] = [list(f.record.response_ids) for f in finished]
