@@ -200,9 +200,9 @@ def _cost_observe(ring, sums, state, prior, coef, active, tokens, seconds, min_f
     # says how a step's time splits, not how long it is, so it is scaled to the measured steps (sums[0] sums
     # each column). From then on it is the current fit (fits start once min_fit_steps are in the window): a
     # free direction keeps what earlier windows taught instead of sliding back to the prior's split, which is
-    # deliberately pessimistic about drafting. Pulled back, c_tok sat 10-70% high through the cold epoch of a
-    # replay whose verifier charged 1e-5 s a token, because there the active requests and the verified tokens
-    # move almost together.
+    # deliberately pessimistic about drafting. Pulled back, c_tok stayed well above the truth whenever active
+    # requests and verified tokens moved together (the cold epoch; drafts that stop varying), as
+    # `test_cost_model_keeps_what_it_learned_when_drafting_stops_varying` shows.
     if state[_C_COUNT] > min_fit_steps:
         target = coef.copy()
     else:
