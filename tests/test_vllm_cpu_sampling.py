@@ -142,3 +142,53 @@ def test_a_step_without_drafts_passes_the_top_k_mask_after_register(monkeypatch)
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     k = torch.tensor([2, 8, 5], dtype=torch.int32)
     assert torch.equal(topk_topp_sampler.apply_top_k_only(logits.clone(), k), original(logits.clone(), k))
+
+
+def test_recovered_tokens_draw_the_exponential_race_only_for_requests_with_drafts() -> None:
+    """vLLM draws batch x vocabulary exponentials every step of a speculative engine; the repair draws rows
+    only for the requests with drafts, and samples the same distribution: a position whose residual mass is
+    on one token recovers it, an even split recovers either about equally often. In a fresh interpreter with
+    the CPU kernels bound, as a worker runs."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from types import SimpleNamespace
+        import torch
+        from vllm.platforms import current_platform
+        from vllm.v1.sample import rejection_sampler
+        from workers import vllm_cpu_sampling
+
+        current_platform.register_triton_kernel_overrides()
+        vllm_cpu_sampling.register()
+        sample = rejection_sampler.sample_recovered_tokens
+        assert sample.__module__ == "workers.vllm_cpu_sampling", sample.__module__
+        drawn = []
+        exponential = torch.Tensor.exponential_
+        def counting(self, *args, **kwargs):
+            drawn.append(self.numel())
+            return exponential(self, *args, **kwargs)
+        torch.Tensor.exponential_ = counting
+        vocab, counts = 16, [2, 0, 3, 0]
+        cu = torch.tensor([2, 2, 5, 5], dtype=torch.int32)
+        drafts = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)
+        probs = torch.zeros(5, vocab)
+        for position, token in enumerate([7, 8, 9, 10, 11]):
+            probs[position, token] = 1.0
+        probs[4, 11] = probs[4, 12] = 0.5  # an even split between two tokens
+        meta = SimpleNamespace(generators={})
+        seen = []
+        for _ in range(400):
+            out = sample(3, counts, cu, drafts, None, probs, meta, torch.device("cpu")).tolist()
+            assert out[:4] == [7, 8, 9, 10], out
+            seen.append(out[4])
+        assert drawn == [2 * vocab] * 400, set(drawn)  # two requests drafted: two rows per step
+        share = seen.count(11) / len(seen)
+        assert set(seen) == {11, 12} and 0.4 < share < 0.6, share
+        none = sample(0, [0, 0], torch.tensor([0, 0], dtype=torch.int32), drafts[:0], None, probs[:0], meta, "cpu")
+        assert none.numel() == 0 and drawn.count(2 * vocab) == 400  # a step without drafts draws nothing
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
