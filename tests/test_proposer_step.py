@@ -90,6 +90,30 @@ def test_the_runner_is_found_whether_or_not_vllm_wraps_the_proposer(wrapped: boo
     assert stats["accepted_tokens"] == len(drafts[0]) and stats["errors"] == 0
 
 
+def test_a_paused_proposer_drafts_nothing_and_picks_the_batch_up_again_when_resumed() -> None:
+    """`pause_drafting` (the e2e bench's "floor": vLLM's speculative path without drafts): while paused every
+    row gets no draft; resumed, the requests that ran meanwhile are registered and drafted for."""
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    history = list(range(100, 160))
+    proposer.add_trajectories(
+        [{"problem_id": "p", "epoch": 0, "sample": 0, "prompt_ids": [1, 2, 3], "response_ids": history}]
+    )
+    runner = StandInRunner(proposer)
+    proposer.runner = runner
+    runner.add(0, "r0", [1, 2, 3], "p")
+    runner.commit(0, history[:1])
+    proposer.pause_drafting(True)
+    assert runner.draft([history[:1]]) == [[]]
+    runner.commit(0, history[1:3])
+    assert runner.draft([history[1:3]]) == [[]]
+    assert proposer.stats()["draft_tokens"] == 0
+    proposer.pause_drafting(False)
+    runner.commit(0, history[3:4])
+    drafts = runner.draft([history[3:4]])
+    assert drafts[0] and drafts[0] == history[4 : 4 + len(drafts[0])]
+    assert proposer.stats()["errors"] == 0
+
+
 def test_a_request_that_ends_by_itself_with_epoch_and_sample_enters_its_problem_history() -> None:
     proposer = DasProposer.standalone(K, MAX_LEN)
     runner = StandInRunner(proposer)

