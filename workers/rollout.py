@@ -267,6 +267,25 @@ class _Pending:
     started_at: float = field(default_factory=time.time)
 
 
+def _own_spec_counters(llm: Any) -> dict[str, int] | None:
+    """The spec-decode counters of `llm`'s own Prometheus stat logger (vLLM 0.32's `SpecDecodingProm`), or None
+    where the engine keeps no such logger."""
+    manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
+    for stat_logger in getattr(manager, "stat_loggers", ()):
+        prom = getattr(stat_logger, "spec_decoding_prom", None)
+        if prom is None:
+            continue
+        totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+        if not getattr(prom, "spec_decoding_enabled", False):
+            return totals  # an engine without drafts
+        for metric, name in _SPEC_COUNTERS.items():
+            attribute = "counter_" + metric.removeprefix("vllm:")
+            for child in getattr(prom, attribute).values():
+                totals[name] += int(child._value.get())
+        return totals
+    return None
+
+
 class RolloutWorker:
     """Runs rollout requests on one engine and hands each finished trajectory to `sink`."""
 
@@ -407,7 +426,16 @@ class RolloutWorker:
         )
 
     def spec_counters(self) -> dict[str, int]:
-        """vLLM's spec-decode counters (drafts, draft tokens, accepted tokens), summed over engines."""
+        """vLLM's spec-decode counters (drafts, draft tokens, accepted tokens) of this engine, summed over its
+        data-parallel engines.
+
+        Read from the engine's own Prometheus logger: each engine built in a process unregisters every `vllm:`
+        metric before registering its own, so with several engines in one process (`das bench e2e`)
+        `LLM.get_metrics()` reports only the newest one's. The registry is the fallback for a vLLM whose logger
+        does not keep them where 0.32 does."""
+        own = _own_spec_counters(self.llm)
+        if own is not None:
+            return own
         totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
         for metric in self.llm.get_metrics():
             name = _SPEC_COUNTERS.get(metric.name)
