@@ -125,13 +125,14 @@ def _interleaved(config: E2eConfig, progress: Any) -> dict[str, list[dict[int, d
             engines["floor"].collective_rpc("das_pause_drafting", args=(True,))
         workers = {strategy: RolloutWorker(llm, _ENGINE[strategy]) for strategy, llm in engines.items()}
         builtin = builtin_problems(next(iter(engines.values())).get_tokenizer())
-        for strategy, worker in workers.items():
-            # One short throwaway epoch per engine first: first calls (allocator, kernels, the n-gram drafter's
-            # compilation) would otherwise land in the first measured strategy's epoch 0.
-            warmup = [Problem(f"warmup/{strategy}", builtin[0].prompt_ids)]
-            worker.run_epoch(warmup, 0, widest, {"temperature": config.temperature, "max_tokens": 8})
-            if worker.strategy == "das":
-                worker.evict(warmup[0].problem_id, 1)
+        warmup = [(Problem("warmup", builtin[0].prompt_ids), 0, sample) for sample in range(widest)]
+        for worker in workers.values():
+            # One short throwaway batch per engine first: first calls (allocator, kernels, the n-gram drafter's
+            # compilation) would otherwise land in the first measured strategy's epoch 0. Without a problem id,
+            # DAS neither keeps these responses nor learns their (cut) lengths.
+            worker.run(
+                warmup, {"temperature": config.temperature, "max_tokens": 8}, extra_args=lambda *_: None
+            )
         runs: dict[str, list[dict[int, dict[str, Any]]]] = {s: [] for s in config.strategies}
         for repeat in range(config.repeats):
             for rows in runs.values():
