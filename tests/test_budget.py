@@ -340,3 +340,37 @@ def test_cost_model_keeps_what_it_learned_when_drafting_stops_varying() -> None:
         model.observe(active, active + drafted, c_base + c_seq * active + c_tok * (active + drafted))
     assert model.coefficients[2] == pytest.approx(c_tok, rel=0.2)
     assert model.predict(32, 32) == pytest.approx(c_base + (c_seq + c_tok) * 32, rel=0.01)
+
+
+def test_tokens_drafted_past_the_match_length_are_priced_by_what_such_paths_did() -> None:
+    """With max_spec_factor above 1 a draft runs past its match length. Whole paths of those tokens are
+    learned on their own (`path_recalibration`: was every token up to j accepted?) and their path probability
+    is shown through it, while tokens within the match keep the acceptance model's path. On real rollouts the
+    model's paths overstated them (rl_t1.0 at factor 4: 0.39 predicted, 0.17 observed)."""
+    policy = BudgetPolicy(BudgetConfig(max_tokens=8))
+    slots = np.array(_start(policy, [f"p{i}" for i in range(20)]))
+    for active in range(1, 51):  # a GPU-like verifier: a drafted token costs little, so drafting goes on
+        policy.observe_step(active, 3 * active, 0.008 + 0.0001 * active + 0.00003 * 3 * active)
+    match = np.where(np.arange(20) < 10, 2, 5)
+    probs = np.tile(0.97 ** np.arange(1, 9), (20, 1))
+    support = np.full(probs.shape, 3)
+
+    def step() -> np.ndarray:
+        budgets, _ = policy.budgets(slots, np.zeros(20, np.int64), np.full(20, 100))
+        return policy.truncate(np.minimum(budgets, 8), probs, match, np.full(20, SOURCE_PROBLEM), support)
+
+    kept = step()
+    assert np.all(kept == 8), "a fresh model trusts the tree: every row drafts past its match"
+    # Every token within the match passes; odd rows pass their first token past it too, then fail.
+    policy.observe_acceptance(slots, match + np.arange(20) % 2)
+    table = policy.acceptance.path_recalibration
+    tried, passed = table[:, 1].sum(), table[:, 0].sum()
+    # (The acceptance model's Newton step, due after this many trials, forgets a hundredth of both.)
+    assert 0.99 * (kept - match).sum() <= tried <= (kept - match).sum()
+    assert passed / tried == pytest.approx(10 / (kept - match).sum())
+    step()
+    shown, raw = policy.last_predicted, policy.path_p[slots]
+    within = np.arange(8) < match[:, None]
+    assert np.array_equal(shown[within], raw[within])
+    assert shown[~within].mean() < 0.7 * raw[~within].mean()
+    assert np.all(np.diff(shown, axis=1) <= 0), "path probabilities never grow along a draft"

@@ -490,6 +490,17 @@ def _recalibrated(p, table):
 
 
 @njit(cache=True)
+def _recalibrated_path(p, table):
+    """A past-match path probability p mapped through observed acceptance of such paths in p's bin, with
+    fewer pseudo-trials than `_recalibrated`: these paths are rarer, and what they teach must count sooner."""
+    b = min(int(p * table.shape[0]), table.shape[0] - 1)
+    return (table[b, 0] + _PATH_PRIOR * p) / (table[b, 1] + _PATH_PRIOR)
+
+
+_PATH_PRIOR = 5.0
+
+
+@njit(cache=True)
 def _truncate_kernel(
     probs,
     support,
@@ -502,11 +513,14 @@ def _truncate_kernel(
     problem_outcomes,
     weights,
     recalibration,
+    path_recalibration,
     value,
     c_tok,
     features,
     kept_store,
     model_p,
+    path_store,
+    first_past,
     accepted_rate,
     rate_decay,
     predicted,
@@ -515,7 +529,13 @@ def _truncate_kernel(
     """Per row: each draft token's path acceptance probability (predicted[i, j]) and the kept prefix, the
     tokens whose probability times the row's value pays for their verification (c_tok). Stores each slot's
     features, the model's conditional probabilities (model_p: the learning step reuses them) and kept length
-    for learning, and decays the speed of rows that draft nothing."""
+    for learning, and decays the speed of rows that draft nothing.
+
+    A token drafted past its match length (only with max_spec_factor above 1) shows its path probability
+    through `path_recalibration` instead: what paths so predicted turned out to be. The product of conditionals
+    overstated those paths (on rl_t1.0 at factor 4, predicted 0.39 against 0.17 observed), so drafting freedom
+    beyond the match was paid for with waste; the raw path (`path_store`) and where the row's past tokens
+    start (`first_past`) are kept for the learning step."""
     n, k = predicted.shape
     f = weights.shape[0]
     for i in range(n):
@@ -523,6 +543,7 @@ def _truncate_kernel(
         if lengths[i] == 0:
             predicted[i] = 0.0
             kept[i] = kept_store[s] = 0
+            first_past[s] = k
             accepted_rate[s] *= rate_decay
             continue
         request_gain = _log_odds_gain(request_outcomes[s])
@@ -531,6 +552,9 @@ def _truncate_kernel(
         path = 1.0
         previous = 1.0
         keep = 0
+        shown = 1.0
+        past = match_lens[i] if match_lens[i] > 0 else k
+        first_past[s] = past
         for j in range(k):
             if j >= lengths[i]:
                 predicted[i, j] = 0.0
@@ -546,8 +570,11 @@ def _truncate_kernel(
             p = 1.0 / (1.0 + np.exp(-z))
             model_p[s, j] = p
             path *= _recalibrated(p, recalibration)
-            predicted[i, j] = path
-            if path * value[i] >= c_tok:
+            path_store[s, j] = path
+            # Never above the previous token's: the kept tokens stay a prefix.
+            shown = min(shown, _recalibrated_path(path, path_recalibration) if j >= past else path)
+            predicted[i, j] = shown
+            if shown * value[i] >= c_tok:
                 keep = j + 1  # path probabilities never grow along a row: the kept tokens are a prefix
         kept[i] = keep
         kept_store[s] = keep
@@ -567,6 +594,9 @@ def _observe_kernel(
     problem_outcomes,
     problem_stamp,
     recalibration,
+    path_store,
+    first_past,
+    path_recalibration,
     step,
     request_decay,
     problem_decay,
@@ -605,6 +635,11 @@ def _observe_kernel(
                 gradient[c] += (y - p) * x[c]
                 for d in range(c + 1):
                     curvature[c, d] += w * x[c] * x[d]
+        for j in range(first_past[s], length):
+            # Paths of tokens drafted past the match: was the whole path up to j accepted?
+            b = min(int(path_store[s, j] * path_recalibration.shape[0]), path_recalibration.shape[0] - 1)
+            path_recalibration[b, 0] += 1.0 if j < a else 0.0
+            path_recalibration[b, 1] += 1.0
         trials += int(outcome[2])
         for c in range(3):
             request_outcomes[s, c] = request_decay * request_outcomes[s, c] + outcome[c]
@@ -628,7 +663,17 @@ _A_TRIALS, _A_PENDING = 0, 1
 
 @njit(cache=True)
 def _acceptance_added(
-    state, trials, min_trials, forgetting, ridge, accumulated, curvature, gradient, recalibration, weights
+    state,
+    trials,
+    min_trials,
+    forgetting,
+    ridge,
+    accumulated,
+    curvature,
+    gradient,
+    recalibration,
+    path_recalibration,
+    weights,
 ):
     """`trials` more verified tokens are in gradient and curvature: once min_trials are pending, folds them
     into the forgetting curvature and takes a Newton step on `weights` in place. Returns whether it stepped."""
@@ -647,6 +692,8 @@ def _acceptance_added(
     for r in range(recalibration.shape[0]):
         recalibration[r, 0] *= forgetting
         recalibration[r, 1] *= forgetting
+        path_recalibration[r, 0] *= forgetting
+        path_recalibration[r, 1] *= forgetting
     step = np.empty(f)
     _solve_augmented(a, f, step)  # symmetric positive definite: the ridge
     largest = 1.0
@@ -687,6 +734,8 @@ class AcceptanceModel:
         self.state = np.zeros(2, np.int64)
         # Observed acceptance by bin of the model's prediction (accepted, tried), forgotten like the fit.
         self.recalibration = np.zeros((20, 2))
+        # The same for whole paths of tokens drafted past their match length, by bin of predicted path.
+        self.path_recalibration = np.zeros((20, 2))
 
     @property
     def trials(self) -> int:
@@ -705,6 +754,7 @@ class AcceptanceModel:
             self.curvature,
             self.gradient,
             self.recalibration,
+            self.path_recalibration,
             self.weights,
         )
 
@@ -909,6 +959,8 @@ class BudgetPolicy:
         self.features = np.zeros((0, k, N_FEATURES))
         self.kept = np.zeros(0, np.int64)  # kept draft tokens awaiting the verifier's answer
         self.model_p = np.zeros((0, k))  # the acceptance model's conditional probabilities of those tokens
+        self.path_p = np.zeros((0, k))  # their path probabilities before the past-match recalibration
+        self.first_past = np.zeros(0, np.int64)  # the first of them drafted past the match length
         # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
@@ -932,6 +984,8 @@ class BudgetPolicy:
                 "features",
                 "kept",
                 "model_p",
+                "path_p",
+                "first_past",
             ):
                 old = getattr(self, name)
                 new = np.zeros((grown, *old.shape[1:]), old.dtype)
@@ -1049,11 +1103,14 @@ class BudgetPolicy:
             self.problem_outcomes,
             self.acceptance.weights,
             self.acceptance.recalibration,
+            self.acceptance.path_recalibration,
             self._value,
             float(self.cost.coefficients[2]),
             self.features,
             self.kept,
             self.model_p,
+            self.path_p,
+            self.first_past,
             self.accepted_rate,
             self.config.rate_decay,
             predicted,
@@ -1078,6 +1135,9 @@ class BudgetPolicy:
             self.problem_outcomes,
             self.problem_stamp,
             self.acceptance.recalibration,
+            self.path_p,
+            self.first_past,
+            self.acceptance.path_recalibration,
             self.observe_step_no,
             self.config.request_decay,
             self.config.problem_decay,

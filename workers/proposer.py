@@ -497,6 +497,8 @@ class DasProposer:
                     policy.kept,
                     policy.features,
                     policy.model_p,
+                    policy.path_p,
+                    policy.first_past,
                     policy.slot_problem,
                     policy.request_outcomes,
                     policy.problem_outcomes,
@@ -513,6 +515,7 @@ class DasProposer:
                 (lengths.count, lengths.quantiles, lengths.atypical),
                 (
                     acceptance.recalibration,
+                    acceptance.path_recalibration,
                     acceptance.gradient,
                     acceptance.curvature,
                     acceptance.state,
