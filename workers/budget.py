@@ -477,8 +477,10 @@ def _features_of(probs, support, j, previous, log_match, source, request_gain, p
 
 # log1p(j) / 2 for draft positions j: a table lookup instead of a logarithm per draft token.
 _LOG_POSITION = np.log1p(np.arange(64)) / 2.0
-# Pseudo-trials at the logistic model's own prediction in each recalibration bin.
+# Pseudo-trials at the logistic model's own prediction in each recalibration bin; fewer for the paths of
+# tokens drafted past the match length, which are rarer (20 learned too slowly on rl_t1.0 at factor 4).
 _RECALIBRATION_PRIOR = 20.0
+_PATH_PRIOR = 5.0
 
 
 @njit(cache=True)
@@ -491,13 +493,9 @@ def _recalibrated(p, table):
 
 @njit(cache=True)
 def _recalibrated_path(p, table):
-    """A past-match path probability p mapped through observed acceptance of such paths in p's bin, with
-    fewer pseudo-trials than `_recalibrated`: these paths are rarer, and what they teach must count sooner."""
+    """A past-match path probability p mapped through observed acceptance of such paths in p's bin."""
     b = min(int(p * table.shape[0]), table.shape[0] - 1)
     return (table[b, 0] + _PATH_PRIOR * p) / (table[b, 1] + _PATH_PRIOR)
-
-
-_PATH_PRIOR = 5.0
 
 
 @njit(cache=True)
