@@ -484,18 +484,12 @@ _PATH_PRIOR = 5.0
 
 
 @njit(cache=True)
-def _recalibrated(p, table):
-    """The logistic model's conditional acceptance p mapped through observed acceptance in p's bin
-    (table[b] = accepted, tried): a logistic curve in these features is not exactly right at either end."""
+def _recalibrated(p, table, prior):
+    """A predicted probability p mapped through observed acceptance in p's bin (table[b] = accepted, tried),
+    with `prior` pseudo-trials at p: the logistic model's conditional acceptance (a logistic curve in these
+    features is not exactly right at either end), or the path of tokens drafted past the match length."""
     b = min(int(p * table.shape[0]), table.shape[0] - 1)
-    return (table[b, 0] + _RECALIBRATION_PRIOR * p) / (table[b, 1] + _RECALIBRATION_PRIOR)
-
-
-@njit(cache=True)
-def _recalibrated_path(p, table):
-    """A past-match path probability p mapped through observed acceptance of such paths in p's bin."""
-    b = min(int(p * table.shape[0]), table.shape[0] - 1)
-    return (table[b, 0] + _PATH_PRIOR * p) / (table[b, 1] + _PATH_PRIOR)
+    return (table[b, 0] + prior * p) / (table[b, 1] + prior)
 
 
 @njit(cache=True)
@@ -531,8 +525,8 @@ def _truncate_kernel(
 
     A token drafted past its match length (only with max_spec_factor above 1) shows its path probability
     through `path_recalibration` instead: what paths so predicted turned out to be. The product of conditionals
-    overstated those paths (on rl_t1.0 at factor 4, predicted 0.39 against 0.17 observed), so drafting freedom
-    beyond the match was paid for with waste; the raw path (`path_store`) and where the row's past tokens
+    overstated those paths, so drafting freedom beyond the match was paid for with waste (`--max-spec-factor 4`
+    in the README's replay figures); the raw path (`path_store`) and where the row's past tokens
     start (`first_past`) are kept for the learning step."""
     n, k = predicted.shape
     f = weights.shape[0]
@@ -541,7 +535,6 @@ def _truncate_kernel(
         if lengths[i] == 0:
             predicted[i] = 0.0
             kept[i] = kept_store[s] = 0
-            first_past[s] = k
             accepted_rate[s] *= rate_decay
             continue
         request_gain = _log_odds_gain(request_outcomes[s])
@@ -567,10 +560,10 @@ def _truncate_kernel(
                 z += x[c] * weights[c]
             p = 1.0 / (1.0 + np.exp(-z))
             model_p[s, j] = p
-            path *= _recalibrated(p, recalibration)
+            path *= _recalibrated(p, recalibration, _RECALIBRATION_PRIOR)
             path_store[s, j] = path
             # Never above the previous token's: the kept tokens stay a prefix.
-            shown = min(shown, _recalibrated_path(path, path_recalibration) if j >= past else path)
+            shown = min(shown, _recalibrated(path, path_recalibration, _PATH_PRIOR) if j >= past else path)
             predicted[i, j] = shown
             if shown * value[i] >= c_tok:
                 keep = j + 1  # path probabilities never grow along a row: the kept tokens are a prefix

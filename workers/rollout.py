@@ -286,6 +286,16 @@ def _own_spec_counters(llm: Any) -> dict[str, int] | None:
     return None
 
 
+def _registry_spec_counters(llm: Any) -> dict[str, int]:
+    """The spec-decode counters vLLM's Prometheus registry holds (`LLM.get_metrics()`)."""
+    totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        name = _SPEC_COUNTERS.get(metric.name)
+        if name is not None and hasattr(metric, "value"):
+            totals[name] += int(metric.value)
+    return totals
+
+
 class RolloutWorker:
     """Runs rollout requests on one engine and hands each finished trajectory to `sink`."""
 
@@ -434,14 +444,7 @@ class RolloutWorker:
         `LLM.get_metrics()` reports only the newest one's. The registry is the fallback for a vLLM whose logger
         does not keep them where 0.32 does."""
         own = _own_spec_counters(self.llm)
-        if own is not None:
-            return own
-        totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
-        for metric in self.llm.get_metrics():
-            name = _SPEC_COUNTERS.get(metric.name)
-            if name is not None and hasattr(metric, "value"):
-                totals[name] += int(metric.value)
-        return totals
+        return own if own is not None else _registry_spec_counters(self.llm)
 
     def push_history(self, records: Iterable[TrajectoryRecord]) -> int:
         """Adds trajectories to the DAS proposer's history (embedded mode); returns how many were new.
