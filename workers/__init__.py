@@ -1,3 +1,1 @@
-from history_store.kernel_cache import guard as _guard_kernel_caches
-
-_guard_kernel_caches()  # before any cached kernel loads: see kernel_cache
+import history_store  # noqa: F401  (importing it drops stale numba kernel caches: see its kernel_cache)

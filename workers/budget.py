@@ -484,11 +484,17 @@ _PATH_PRIOR = 5.0
 
 
 @njit(cache=True)
+def _bin(p, table):
+    """The row of a recalibration table (equal-width bins over [0, 1]) that probability p falls in."""
+    return min(int(p * table.shape[0]), table.shape[0] - 1)
+
+
+@njit(cache=True)
 def _recalibrated(p, table, prior):
     """A predicted probability p mapped through observed acceptance in p's bin (table[b] = accepted, tried),
     with `prior` pseudo-trials at p: the logistic model's conditional acceptance (a logistic curve in these
     features is not exactly right at either end), or the path of tokens drafted past the match length."""
-    b = min(int(p * table.shape[0]), table.shape[0] - 1)
+    b = _bin(p, table)
     return (table[b, 0] + prior * p) / (table[b, 1] + prior)
 
 
@@ -511,7 +517,7 @@ def _truncate_kernel(
     features,
     kept_store,
     model_p,
-    path_store,
+    path_p,
     first_past,
     accepted_rate,
     rate_decay,
@@ -526,7 +532,7 @@ def _truncate_kernel(
     A token drafted past its match length (only with max_spec_factor above 1) shows its path probability
     through `path_recalibration` instead: what paths so predicted turned out to be. The product of conditionals
     overstated those paths, so drafting freedom beyond the match was paid for with waste (`--max-spec-factor 4`
-    in the README's replay figures); the raw path (`path_store`) and where the row's past tokens
+    in the README's replay figures); the raw path (`path_p`) and where the row's past tokens
     start (`first_past`) are kept for the learning step."""
     n, k = predicted.shape
     f = weights.shape[0]
@@ -561,7 +567,7 @@ def _truncate_kernel(
             p = 1.0 / (1.0 + np.exp(-z))
             model_p[s, j] = p
             path *= _recalibrated(p, recalibration, _RECALIBRATION_PRIOR)
-            path_store[s, j] = path
+            path_p[s, j] = path
             # Never above the previous token's: the kept tokens stay a prefix.
             shown = min(shown, _recalibrated(path, path_recalibration, _PATH_PRIOR) if j >= past else path)
             predicted[i, j] = shown
@@ -585,7 +591,7 @@ def _observe_kernel(
     problem_outcomes,
     problem_stamp,
     recalibration,
-    path_store,
+    path_p,
     first_past,
     path_recalibration,
     step,
@@ -615,7 +621,7 @@ def _observe_kernel(
             x = features[s, j]
             p = model_p[s, j]  # what truncate predicted: the weights change only after this kernel
             y = 1.0 if j < a else 0.0
-            b = min(int(p * recalibration.shape[0]), recalibration.shape[0] - 1)
+            b = _bin(p, recalibration)
             recalibration[b, 0] += y
             recalibration[b, 1] += 1.0
             outcome[0] += y
@@ -628,7 +634,7 @@ def _observe_kernel(
                     curvature[c, d] += w * x[c] * x[d]
         for j in range(first_past[s], length):
             # Paths of tokens drafted past the match: was the whole path up to j accepted?
-            b = min(int(path_store[s, j] * path_recalibration.shape[0]), path_recalibration.shape[0] - 1)
+            b = _bin(path_p[s, j], path_recalibration)
             path_recalibration[b, 0] += 1.0 if j < a else 0.0
             path_recalibration[b, 1] += 1.0
         trials += int(outcome[2])
