@@ -1,0 +1,42 @@
+"""Every trace in data/ has its replay JSON in benchmarks/, made from that very trace at the drafting
+defaults: figures are reported on every trace, not only on the ones that flatter."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from history_store.suffix_tree import DraftConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = sorted(p for p in (ROOT / "data").iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
+
+
+def _records(path: Path) -> int:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as lines:
+        return sum(1 for line in lines if line.strip())
+
+
+def test_data_holds_traces() -> None:
+    assert len(TRACES) >= 4
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=lambda p: p.name)
+def test_every_trace_has_its_replay_json(trace: Path) -> None:
+    stem = trace.name.removesuffix(".gz").removesuffix(".jsonl")
+    replay = ROOT / "benchmarks" / f"replay_{stem}.json"
+    assert replay.exists(), (
+        f"{trace.name} has no {replay.relative_to(ROOT)} (das bench replay {trace} --json)"
+    )
+    report = json.loads(replay.read_text())
+    assert report["trace"] == f"data/{trace.name}"
+    assert report["records"] == _records(trace)
+    defaults = DraftConfig()
+    assert report["config"]["max_depth"] == defaults.max_depth
+    assert report["config"]["max_spec_factor"] == defaults.max_spec_factor
+    for cost_model in report["cost_models"].values():
+        assert {"none", "suffix-problem", "das", "oracle"} <= set(cost_model["strategies"])
