@@ -33,7 +33,10 @@ on every call (a tuple's members cost more than plain arguments), and at batch 1
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -55,6 +58,43 @@ I_LEN, I_MATCH, I_SOURCE = 0, 1, 2
 INFO_FIELDS = 3
 # What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
 DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
+
+
+@intrinsic
+def prefetch_row(typingctx, table, row):
+    """Asks the CPU to start loading row `row` of a C-contiguous 2-D table into its caches, and returns at once:
+    LLVM's prefetch, a hint with no effect on any value. Drafting a batch is a chain of dependent loads per row
+    over an arena far larger than the caches; touching the next rows' first cache lines ahead of time lets
+    their misses overlap the current row's work."""
+    if not (isinstance(table, types.Array) and table.ndim == 2 and isinstance(row, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        table_type, row_type = signature.args
+        array = context.make_array(table_type)(context, builder, args[0])
+        index = context.cast(builder, args[1], row_type, types.intp)
+        pointer = cgutils.get_item_pointer2(
+            context,
+            builder,
+            data=array.data,
+            shape=cgutils.unpack_tuple(builder, array.shape),
+            strides=cgutils.unpack_tuple(builder, array.strides),
+            layout=table_type.layout,
+            inds=[index, context.get_constant(types.intp, 0)],
+            wraparound=False,
+        )
+        byte_pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        # The intrinsic's name carries its pointer type: p0 for LLVM's opaque pointers, p0i8 for typed ones.
+        name = "llvm.prefetch.p0" if getattr(byte_pointer, "is_opaque", False) else "llvm.prefetch.p0i8"
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]), name
+        )
+        # Read (0), keep in all cache levels (3), data cache (1).
+        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(table, row), codegen
 
 
 @njit(cache=True)
@@ -457,6 +497,32 @@ def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slot
 
 
 @njit(cache=True)
+def _prefetch_ahead(states, edges, slots, req_slots, r, n_rows):
+    """Prefetches in two stages, so that each load has about a row's work to arrive in: the match states of
+    row r + 2's candidates, and the first edges (best continuation, edge list head) of row r + 1's, whose
+    states the previous row prefetched (a prefetch never faults; the one real load here is bounds-checked).
+    Drafts are unchanged: only when the loads start differs."""
+    if r + 2 < n_rows:
+        s = req_slots[r + 2]
+        for c in range(N_CANDIDATES):
+            if slots[s, R_CAND + c] >= 0:
+                prefetch_row(states, slots[s, R_STATE + c])
+    if r + 1 < n_rows:
+        s = req_slots[r + 1]
+        for c in range(N_CANDIDATES):
+            if slots[s, R_CAND + c] >= 0:
+                state = slots[s, R_STATE + c]
+                if state >= states.shape[0]:
+                    continue  # a match state from before the arena was rebuilt: re-matched when drafted
+                best = states[state, BEST]
+                if best != -1:
+                    prefetch_row(edges, best)
+                head = states[state, EDGE]
+                if head != -1 and head != best:
+                    prefetch_row(edges, head)
+
+
+@njit(cache=True)
 def _draft_rows(
     states,
     edges,
@@ -483,7 +549,9 @@ def _draft_rows(
     tmp_tok = np.empty(k, np.int32)
     tmp_prob = np.empty(k, np.float32)
     tmp_sup = np.empty(k, np.int32)
-    for r in range(req_slots.shape[0]):
+    n_rows = req_slots.shape[0]
+    for r in range(n_rows):
+        _prefetch_ahead(states, edges, slots, req_slots, r, n_rows)
         s = req_slots[r]
         budget = budgets[r]
         q = slots[s, R_SEQ]
