@@ -118,9 +118,18 @@ log.cleaner.dedupe.buffer.size=16777216
 EOF
 }
 
+# A cluster id is 16 random bytes, URL-safe base64. One in 64 begins with "-", which kafka-storage's argument
+# parser reads as an option ("--cluster-id: expected one argument"); Kafka's own Uuid.randomUuid draws again
+# then, and so does this (an id file left by an older version of this script is replaced the same way).
 cluster_id() {
   local group=$1 file="$KDIR/config/$1.cluster-id"
-  [ -f "$file" ] || "$PY" -c 'import base64, uuid; print(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))' >"$file"
+  if [ ! -f "$file" ] || [ "$(head -c1 "$file")" = "-" ]; then
+    "$PY" -c '
+import base64, uuid
+while (id := base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")).startswith("-"):
+    pass
+print(id)' >"$file"
+  fi
   cat "$file"
 }
 
