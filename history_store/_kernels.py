@@ -62,7 +62,7 @@ DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
 
 @intrinsic
 def prefetch_row(typingctx, table, row):
-    """Asks the CPU to start loading row `row` of a C-contiguous 2-D table into its caches, and returns at once:
+    """Asks the CPU to start loading row `row` of a 2-D table into its caches, and returns at once:
     LLVM's prefetch, a hint with no effect on any value. Drafting a batch is a chain of dependent loads per row
     over an arena far larger than the caches; touching the next rows' first cache lines ahead of time lets
     their misses overlap the current row's work."""
@@ -501,7 +501,9 @@ def _prefetch_ahead(states, edges, slots, req_slots, r, n_rows):
     """Prefetches in two stages, so that each load has about a row's work to arrive in: the match states of
     row r + 2's candidates, and the first edges (best continuation, edge list head) of row r + 1's, whose
     states the previous row prefetched (a prefetch never faults; the one real load here is bounds-checked).
-    Drafts are unchanged: only when the loads start differs."""
+    Drafts are unchanged: only when the loads start differs. The live candidate's state is the last step's
+    (it drafts from the end of its own sequence, still in cache from the commit); leaving it out measured
+    the same."""
     if r + 2 < n_rows:
         s = req_slots[r + 2]
         for c in range(N_CANDIDATES):

@@ -118,17 +118,16 @@ log.cleaner.dedupe.buffer.size=16777216
 EOF
 }
 
-# A cluster id is 16 random bytes, URL-safe base64. One in 64 begins with "-", which kafka-storage's argument
-# parser reads as an option ("--cluster-id: expected one argument"); Kafka's own Uuid.randomUuid draws again
-# then, and so does this (an id file left by an older version of this script is replaced the same way).
+# Cluster ids come from Kafka's own generator (`kafka-storage random-uuid`): it never draws one that begins with
+# "-", which kafka-storage's argument parser would read as an option ("--cluster-id: expected one argument").
+# A hand-rolled base64 uuid4 here once did, one fresh checkout in 64; an id file holding one is replaced.
 cluster_id() {
   local group=$1 file="$KDIR/config/$1.cluster-id"
   if [ ! -f "$file" ] || [ "$(head -c1 "$file")" = "-" ]; then
-    "$PY" -c '
-import base64, uuid
-while (id := base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")).startswith("-"):
-    pass
-print(id)' >"$file"
+    java -Xmx64m -cp "$LIB/*" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" \
+      -Dkafka.log.file="$KDIR/logs/$group.cluster-id.log" \
+      kafka.tools.StorageTool random-uuid >"$file.new" 2>"$KDIR/logs/$group.cluster-id.err" &&
+      mv "$file.new" "$file" || die "kafka-storage random-uuid failed (see $KDIR/logs/$group.cluster-id.err)"
   fi
   cat "$file"
 }
