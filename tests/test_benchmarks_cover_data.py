@@ -3,22 +3,16 @@ defaults: figures are reported on every trace, not only on the ones that flatter
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import pytest
 
 from history_store.suffix_tree import DraftConfig
+from workers.bench.replay import load_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = sorted(p for p in (ROOT / "data").iterdir() if p.name.endswith((".jsonl", ".jsonl.gz")))
-
-
-def _records(path: Path) -> int:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as lines:
-        return sum(1 for line in lines if line.strip())
 
 
 def test_data_holds_traces() -> None:
@@ -34,7 +28,7 @@ def test_every_trace_has_its_replay_json(trace: Path) -> None:
     )
     report = json.loads(replay.read_text())
     assert report["trace"] == f"data/{trace.name}"
-    assert report["records"] == _records(trace)
+    assert report["records"] == len(load_traces(trace))
     defaults = DraftConfig()
     assert report["config"]["max_depth"] == defaults.max_depth
     assert report["config"]["max_spec_factor"] == defaults.max_spec_factor
