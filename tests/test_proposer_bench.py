@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from workers.bench import proposer
+import pytest
+
+from workers.bench import proposer, proposer_ab
+from workers.cli import main
 
 TRACE = Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl"
 
@@ -20,3 +24,32 @@ def test_the_proposer_bench_decodes_a_trace_and_splits_the_step_time() -> None:
     assert row["index_step_match_and_draft_best_us_per_request"] > 0
     assert row["allocated_bytes_per_step_peak"] > 0
     assert row["repeats"] == 2 and len(row["step_median_us_per_request_all_runs"]) == 2
+
+
+def test_paired_ratios_compare_each_round_with_its_partner() -> None:
+    pair = proposer_ab.paired([2.0, 3.0, 6.0], [4.0, 3.0, 3.0])
+    assert pair["ratio_per_round"] == [0.5, 1.0, 2.0]
+    assert pair["ratio_median"] == 1.0 and pair["ratio_min"] == 0.5 and pair["ratio_max"] == 2.0
+    assert pair["this_checkout_median"] == 3.0 and pair["against_median"] == 3.0
+
+
+@pytest.mark.skipif(not (proposer_ab.REPO / ".git").exists(), reason="needs the git checkout's history")
+def test_against_a_revision_runs_both_trees_interleaved(capsys: pytest.CaptureFixture[str]) -> None:
+    # HEAD exported with git archive against the working tree: both sides run the real bench in their own
+    # process (the export compiles its kernels once, about 45 s here).
+    argv = ["bench", "proposer", str(TRACE), "--against", "HEAD", "--rounds", "2", "--steps", "5"]
+    assert main([*argv, "--warmup", "1", "--batches", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["against"]["commit"]) == 40 and result["rounds"] == 2
+    [row] = result["batches"]
+    assert row["batch"] == 2
+    for figure in proposer_ab.FIGURES:
+        pair = row[figure]
+        assert len(pair["this_checkout"]) == len(pair["against"]) == len(pair["ratio_per_round"]) == 2
+        assert all(x > 0 for x in pair["this_checkout"] + pair["against"])
+
+
+def test_an_unknown_revision_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "proposer", str(TRACE), "--against", "no-such-revision-xyz"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no-such-revision-xyz" in err

@@ -26,6 +26,14 @@ def register(cli) -> None:
     parser.add_argument(
         "--batches", type=_batch_sizes, default=(1, 64, 256), help="comma-separated batch sizes (1,64,256)"
     )
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="compare this checkout (uncommitted changes included) with git revision REV, runs interleaved",
+    )
+    parser.add_argument(
+        "--rounds", type=POSITIVE, default=5, help="with --against: runs of each side per batch size"
+    )
 
 
 def _batch_sizes(raw: str) -> tuple[int, ...]:
@@ -39,6 +47,8 @@ def _batch_sizes(raw: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.against is not None:
+        return _run_against(args)
     from workers.bench import proposer
 
     result = proposer.run(
@@ -50,4 +60,30 @@ def run(args: argparse.Namespace) -> int:
         for row in result["batches"]:
             print(" ".join(f"{key}={value}" for key, value in row.items()))
         print(f"load average (1 min) before/after: {result['load_average_1m']}")
+    return 0
+
+
+def _run_against(args: argparse.Namespace) -> int:
+    from workers.bench import proposer_ab
+
+    result = proposer_ab.run(
+        args.trace,
+        args.against,
+        rounds=args.rounds,
+        k=args.k,
+        steps=args.steps,
+        warmup=args.warmup,
+        batches=args.batches,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"this checkout against {args.against} ({result['against']['commit'][:12]}), {args.rounds} rounds:")
+    for row in result["batches"]:
+        for figure in proposer_ab.FIGURES:
+            p = row[figure]
+            print(
+                f"batch {row['batch']} {figure}: {p['this_checkout_median']} vs {p['against_median']} us, "
+                f"ratio median {p['ratio_median']} (rounds {p['ratio_min']}-{p['ratio_max']})"
+            )
     return 0
