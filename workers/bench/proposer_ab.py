@@ -123,6 +123,7 @@ def run(
         "k": k,
         "steps": steps,
         "batches": [
-            {"batch": b, **{f: paired(v["ours"], v["theirs"]) for f, v in figures[b].items()}} for b in batches
+            {"batch": b, **{f: paired(v["ours"], v["theirs"]) for f, v in figures[b].items()}}
+            for b in batches
         ],
     }
