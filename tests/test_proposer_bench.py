@@ -31,6 +31,7 @@ def test_paired_ratios_compare_each_round_with_its_partner() -> None:
     assert pair["ratio_per_round"] == [0.5, 1.0, 2.0]
     assert pair["ratio_median"] == 1.0 and pair["ratio_min"] == 0.5 and pair["ratio_max"] == 2.0
     assert pair["this_checkout_median"] == 3.0 and pair["against_median"] == 3.0
+    assert pair["ratio_of_best"] == 0.6667  # best rounds 2.0 against 3.0, rounded to four places
 
 
 @pytest.mark.skipif(not (proposer_ab.REPO / ".git").exists(), reason="needs the git checkout's history")

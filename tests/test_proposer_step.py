@@ -23,7 +23,8 @@ from workers import proposer as proposer_module
 from workers.bench.proposer import _build, _engine_for
 from workers.bench.replay import load_traces
 from workers.proposer import DasProposer
-from workers.step_kernels import _FIELDS
+from workers.step_kernels import _FIELDS, DirectCall
+from workers.step_kernels import decode_step as _decode_step_dispatcher
 
 K = 8
 MAX_LEN = 4096
@@ -296,3 +297,34 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
     assert sum(len(d) for drafts in reused_drafts for d in drafts) > 1000, "the workload must draft"
     for i, (a, b) in enumerate(zip(repacked, reused_drafts, strict=True)):
         assert a == b, f"step {i} drafted differently with reused tables"
+
+
+def test_the_step_kernel_called_past_numbas_dispatcher_drafts_exactly_as_through_it(monkeypatch) -> None:
+    """`DirectCall` reuses the compiled entry point while the tables keep their type: the proposer must draft
+    exactly as through numba's dispatcher, and token counts of another dtype (int64, or vLLM's int32 in a
+    strided view) must be normalized on entry, not read by an entry point compiled for contiguous int32."""
+    records = load_traces(Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl")
+    max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + K + 2
+
+    def run(kernel: object, counts_of=lambda c: c) -> list[list[list[int]]]:  # noqa: ANN001
+        monkeypatch.setattr(proposer_module, "decode_step", kernel)
+        proposer, live, history, last = _build(records, K, max_len)
+        engine = _engine_for(proposer, live, history, last, 24, max_len)
+        steps = []
+        for _ in range(150):
+            counts = counts_of(engine.num_tokens)
+            drafts = proposer.step(engine.req_ids(), counts, engine.token_ids, engine.requests)
+            steps.append(drafts)
+            engine.verify(drafts)
+        assert proposer.stats()["errors"] == 0
+        return steps
+
+    direct = DirectCall(_decode_step_dispatcher)
+    through_dispatcher = run(_decode_step_dispatcher)
+    assert sum(len(d) for drafts in through_dispatcher for d in drafts) > 200, "the workload must draft"
+    assert run(direct) == through_dispatcher
+    assert direct.direct_calls >= 140, "repacked tables of the same type keep the fast path"
+    calls = direct.direct_calls
+    assert run(direct, lambda c: c.astype(np.int64)) == through_dispatcher
+    assert run(direct, lambda c: np.repeat(c, 2)[::2]) == through_dispatcher
+    assert direct.direct_calls - calls >= 280, "normalized counts keep the fast path"

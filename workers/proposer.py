@@ -61,7 +61,13 @@ from history_store.problem_index import ProblemIndex
 from history_store.suffix_tree import DraftConfig
 from workers.budget import BudgetConfig, BudgetPolicy
 from workers.step_book import END, MetricsFlush, StepBook
-from workers.step_kernels import StepTables, decode_step, draft_step, pack_tables
+from workers.step_kernels import DirectCall, StepTables, pack_tables
+from workers.step_kernels import decode_step as _decode_step_dispatcher
+from workers.step_kernels import draft_step as _draft_step_dispatcher
+
+# The step's kernels, called past numba's dispatcher while the tables keep their type (`DirectCall`).
+decode_step = DirectCall(_decode_step_dispatcher)
+draft_step = DirectCall(_draft_step_dispatcher)
 
 logger = logging.getLogger(__name__)
 
@@ -447,6 +453,13 @@ class DasProposer:
                 key = req_ids[i]
                 slots[i] = self._start(key, requests[key], token_ids[i])
             joined = True
+        if (
+            type(num_tokens) is not np.ndarray
+            or num_tokens.dtype != np.int32
+            or not num_tokens.flags.c_contiguous
+        ):
+            # The step kernel is called past numba's dispatcher (`DirectCall`): its argument types must stay.
+            num_tokens = np.ascontiguousarray(num_tokens, np.int32)
         if self._replica is not None and started >= self._next_catch_up:
             self.catch_up()
         # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).

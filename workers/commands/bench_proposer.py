@@ -84,6 +84,7 @@ def _run_against(args: argparse.Namespace) -> int:
             p = row[figure]
             print(
                 f"batch {row['batch']} {figure}: {p['this_checkout_median']} vs {p['against_median']} us, "
-                f"ratio median {p['ratio_median']} (rounds {p['ratio_min']}-{p['ratio_max']})"
+                f"ratio median {p['ratio_median']} (rounds {p['ratio_min']}-{p['ratio_max']}), "
+                f"of the best rounds {p['ratio_of_best']}"
             )
     return 0
