@@ -319,12 +319,22 @@ def test_the_step_kernel_called_past_numbas_dispatcher_drafts_exactly_as_through
         assert proposer.stats()["errors"] == 0
         return steps
 
-    direct = DirectCall(_decode_step_dispatcher)
+    class CountingDispatcher:  # numba's dispatcher, counting the calls that went through it
+        calls = 0
+
+        def __call__(self, *args: object) -> object:
+            self.calls += 1
+            return _decode_step_dispatcher(*args)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(_decode_step_dispatcher, name)
+
+    dispatcher = CountingDispatcher()
+    direct = DirectCall(dispatcher)
     through_dispatcher = run(_decode_step_dispatcher)
     assert sum(len(d) for drafts in through_dispatcher for d in drafts) > 200, "the workload must draft"
     assert run(direct) == through_dispatcher
-    assert direct.direct_calls >= 140, "repacked tables of the same type keep the fast path"
-    calls = direct.direct_calls
+    assert dispatcher.calls <= 2, "repacked tables of the same type keep the fast path"
     assert run(direct, lambda c: c.astype(np.int64)) == through_dispatcher
     assert run(direct, lambda c: np.repeat(c, 2)[::2]) == through_dispatcher
-    assert direct.direct_calls - calls >= 280, "normalized counts keep the fast path"
+    assert dispatcher.calls <= 2, "normalized counts keep the fast path"

@@ -14,6 +14,7 @@ included, which is the point: measure a change before committing it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -44,11 +45,8 @@ def export_revision(revision: str, into: Path) -> str:
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", "--format=tar", commit], capture_output=True, check=True
     ).stdout
-    with tempfile.TemporaryFile() as tar_file:
-        tar_file.write(archive)
-        tar_file.seek(0)
-        with tarfile.open(fileobj=tar_file) as tar:
-            tar.extractall(into, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
     return commit
 
 
@@ -100,14 +98,15 @@ def run(
     trace = Path(trace).resolve()
     if not trace.is_file():
         raise ValueError(f"no trace file at {trace}")
-    common = ["--k", str(k), "--steps", str(steps), "--warmup", str(warmup), "--repeats", "1"]
+    common = [str(trace), "--k", str(k), "--repeats", "1"]
+    timed = [*common, "--steps", str(steps), "--warmup", str(warmup)]
     with tempfile.TemporaryDirectory(prefix="das-against-") as folder:
         theirs_tree = Path(folder)
         commit = export_revision(against, theirs_tree)
         sides = {"ours": REPO, "theirs": theirs_tree}
         # One untimed run per side first: numba compiles (and caches) each tree's kernels on its first run.
         for tree in sides.values():
-            _run_side(tree, [str(trace), *common, "--batches", "1", "--steps", "5", "--warmup", "1"])
+            _run_side(tree, [*common, "--batches", "1", "--steps", "5", "--warmup", "1"])
         figures: dict[int, dict[str, dict[str, list[float]]]] = {
             b: {f: {"ours": [], "theirs": []} for f in FIGURES} for b in batches
         }
@@ -115,7 +114,7 @@ def run(
             order = ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")
             for b in batches:
                 for side in order:
-                    row = _run_side(sides[side], [str(trace), *common, "--batches", str(b)])["batches"][0]
+                    row = _run_side(sides[side], [*timed, "--batches", str(b)])["batches"][0]
                     for f in FIGURES:
                         figures[b][f][side].append(row[f])
     return {

@@ -29,7 +29,8 @@ def register(cli) -> None:
     parser.add_argument(
         "--against",
         metavar="REV",
-        help="compare this checkout (uncommitted changes included) with git revision REV, runs interleaved",
+        help="compare this checkout (uncommitted changes included) with git revision REV in interleaved runs "
+        "of one repeat each (--repeats is not used)",
     )
     parser.add_argument(
         "--rounds", type=POSITIVE, default=5, help="with --against: runs of each side per batch size"
