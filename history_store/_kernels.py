@@ -34,9 +34,14 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from history_store.draft_threads import prefer_fork_safe_layer
+
+# Before any parallel kernel compiles (see draft_threads): GNU OpenMP would abort vLLM's forked workers.
+prefer_fork_safe_layer()
 
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -58,6 +63,8 @@ I_LEN, I_MATCH, I_SOURCE = 0, 1, 2
 INFO_FIELDS = 3
 # What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
 DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
+# Below this many rows a step drafts on one thread: waking a second costs about what it saves.
+PARALLEL_MIN_ROWS = 64
 
 
 @intrinsic
@@ -525,7 +532,7 @@ def _prefetch_ahead(states, edges, slots, req_slots, r, n_rows):
 
 
 @njit(cache=True)
-def _draft_rows(
+def _draft_range(
     states,
     edges,
     hashes,
@@ -535,6 +542,8 @@ def _draft_rows(
     slots,
     req_slots,
     budgets,
+    lo,
+    hi,
     max_depth,
     spec_factor,
     spec_offset,
@@ -547,13 +556,14 @@ def _draft_rows(
     out_info,
     out_score,
 ):
+    """Advances the matches of rows lo..hi-1 and keeps each row's best draft. Reads the arena and writes only
+    the rows' own slots and outputs, so disjoint ranges may run on different threads."""
     k = out_tok.shape[1]
     tmp_tok = np.empty(k, np.int32)
     tmp_prob = np.empty(k, np.float32)
     tmp_sup = np.empty(k, np.int32)
-    n_rows = req_slots.shape[0]
-    for r in range(n_rows):
-        _prefetch_ahead(states, edges, slots, req_slots, r, n_rows)
+    for r in range(lo, hi):
+        _prefetch_ahead(states, edges, slots, req_slots, r, hi)
         s = req_slots[r]
         budget = budgets[r]
         q = slots[s, R_SEQ]
@@ -631,6 +641,136 @@ def _draft_rows(
 
 
 @njit(cache=True)
+def _draft_rows(
+    states,
+    edges,
+    hashes,
+    trees,
+    seqs,
+    pool,
+    slots,
+    req_slots,
+    budgets,
+    max_depth,
+    spec_factor,
+    spec_offset,
+    min_prob,
+    escape,
+    all_matches,
+    out_tok,
+    out_prob,
+    out_sup,
+    out_info,
+    out_score,
+    threads,
+):
+    """Drafts every row: on `threads` threads, each a contiguous block of rows, when the batch is large
+    enough to pay for the launch (`PARALLEL_MIN_ROWS`), else on this one. The drafts are the same either way."""
+    n_rows = req_slots.shape[0]
+    if threads > 1 and n_rows >= PARALLEL_MIN_ROWS:
+        _draft_blocks(
+            states,
+            edges,
+            hashes,
+            trees,
+            seqs,
+            pool,
+            slots,
+            req_slots,
+            budgets,
+            max_depth,
+            spec_factor,
+            spec_offset,
+            min_prob,
+            escape,
+            all_matches,
+            out_tok,
+            out_prob,
+            out_sup,
+            out_info,
+            out_score,
+            threads,
+        )
+        return
+    _draft_range(
+        states,
+        edges,
+        hashes,
+        trees,
+        seqs,
+        pool,
+        slots,
+        req_slots,
+        budgets,
+        0,
+        n_rows,
+        max_depth,
+        spec_factor,
+        spec_offset,
+        min_prob,
+        escape,
+        all_matches,
+        out_tok,
+        out_prob,
+        out_sup,
+        out_info,
+        out_score,
+    )
+
+
+@njit(cache=True, parallel=True)
+def _draft_blocks(
+    states,
+    edges,
+    hashes,
+    trees,
+    seqs,
+    pool,
+    slots,
+    req_slots,
+    budgets,
+    max_depth,
+    spec_factor,
+    spec_offset,
+    min_prob,
+    escape,
+    all_matches,
+    out_tok,
+    out_prob,
+    out_sup,
+    out_info,
+    out_score,
+    blocks,
+):
+    n_rows = req_slots.shape[0]
+    for b in prange(blocks):
+        _draft_range(
+            states,
+            edges,
+            hashes,
+            trees,
+            seqs,
+            pool,
+            slots,
+            req_slots,
+            budgets,
+            b * n_rows // blocks,
+            (b + 1) * n_rows // blocks,
+            max_depth,
+            spec_factor,
+            spec_offset,
+            min_prob,
+            escape,
+            all_matches,
+            out_tok,
+            out_prob,
+            out_sup,
+            out_info,
+            out_score,
+        )
+
+
+@njit(cache=True)
 def step_rows(
     states,
     edges,
@@ -658,6 +798,7 @@ def step_rows(
     out_sup,
     out_info,
     out_score,
+    threads,
 ):
     """A decode step for a whole batch in one call: commits every row's new tokens (resuming at `row`), then,
     with `draft`, advances every row's match in each candidate tree and keeps its best-scoring draft.
@@ -667,7 +808,8 @@ def step_rows(
     advances over the tokens committed since the last draft; a candidate whose tree version changed
     re-matches from the last `max_depth` tokens. The best draft over all candidates and match lengths wins
     (earlier candidates and longer matches win ties); out_info[r] holds its length, match length and
-    source (candidate + 1; 0: none), out_sup the count behind each draft token.
+    source (candidate + 1; 0: none), out_sup the count behind each draft token. Drafting uses up to `threads`
+    threads (`_draft_rows`); committing always runs on one, since rows of a problem share its live tree.
     Returns (row reached, status): anything but DONE means the caller must grow and call again.
     """
     row, status = _commit_rows(
@@ -696,5 +838,6 @@ def step_rows(
         out_sup,
         out_info,
         out_score,
+        threads,
     )
     return row, DONE

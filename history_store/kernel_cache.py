@@ -23,6 +23,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 # Every module with `@njit(cache=True)` kernels; a test checks the list is complete.
 KERNEL_SOURCES = (
     "history_store/_kernels.py",
+    "history_store/draft_threads.py",
     "workers/budget.py",
     "workers/step_book.py",
     "workers/step_kernels.py",

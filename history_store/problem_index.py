@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from history_store import _kernels as K
+from history_store.draft_threads import usable_draft_threads
 from history_store.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
 
 SOURCE_NONE, SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL = 0, 1, 2, 3
@@ -125,11 +126,15 @@ class ProblemIndex:
         use_history: bool = True,
         use_global: bool = True,
         live_scope: str = "problem",
+        draft_threads: int = 1,
     ) -> None:
+        """draft_threads: threads a step's drafting may use, as granted by `usable_draft_threads` (the drafts
+        are the same on any number)."""
         if window_epochs < 1:
             raise ValueError(f"window_epochs must be >= 1, got {window_epochs}")
         self.window_epochs = window_epochs
         self.config = config or DraftConfig()
+        self.draft_threads = usable_draft_threads(draft_threads)
         self.global_tokens = global_tokens
         if live_scope not in ("problem", "request", "all"):
             raise ValueError(f"live_scope must be 'problem', 'request' or 'all', got {live_scope!r}")
@@ -505,6 +510,7 @@ class ProblemIndex:
                 out_sup,
                 out_info,
                 out_score,
+                self.draft_threads,
             )
             if status == K.DONE:
                 return drafts

@@ -47,7 +47,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from history_store._kernels import DONE
+from history_store.draft_threads import default_draft_threads
 from history_store.indexed import follow, load_index
 from history_store.problem_index import ProblemIndex
 from history_store.suffix_tree import DraftConfig
@@ -87,6 +88,15 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from exc
 
 
+def _env_threads(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default_draft_threads()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r} is not a positive whole number")
+    return int(raw)
+
+
 @dataclass(frozen=True)
 class ProposerSettings:
     """Proposer configuration. Worker processes are spawned by vLLM, so it comes from the environment.
@@ -107,6 +117,8 @@ class ProposerSettings:
     # Secondary catch-up costs a RocksDB manifest read (~1 ms): a few per second keep history fresher than the
     # one-second freshness target without taxing every step.
     catch_up_interval_s: float = 0.2
+    # Threads drafting a large batch may use (`history_store.draft_threads`); the drafts do not depend on it.
+    draft_threads: int = field(default_factory=default_draft_threads)
 
     @classmethod
     def from_env(cls) -> ProposerSettings:
@@ -125,6 +137,7 @@ class ProposerSettings:
             max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", 0.0),
             history_dir=os.environ.get("DAS_HISTORY_DIR") or None,
             catch_up_interval_s=_env_float("DAS_CATCH_UP_INTERVAL_S", 0.2),
+            draft_threads=_env_threads("DAS_DRAFT_THREADS"),
         )
 
 
@@ -218,7 +231,11 @@ class DasProposer:
             max_spec_offset=self.settings.max_spec_offset,
             min_token_prob=self.settings.min_token_prob,
         )
-        self.index = ProblemIndex(window_epochs=self.settings.window_epochs, config=self.draft_config)
+        self.index = ProblemIndex(
+            window_epochs=self.settings.window_epochs,
+            config=self.draft_config,
+            draft_threads=self.settings.draft_threads,
+        )
         self.runner: Any = None
         # Where step times come from: the verifier's step is the interval from one return to the next call.
         # A benchmark outside vLLM sets the clock of the engine it models.
@@ -490,7 +507,7 @@ class DasProposer:
                 index.forest.tables(),
                 index.slots,
                 outputs,
-                self.draft_config.kernel_args(),
+                (*self.draft_config.kernel_args(), index.draft_threads),
                 (
                     book.drafted_at,
                     book.length,

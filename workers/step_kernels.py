@@ -73,6 +73,7 @@ _FIELDS = (
     ("min_prob", types.float64),
     ("escape", types.float64),
     ("all_matches", types.boolean),
+    ("draft_threads", types.int64),  # ProblemIndex.draft_threads
     # the step book
     ("drafted_at", _I1),
     ("length", _I1),
@@ -162,7 +163,9 @@ def pack_tables(
     t.states, t.edges, t.hashes, t.meta, t.trees, t.seqs, t.pool = forest
     t.slot_table = slot_table
     t.out_tok, t.out_prob, t.out_sup, t.out_info, t.out_score = outputs
-    t.max_depth, t.spec_factor, t.spec_offset, t.min_prob, t.escape, t.all_matches = draft_args
+    (t.max_depth, t.spec_factor, t.spec_offset, t.min_prob, t.escape, t.all_matches, t.draft_threads) = (
+        draft_args
+    )
     (
         t.drafted_at,
         t.length,
@@ -363,6 +366,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
         t.out_sup,
         out_info,
         t.out_score,
+        t.draft_threads,
     )
     if status != K.DONE:
         return status, row, promoted, 0
