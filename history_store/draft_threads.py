@@ -7,7 +7,9 @@ on this 2-vCPU machine, two threads cut the drafting pass by about a third). Onl
   forks its engine processes (`VLLM_WORKER_MULTIPROC_METHOD=fork` is its default where CUDA is not yet up);
 - the workqueue layer wakes its threads through the kernel on every launch, which here cost more than the
   threads saved (measured: batch 256, drafting pass 3.6 -> 3.9 us per request with two threads).
-TBB is thread- and fork-safe and keeps its workers spinning briefly between launches. pip's `tbb` wheel puts
+TBB is thread- and fork-safe and keeps its workers spinning briefly between launches. Drafting stays on one
+thread unless asked (`DAS_DRAFT_THREADS`): threads were measured to help on an idle 2-vCPU machine, and to
+hurt beside the busy OpenMP threads of vLLM's CPU engine (`usable_draft_threads`); a GPU node is unmeasured. pip's `tbb` wheel puts
 libtbb in the environment's lib folder, where numba's TBB pool does not look: it is loaded here first, by path,
 so the pool finds it already in the process.
 """
@@ -60,10 +62,27 @@ def _probe(values: np.ndarray) -> float:
 
 
 def usable_draft_threads(requested: int) -> int:
-    """How many threads drafting may use: `requested` (capped at numba's pool) when numba's layer is TBB,
-    else 1 with one warning line saying why."""
+    """How many threads drafting may use: `requested`, capped at the CPUs this process may run on and numba's
+    pool, when numba's layer is TBB; else 1. Says in one line why it grants fewer than requested.
+
+    The cap comes first, and one thread never starts TBB: more threads than CPUs is far worse than one (a
+    waiting thread spins on the CPU the one it waits for needs: two threads in vLLM's CPU engine, which binds
+    its worker to one CPU, took 150 ms a step instead of 0.6), and merely starting TBB's pool beside the CPU
+    engine's busy OpenMP threads made a later single-threaded epoch spend 19 s drafting instead of 0.03."""
     global _checked
     if requested <= 1:
+        return 1
+    cpus = _cpus()
+    granted = min(requested, numba.config.NUMBA_NUM_THREADS, cpus)
+    if granted < requested:
+        logger.warning(
+            "drafting on %d thread(s), not %d: this process may run on %d CPU(s) and numba's pool has %d",
+            granted,
+            requested,
+            cpus,
+            numba.config.NUMBA_NUM_THREADS,
+        )
+    if granted <= 1:
         return 1
     if _checked is None:
         try:
@@ -76,15 +95,11 @@ def usable_draft_threads(requested: int) -> int:
             logger.warning(
                 "drafting on one thread, not %d: numba's threading layer is %s, and only TBB is both fast "
                 "and fork-safe here (pip install tbb)",
-                requested,
+                granted,
                 layer,
             )
-    return min(requested, numba.config.NUMBA_NUM_THREADS) if _checked else 1
+    return granted if _checked else 1
 
 
-def default_draft_threads() -> int:
-    """One thread per eight CPUs this process may run on, between 1 and 4: drafting needs a few threads to
-    overlap its misses, and a GPU node's CPUs are shared by its workers (one per GPU), the engine's own
-    threads and the trainer."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4, cpus // 8))
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -12,7 +12,7 @@ import numba
 import pytest
 
 from history_store import _kernels as K
-from history_store.draft_threads import default_draft_threads, usable_draft_threads
+from history_store.draft_threads import usable_draft_threads
 from workers.bench.proposer import _build, _engine_for
 from workers.bench.replay import load_traces
 from workers.proposer import ProposerSettings
@@ -73,8 +73,15 @@ def test_the_thread_setting_parses_or_names_the_variable(monkeypatch) -> None:
     monkeypatch.setenv("DAS_DRAFT_THREADS", "3")
     assert ProposerSettings.from_env().draft_threads == 3
     monkeypatch.delenv("DAS_DRAFT_THREADS")
-    assert ProposerSettings.from_env().draft_threads == default_draft_threads() >= 1
+    assert ProposerSettings.from_env().draft_threads == 1
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("DAS_DRAFT_THREADS", bad)
         with pytest.raises(ValueError, match="DAS_DRAFT_THREADS"):
             ProposerSettings.from_env()
+
+
+def test_no_more_threads_than_cpus_the_process_may_run_on(monkeypatch, caplog) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    with caplog.at_level("WARNING", logger="history_store.draft_threads"):
+        assert usable_draft_threads(4) == 1
+    assert "drafting on 1 thread(s), not 4: this process may run on 1 CPU(s)" in caplog.text

@@ -47,7 +47,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,7 +56,6 @@ from typing import Any
 import numpy as np
 
 from history_store._kernels import DONE
-from history_store.draft_threads import default_draft_threads
 from history_store.indexed import follow, load_index
 from history_store.problem_index import ProblemIndex
 from history_store.suffix_tree import DraftConfig
@@ -89,9 +88,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 def _env_threads(name: str) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default_draft_threads()
+    raw = os.environ.get(name, "1")
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{name}={raw!r} is not a positive whole number")
     return int(raw)
@@ -117,8 +114,9 @@ class ProposerSettings:
     # Secondary catch-up costs a RocksDB manifest read (~1 ms): a few per second keep history fresher than the
     # one-second freshness target without taxing every step.
     catch_up_interval_s: float = 0.2
-    # Threads drafting a large batch may use (`history_store.draft_threads`); the drafts do not depend on it.
-    draft_threads: int = field(default_factory=default_draft_threads)
+    # Threads drafting a batch of 64 rows or more may use (`history_store.draft_threads`); the drafts do not
+    # depend on it. One unless asked: more helped only on a machine measured here, and hurt in vLLM's CPU engine.
+    draft_threads: int = 1
 
     @classmethod
     def from_env(cls) -> ProposerSettings:
@@ -316,6 +314,7 @@ class DasProposer:
         out["malformed_requests"] = self._malformed
         out["live_requests"] = len(self._live)
         out["budget_enabled"] = self.settings.budget
+        out["draft_threads"] = self.index.draft_threads
         out["drafting_rank"] = self.drafting
         out["policy"] = self.policy.snapshot()
         out["history_problems"] = len(self.index.problem_ids())
