@@ -67,8 +67,8 @@ def usable_draft_threads(requested: int) -> int:
 
     The cap comes first, and one thread never starts TBB: more threads than CPUs is far worse than one (a
     waiting thread spins on the CPU the one it waits for needs: two threads in vLLM's CPU engine, which binds
-    its worker to one CPU, took 150 ms a step instead of 0.6), and merely starting TBB's pool beside the CPU
-    engine's busy OpenMP threads made a later single-threaded epoch spend 19 s drafting instead of 0.03."""
+    its worker to one CPU, took 150 ms a step instead of 0.6), and even a pool started there and left unused
+    (two workers on that one CPU) made a later single-threaded epoch spend 19 s drafting instead of 0.03."""
     global _checked
     if requested <= 1:
         return 1
