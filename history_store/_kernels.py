@@ -640,84 +640,6 @@ def _draft_range(
         slots[s, R_MATCHED] = end - off
 
 
-@njit(cache=True)
-def _draft_rows(
-    states,
-    edges,
-    hashes,
-    trees,
-    seqs,
-    pool,
-    slots,
-    req_slots,
-    budgets,
-    max_depth,
-    spec_factor,
-    spec_offset,
-    min_prob,
-    escape,
-    all_matches,
-    out_tok,
-    out_prob,
-    out_sup,
-    out_info,
-    out_score,
-    threads,
-):
-    """Drafts every row: on `threads` threads, each a contiguous block of rows, when the batch is large
-    enough to pay for the launch (`PARALLEL_MIN_ROWS`), else on this one. The drafts are the same either way."""
-    n_rows = req_slots.shape[0]
-    if threads > 1 and n_rows >= PARALLEL_MIN_ROWS:
-        _draft_blocks(
-            states,
-            edges,
-            hashes,
-            trees,
-            seqs,
-            pool,
-            slots,
-            req_slots,
-            budgets,
-            max_depth,
-            spec_factor,
-            spec_offset,
-            min_prob,
-            escape,
-            all_matches,
-            out_tok,
-            out_prob,
-            out_sup,
-            out_info,
-            out_score,
-            threads,
-        )
-        return
-    _draft_range(
-        states,
-        edges,
-        hashes,
-        trees,
-        seqs,
-        pool,
-        slots,
-        req_slots,
-        budgets,
-        0,
-        n_rows,
-        max_depth,
-        spec_factor,
-        spec_offset,
-        min_prob,
-        escape,
-        all_matches,
-        out_tok,
-        out_prob,
-        out_sup,
-        out_info,
-        out_score,
-    )
-
-
 @njit(cache=True, parallel=True)
 def _draft_blocks(
     states,
@@ -742,6 +664,7 @@ def _draft_blocks(
     out_score,
     blocks,
 ):
+    """`_draft_range` over `blocks` contiguous blocks of rows, one per thread."""
     n_rows = req_slots.shape[0]
     for b in prange(blocks):
         _draft_range(
@@ -808,8 +731,9 @@ def step_rows(
     advances over the tokens committed since the last draft; a candidate whose tree version changed
     re-matches from the last `max_depth` tokens. The best draft over all candidates and match lengths wins
     (earlier candidates and longer matches win ties); out_info[r] holds its length, match length and
-    source (candidate + 1; 0: none), out_sup the count behind each draft token. Drafting uses up to `threads`
-    threads (`_draft_rows`); committing always runs on one, since rows of a problem share its live tree.
+    source (candidate + 1; 0: none), out_sup the count behind each draft token. Drafting a batch of at least
+    PARALLEL_MIN_ROWS rows uses `threads` threads (the drafts are the same); committing always runs on one,
+    since rows of a problem share its live tree and all trees share the arena.
     Returns (row reached, status): anything but DONE means the caller must grow and call again.
     """
     row, status = _commit_rows(
@@ -817,27 +741,56 @@ def step_rows(
     )
     if status != DONE or not draft:
         return row, status
-    _draft_rows(
-        states,
-        edges,
-        hashes,
-        trees,
-        seqs,
-        pool,
-        slots,
-        req_slots,
-        budgets,
-        max_depth,
-        spec_factor,
-        spec_offset,
-        min_prob,
-        escape,
-        all_matches,
-        out_tok,
-        out_prob,
-        out_sup,
-        out_info,
-        out_score,
-        threads,
-    )
+    n_rows = req_slots.shape[0]
+    # Threads only where a batch pays for waking them; a single thread never runs parallel work, so TBB's
+    # workers never start.
+    if threads > 1 and n_rows >= PARALLEL_MIN_ROWS:
+        _draft_blocks(
+            states,
+            edges,
+            hashes,
+            trees,
+            seqs,
+            pool,
+            slots,
+            req_slots,
+            budgets,
+            max_depth,
+            spec_factor,
+            spec_offset,
+            min_prob,
+            escape,
+            all_matches,
+            out_tok,
+            out_prob,
+            out_sup,
+            out_info,
+            out_score,
+            threads,
+        )
+    else:
+        _draft_range(
+            states,
+            edges,
+            hashes,
+            trees,
+            seqs,
+            pool,
+            slots,
+            req_slots,
+            budgets,
+            0,
+            n_rows,
+            max_depth,
+            spec_factor,
+            spec_offset,
+            min_prob,
+            escape,
+            all_matches,
+            out_tok,
+            out_prob,
+            out_sup,
+            out_info,
+            out_score,
+        )
     return row, DONE

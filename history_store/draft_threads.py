@@ -28,7 +28,7 @@ from numba import njit, prange
 logger = logging.getLogger(__name__)
 
 _LAYER_ENV = "NUMBA_THREADING_LAYER"
-_checked: bool | None = None  # None: not yet probed; then whether TBB runs this process's parallel work
+_tbb_runs: bool | None = None  # whether TBB runs this process's parallel work; None: not probed yet
 
 
 def prefer_fork_safe_layer() -> None:
@@ -65,11 +65,13 @@ def usable_draft_threads(requested: int) -> int:
     """How many threads drafting may use: `requested`, capped at the CPUs this process may run on and numba's
     pool, when numba's layer is TBB; else 1. Says in one line why it grants fewer than requested.
 
-    The cap comes first, and one thread never starts TBB: more threads than CPUs is far worse than one (a
-    waiting thread spins on the CPU the one it waits for needs: two threads in vLLM's CPU engine, which binds
-    its worker to one CPU, took 150 ms a step instead of 0.6), and even a pool started there and left unused
-    (two workers on that one CPU) made a later single-threaded epoch spend 19 s drafting instead of 0.03."""
-    global _checked
+    The cap comes first, and the probe (parallel work, which starts TBB's workers) runs only for a grant above
+    one: more threads than CPUs is far worse than one (a waiting thread spins on the CPU the one it waits for
+    needs: two threads in vLLM's CPU engine, which binds its worker to one CPU, took 150 ms a step instead of
+    0.6), and even workers a probe had started there and then left idle (two on that one CPU) made a later
+    single-threaded epoch spend 19 s drafting instead of 0.03. numba loads the layer itself whenever the step
+    kernels compile, whatever the grant; that starts no workers."""
+    global _tbb_runs
     if requested <= 1:
         return 1
     cpus = _cpus()
@@ -84,21 +86,21 @@ def usable_draft_threads(requested: int) -> int:
         )
     if granted <= 1:
         return 1
-    if _checked is None:
+    if _tbb_runs is None:
         try:
             _probe(np.ones(8))
             layer = numba.threading_layer()
         except Exception as exc:  # numba raises ValueError when no layer loads; report whatever it was
             layer = f"none ({exc})"
-        _checked = layer == "tbb"
-        if not _checked:
+        _tbb_runs = layer == "tbb"
+        if not _tbb_runs:
             logger.warning(
                 "drafting on one thread, not %d: numba's threading layer is %s, and only TBB is both fast "
                 "and fork-safe here (pip install tbb)",
                 granted,
                 layer,
             )
-    return granted if _checked else 1
+    return granted if _tbb_runs else 1
 
 
 def _cpus() -> int:

@@ -5,8 +5,10 @@ drafts on threads too (GNU OpenMP would abort it: vLLM forks its engine processe
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue as queue_module
 from pathlib import Path
+from unittest import mock
 
 import numba
 import pytest
@@ -24,9 +26,9 @@ TRACE = Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl"
 def _drafts(threads: int, batch: int, steps: int) -> list[list[list[int]]]:
     records = load_traces(TRACE)
     max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + DRAFT_K + 2
-    proposer, live, history, last = _build(records, DRAFT_K, max_len)
-    proposer.index.draft_threads = usable_draft_threads(threads)
-    proposer._stale()
+    with mock.patch.dict(os.environ, {"DAS_DRAFT_THREADS": str(threads)}):  # as vLLM's worker reads it
+        proposer, live, history, last = _build(records, DRAFT_K, max_len)
+    assert proposer.stats()["draft_threads"] == threads
     engine = _engine_for(proposer, live, history, last, batch, max_len)
     out = []
     for _ in range(steps):

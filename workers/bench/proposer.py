@@ -219,7 +219,6 @@ def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) 
     # Requests starting and finishing (a finished rollout's history adds included): per request, not per step.
     lifecycle = _Timed(proposer, ("_reap", "_start"))
     committed0 = engine.committed
-    step_s = wall_s = 0.0
     per_step, steady, per_wall, steady_wall = [], [], [], []
     try:
         for _ in range(steps):
