@@ -7,12 +7,14 @@ O(new tokens + draft length). Occurrence counts equal those of a depth-bounded s
 of length <= depth, so drafting semantics are the suffix tree's.
 
 The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel first, in this order:
-  states  int32 [n, 6]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
+  states  int32 [n, 7]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
           = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
-          degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the edge to its most
-          frequent continuation, ties to the smaller token; -1: none) and TOTAL (its continuations' counts
-          summed), both kept up to date by insertion so that drafting reads a state's best continuation
-          and its probability in O(1) instead of scanning its children
+          degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the state its most
+          frequent continuation leads to, ties to the smaller token; -1: none), TOTAL (its continuations'
+          counts summed) and TOKEN (the token on every transition into it: all strings of a state end
+          alike; -1 for a root). Insertion keeps BEST and TOTAL up to date, so drafting reads a state's best
+          continuation and its probability in O(1), and each drafted token is one row of `states` (the
+          next state, its count and its token) rather than an edge row and then a state row
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
   hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
@@ -46,8 +48,8 @@ prefer_fork_safe_layer()
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
-LEN, LINK, COUNT, EDGE, BEST, TOTAL = 0, 1, 2, 3, 4, 5
-STATE_FIELDS = 6
+LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN = 0, 1, 2, 3, 4, 5, 6
+STATE_FIELDS = 7
 TOK, TO, NEXT = 0, 1, 2
 H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
 ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
@@ -146,7 +148,7 @@ def _hash_put(hashes, state, tok, edge):
 
 
 @njit(cache=True)
-def new_state(states, meta, length, link, count):
+def new_state(states, meta, length, link, count, token):
     s = meta[0]
     meta[0] += 1
     states[s, LEN] = length
@@ -155,6 +157,7 @@ def new_state(states, meta, length, link, count):
     states[s, EDGE] = -1
     states[s, BEST] = -1
     states[s, TOTAL] = 0
+    states[s, TOKEN] = token
     return np.int64(s)
 
 
@@ -186,26 +189,28 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
 
 @njit(cache=True)
 def _clone(states, edges, hashes, meta, q, length):
-    c = new_state(states, meta, length, states[q, LINK], states[q, COUNT])
-    states[c, TOTAL] = states[q, TOTAL]  # the same continuations, so the same counts
+    c = new_state(states, meta, length, states[q, LINK], states[q, COUNT], states[q, TOKEN])
+    # The same continuations to the same states, so the same counts and the same best.
+    states[c, TOTAL] = states[q, TOTAL]
+    states[c, BEST] = states[q, BEST]
     e = np.int64(states[q, EDGE])
     while e != -1:
-        copy = meta[1]
         _add_edge(states, edges, hashes, meta, c, edges[e, TOK], edges[e, TO])
-        if e == states[q, BEST]:
-            states[c, BEST] = copy
         e = np.int64(edges[e, NEXT])
     return c
 
 
 @njit(cache=True)
 def _redirect(states, edges, hashes, p, tok, old, new):
-    """Points (p, tok) and the same transition of p's suffix ancestors from `old` to `new`."""
+    """Points (p, tok) and the same transition of p's suffix ancestors from `old` to `new` (a clone of `old`
+    with its count, so a best continuation that led to `old` now leads to `new`)."""
     while p != -1:
         e = find_edge(states, edges, hashes, p, tok)
         if e == -1 or edges[e, TO] != old:
             break
         edges[e, TO] = new
+        if states[p, BEST] == old:
+            states[p, BEST] = new
         p = np.int64(states[p, LINK])
 
 
@@ -240,7 +245,7 @@ def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
                 _redirect(states, edges, hashes, last, c, q, r)
                 states[q, LINK] = r
         else:
-            cur = new_state(states, meta, states[last, LEN] + 1, root, 0)
+            cur = new_state(states, meta, states[last, LEN] + 1, root, 0, c)
             p = last
             while p != -1 and find_edge(states, edges, hashes, p, c) == -1:
                 _add_edge(states, edges, hashes, meta, p, c, cur)
@@ -273,11 +278,11 @@ def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
             states[p, TOTAL] += 1
             b = states[p, BEST]
             if b == -1:
-                states[p, BEST] = e
-            elif b != e:
-                n_s, n_b = states[s, COUNT], states[edges[b, TO], COUNT]
-                if n_s > n_b or (n_s == n_b and c < edges[b, TOK]):
-                    states[p, BEST] = e
+                states[p, BEST] = s
+            elif b != s:
+                n_s, n_b = states[s, COUNT], states[b, COUNT]
+                if n_s > n_b or (n_s == n_b and c < states[b, TOKEN]):
+                    states[p, BEST] = s
             p = np.int64(states[p, LINK])
         last = r
         i += 1
@@ -361,17 +366,17 @@ def advance_match(states, edges, hashes, root, state, length, tokens, lo, hi, ma
 
 
 @njit(cache=True)
-def _best_child(states, edges, state):
-    """(edge, count) of a state's most frequent continuation (ties: the smaller token) and the total count of
-    its continuations; edge -1 when it has none. O(1): insertion keeps BEST and TOTAL."""
-    best_e = np.int64(states[state, BEST])
-    if best_e == -1:
-        return best_e, 0, 0
-    return best_e, states[edges[best_e, TO], COUNT], states[state, TOTAL]
+def _best_child(states, state):
+    """(state, count) of a state's most frequent continuation (ties: the smaller token) and the total count of
+    its continuations; state -1 when it has none. O(1): insertion keeps BEST and TOTAL."""
+    best = np.int64(states[state, BEST])
+    if best == -1:
+        return best, 0, 0
+    return best, states[best, COUNT], states[state, TOTAL]
 
 
 @njit(cache=True)
-def _draft_path(states, edges, state, cap, scored, min_prob, escape, floor, out_tok, out_prob, out_sup):
+def _draft_path(states, state, cap, scored, min_prob, escape, floor, out_tok, out_prob, out_sup):
     """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
     the smaller token id. out_sup gets each token's count (its support). The score is the sum of the first
@@ -381,8 +386,8 @@ def _draft_path(states, edges, state, cap, scored, min_prob, escape, floor, out_
     score = 0.0
     n = 0
     while n < cap:
-        best_e, best_c, total = _best_child(states, edges, state)
-        if best_e == -1:
+        best, best_c, total = _best_child(states, state)
+        if best == -1:
             break
         p = prob * best_c / (total + escape)
         if p < min_prob:
@@ -390,20 +395,19 @@ def _draft_path(states, edges, state, cap, scored, min_prob, escape, floor, out_
         if score + p * max(scored - n, 0) <= floor:
             return 0, 0.0
         prob = p
-        out_tok[n] = edges[best_e, TOK]
+        out_tok[n] = states[best, TOKEN]
         out_prob[n] = p
         out_sup[n] = best_c
         if n < scored:
             score += p
         n += 1
-        state = np.int64(edges[best_e, TO])
+        state = best
     return n, score
 
 
 @njit(cache=True)
 def draft_best(
     states,
-    edges,
     root,
     state,
     length,
@@ -442,7 +446,6 @@ def draft_best(
                 break
             n, score = _draft_path(
                 states,
-                edges,
                 state,
                 cap,
                 scored,
@@ -506,7 +509,7 @@ def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slot
 @njit(cache=True)
 def _prefetch_ahead(states, edges, slots, req_slots, r, n_rows):
     """Prefetches in two stages, so that each load has about a row's work to arrive in: the match states of
-    row r + 2's candidates, and the first edges (best continuation, edge list head) of row r + 1's, whose
+    row r + 2's candidates, and the best continuation's state and the first edge of row r + 1's, whose
     states the previous row prefetched (a prefetch never faults; the one real load here is bounds-checked).
     Drafts are unchanged: only when the loads start differs. The live candidate's state is the last step's
     (it drafts from the end of its own sequence, still in cache from the commit); leaving it out measured
@@ -525,9 +528,9 @@ def _prefetch_ahead(states, edges, slots, req_slots, r, n_rows):
                     continue  # a match state from before the arena was rebuilt: re-matched when drafted
                 best = states[state, BEST]
                 if best != -1:
-                    prefetch_row(edges, best)
+                    prefetch_row(states, best)
                 head = states[state, EDGE]
-                if head != -1 and head != best:
+                if head != -1:
                     prefetch_row(edges, head)
 
 
@@ -614,7 +617,6 @@ def _draft_range(
                 continue
             n, used, score = draft_best(
                 states,
-                edges,
                 root,
                 st,
                 ln,

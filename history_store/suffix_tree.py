@@ -175,7 +175,7 @@ class SuffixForest:
 
     def _new_root(self, tid: int) -> None:
         self.grow(states=1, edges=0)
-        root = K.new_state(self.states, self.meta, 0, -1, 0)
+        root = K.new_state(self.states, self.meta, 0, -1, 0, -1)
         version = self.next_version()
         self.trees[tid, [K.ROOT, K.VERSION, K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS]] = (
             root,
@@ -428,7 +428,6 @@ class SuffixTree:
         out_sup, tmp_sup = np.empty(budget, np.int32), np.empty(budget, np.int32)
         n, match_len, score = K.draft_best(
             f.states,
-            f.edges,
             root,
             state,
             length,
