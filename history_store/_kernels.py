@@ -40,10 +40,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from history_store.draft_threads import prefer_fork_safe_layer
+from history_store.draft_threads import start_threading_layer
 
-# Before any parallel kernel compiles (see draft_threads): GNU OpenMP would abort vLLM's forked workers.
-prefer_fork_safe_layer()
+# Before any kernel compiles or loads (see draft_threads): GNU OpenMP would abort vLLM's forked workers, and a
+# layer not yet started leaves a cached kernel that calls the threaded pass unlinkable.
+start_threading_layer()
 
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)

@@ -31,12 +31,22 @@ _LAYER_ENV = "NUMBA_THREADING_LAYER"
 _tbb_runs: bool | None = None  # whether TBB runs this process's parallel work; None: not probed yet
 
 
-def prefer_fork_safe_layer() -> None:
+def start_threading_layer() -> None:
     """Makes numba pick a fork-safe threading layer (TBB when installed, else workqueue, never GNU OpenMP)
-    unless the user chose one. Must run before any parallel kernel compiles: lowering one launches the layer."""
+    unless the user chose one, and starts it. Must run before any parallel kernel compiles: lowering one
+    launches the layer.
+
+    Starting it here, not when numba first needs it, lets a kernel compiled in this process call a cached
+    kernel whose code calls the threaded pass: numba registers the layer's scheduler symbols when it launches
+    the layer, which it does when it compiles a parallel kernel or loads one from the cache directly, but not
+    when the cached kernel comes in as a callee. The proposer's step, compiled against a `step_rows` that an
+    earlier process had cached, aborted with "LLVM ERROR: Symbol not found: allocate_sched" or segfaulted.
+    Starting the layer loads it and adds one idle thread; drafting threads start only when a step first
+    drafts on more than one."""
     _preload_tbb()
     if _LAYER_ENV not in os.environ:
         numba.config.THREADING_LAYER = "forksafe"
+    numba.get_num_threads()  # launches the layer
 
 
 def _preload_tbb() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queue_module
+import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -87,3 +89,42 @@ def test_no_more_threads_than_cpus_the_process_may_run_on(monkeypatch, caplog) -
     with caplog.at_level("WARNING", logger="history_store.draft_threads"):
         assert usable_draft_threads(4) == 1
     assert "drafting on 1 thread(s), not 4: this process may run on 1 CPU(s)" in caplog.text
+
+
+STEP_SCRIPT = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from test_draft_threads import _drafts
+print(sum(len(d) for drafts in _drafts(1, 2, 30) for d in drafts))
+"""
+
+
+def test_a_step_compiled_against_cached_kernels_links(tmp_path: Path) -> None:
+    # What a user ran: `das bench replay` (caches the drafting kernels), the proposer (compiles its step
+    # against them), then the proposer again after its step kernels' caches went (a changed source). numba
+    # registers the threading layer's symbols only when it launches the layer, which loading a cached kernel
+    # as a callee does not do, so `_kernels` starts the layer at import. Without that the last run aborted
+    # ("LLVM ERROR: Symbol not found: allocate_sched"); in other orders it segfaulted.
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    replay = [
+        sys.executable,
+        "-m",
+        "workers.cli",
+        "bench",
+        "replay",
+        str(TRACE),
+        "--strategies",
+        "das",
+        "--json",
+    ]
+    subprocess.run(replay, capture_output=True, text=True, env=env, timeout=600, check=True)
+    step = [sys.executable, "-c", STEP_SCRIPT]
+    first = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    step_caches = list(tmp_path.rglob("step_kernels.*.nb[ic]"))
+    assert step_caches, "the first run must cache the step kernels"
+    for path in step_caches:
+        path.unlink()
+    second = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0, f"exit {second.returncode}: {second.stderr[-2000:]}"
+    assert second.stdout.split()[-1] == first.stdout.split()[-1]  # the same drafts
