@@ -265,17 +265,20 @@ def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
             r = cur
         # The new end position belongs to every state on r's suffix path. Those are exactly the targets of
         # token c from the states on last's suffix path (each old suffix x, now followed by c), a run of
-        # sources per target: walking last's path counts each target once and grows each source's total and,
-        # when the grown child now leads, its best continuation (counts only grow between rebuilds, so the
-        # leader is the old one or the child that just grew).
+        # sources per target: walking both paths together counts each target once and grows each source's
+        # total and, when the grown child now leads, its best continuation (counts only grow between
+        # rebuilds, so the leader is the old one or the child that just grew). The target of p holds
+        # longest(p) + c, so it is the state of r's path whose lengths span LEN(p) + 1: found by following
+        # r's links, without looking up p's edge.
         p = last
-        grown = np.int64(-1)
+        s = r
+        states[s, COUNT] += 1
         while p != -1:
-            e = find_edge(states, edges, hashes, p, c)
-            s = np.int64(edges[e, TO])
-            if s != grown:
+            need = states[p, LEN] + 1
+            if states[states[s, LINK], LEN] >= need:
+                while states[states[s, LINK], LEN] >= need:
+                    s = np.int64(states[s, LINK])
                 states[s, COUNT] += 1
-                grown = s
             states[p, TOTAL] += 1
             b = states[p, BEST]
             if b == -1:
