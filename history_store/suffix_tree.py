@@ -355,9 +355,16 @@ class SuffixTree:
 
     @property
     def memory_bytes(self) -> int:
-        """Arena bytes this tree uses (24 per state, 12 per edge, 12 per hashed edge) plus its stored tokens."""
-        row = self.forest.trees[self.tid]
-        return int(24 * row[K.T_STATES] + 12 * row[K.T_EDGES] + 12 * row[K.T_HASHED] + 4 * row[K.T_TOKENS])
+        """Arena bytes this tree uses (a row of `states`, `edges` or `hashes` per state, edge and hashed edge)
+        plus its stored tokens."""
+        f = self.forest
+        row = f.trees[self.tid]
+        return int(
+            f.states.strides[0] * row[K.T_STATES]
+            + f.edges.strides[0] * row[K.T_EDGES]
+            + f.hashes.strides[0] * row[K.T_HASHED]
+            + f.pool.itemsize * row[K.T_TOKENS]
+        )
 
     def seq_row(self, seq_id: int) -> int:
         """The forest's sequence row of `seq_id` (a kernel's handle on it). Raises KeyError if unknown."""
