@@ -9,9 +9,9 @@ on this 2-vCPU machine, two threads cut the drafting pass by about a third). Onl
   threads saved (measured: batch 256, drafting pass 3.6 -> 3.9 us per request with two threads).
 TBB is thread- and fork-safe and keeps its workers spinning briefly between launches. Drafting stays on one
 thread unless asked (`DAS_DRAFT_THREADS`): threads were measured to help on an idle 2-vCPU machine, and to
-hurt beside the busy OpenMP threads of vLLM's CPU engine (`usable_draft_threads`); a GPU node is unmeasured. pip's `tbb` wheel puts
-libtbb in the environment's lib folder, where numba's TBB pool does not look: it is loaded here first, by path,
-so the pool finds it already in the process.
+hurt beside the busy OpenMP threads of vLLM's CPU engine (`usable_draft_threads`); a GPU node is unmeasured.
+pip's `tbb` wheel puts libtbb in the environment's lib folder, where numba's TBB pool does not look: it is
+loaded here first, by path, so the pool finds it already in the process.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def start_threading_layer() -> None:
     the layer, which it does when it compiles a parallel kernel or loads one from the cache directly, but not
     when the cached kernel comes in as a callee. The proposer's step, compiled against a `step_rows` that an
     earlier process had cached, aborted with "LLVM ERROR: Symbol not found: allocate_sched" or segfaulted.
-    Starting the layer loads it and adds one idle thread; drafting threads start only when a step first
-    drafts on more than one."""
+    Starting the layer takes about 5 ms (numba's import, which every kernel user pays, takes 250-400) and adds
+    one idle thread; drafting threads start only when a step first drafts on more than one."""
     _preload_tbb()
     if _LAYER_ENV not in os.environ:
         numba.config.THREADING_LAYER = "forksafe"
@@ -79,8 +79,8 @@ def usable_draft_threads(requested: int) -> int:
     one: more threads than CPUs is far worse than one (a waiting thread spins on the CPU the one it waits for
     needs: two threads in vLLM's CPU engine, which binds its worker to one CPU, took 150 ms a step instead of
     0.6), and even workers a probe had started there and then left idle (two on that one CPU) made a later
-    single-threaded epoch spend 19 s drafting instead of 0.03. numba loads the layer itself whenever the step
-    kernels compile, whatever the grant; that starts no workers."""
+    single-threaded epoch spend 19 s drafting instead of 0.03. The layer itself is started when the kernels
+    are imported (`start_threading_layer`), whatever the grant; that starts no workers."""
     global _tbb_runs
     if requested <= 1:
         return 1

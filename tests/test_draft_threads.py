@@ -100,11 +100,12 @@ print(sum(len(d) for drafts in _drafts(1, 2, 30) for d in drafts))
 
 
 def test_a_step_compiled_against_cached_kernels_links(tmp_path: Path) -> None:
-    # What a user ran: `das bench replay` (caches the drafting kernels), the proposer (compiles its step
-    # against them), then the proposer again after its step kernels' caches went (a changed source). numba
-    # registers the threading layer's symbols only when it launches the layer, which loading a cached kernel
-    # as a callee does not do, so `_kernels` starts the layer at import. Without that the last run aborted
-    # ("LLVM ERROR: Symbol not found: allocate_sched"); in other orders it segfaulted.
+    # `das bench replay` caches the drafting kernels; the proposer compiles its step against them; then a
+    # proposer that must compile its step again (its caches deleted here) links against a cached `step_rows`
+    # that carries no record of the threaded pass it calls. numba registers the threading layer's symbols only
+    # when it launches the layer, which loading a cached kernel as a callee does not do, so `_kernels` starts
+    # the layer at import. Without that the last run aborted ("LLVM ERROR: Symbol not found:
+    # allocate_sched"); in other orders of runs it segfaulted.
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     replay = [
         sys.executable,

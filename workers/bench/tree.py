@@ -37,7 +37,7 @@ def markov_sequences(
 
 
 def bench_insert(seqs: list[np.ndarray], config: DraftConfig) -> dict:
-    # Compile outside the timing, growing the arena too (its rehash kernel would otherwise compile in the timed insert).
+    # Compile outside the timing, growing the arena too: its rehash kernel would compile in the timed insert.
     SuffixTree(config).extend(0, seqs[0])
     tree = SuffixTree(config)
     start = time.perf_counter()
