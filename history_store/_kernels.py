@@ -7,14 +7,16 @@ O(new tokens + draft length). Occurrence counts equal those of a depth-bounded s
 of length <= depth, so drafting semantics are the suffix tree's.
 
 The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel first, in this order:
-  states  int32 [n, 7]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
+  states  int32 [n, 8]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
           = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
           degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the state its most
           frequent continuation leads to, ties to the smaller token; -1: none), TOTAL (its continuations'
-          counts summed) and TOKEN (the token on every transition into it: all strings of a state end
-          alike; -1 for a root). Insertion keeps BEST and TOTAL up to date, so drafting reads a state's best
-          continuation and its probability in O(1), and each drafted token is one row of `states` (the
-          next state, its count and its token) rather than an edge row and then a state row
+          counts summed), TOKEN (the token on every transition into it: all strings of a state end
+          alike; -1 for a root) and MASK (bit t & 31 set for each continuation token t). Insertion keeps
+          BEST and TOTAL up to date, so drafting reads a state's best continuation and its probability in
+          O(1), and each drafted token is one row of `states` (the next state, its count and its token)
+          rather than an edge row and then a state row. MASK settles most failed lookups from the state's
+          own row; matching falls back along suffix links through a miss at each level
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
   hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
@@ -49,8 +51,8 @@ start_threading_layer()
 HASHED_DEGREE = 4
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
-LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN = 0, 1, 2, 3, 4, 5, 6
-STATE_FIELDS = 7
+LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK = 0, 1, 2, 3, 4, 5, 6, 7
+STATE_FIELDS = 8
 TOK, TO, NEXT = 0, 1, 2
 H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
 ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
@@ -115,8 +117,17 @@ def _slot(key, mask):
 
 
 @njit(cache=True)
+def _token_bit(tok):
+    """The bit of MASK that stands for tok: its low five bits (int32 arithmetic, so bit 31 is the sign)."""
+    return np.int32(1) << np.int32(tok & 31)
+
+
+@njit(cache=True)
 def find_edge(states, edges, hashes, state, tok):
-    """Edge id of the transition (state, tok), or -1."""
+    """Edge id of the transition (state, tok), or -1. A miss whose bit is clear in MASK reads only the state's
+    row: matching falls back along suffix links through many such misses."""
+    if states[state, MASK] & _token_bit(tok) == 0:
+        return np.int64(-1)
     e = np.int64(states[state, EDGE])
     for _ in range(HASHED_DEGREE):
         if e == -1:
@@ -159,6 +170,7 @@ def new_state(states, meta, length, link, count, token):
     states[s, BEST] = -1
     states[s, TOTAL] = 0
     states[s, TOKEN] = token
+    states[s, MASK] = 0
     return np.int64(s)
 
 
@@ -170,6 +182,7 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
     edges[e, TO] = to
     edges[e, NEXT] = states[state, EDGE]
     states[state, EDGE] = e
+    states[state, MASK] |= _token_bit(tok)
     if states[state, LINK] == -1:
         states[state, COUNT] += 1  # a root's degree
     degree = 0

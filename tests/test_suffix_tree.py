@@ -110,6 +110,25 @@ def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, cont
     assert tree.num_tokens == sum(len(s) for s in seqs.values())
 
 
+# Tokens whose low five bits agree share a bit of a state's continuation mask (31 is its sign bit): a set bit
+# only says "maybe", so a lookup of an absent token that shares it must still miss.
+ALIASED_VOCAB = st.sampled_from([1, 31, 33, 63, 95, 127])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seqs=st.dictionaries(st.integers(0, 4), st.lists(ALIASED_VOCAB, min_size=1, max_size=20), max_size=4),
+    contexts=st.lists(st.lists(ALIASED_VOCAB, max_size=8), min_size=1, max_size=6),
+    cfg=config,
+)
+def test_tokens_sharing_a_mask_bit_draft_as_the_brute_force_says(seqs, contexts, cfg):
+    tree = SuffixTree(cfg, SuffixForest(capacity_tokens=1))
+    for seq_id, tokens in seqs.items():
+        tree.extend(seq_id, tokens)
+    for context in contexts:
+        assert_same_as_reference(tree, seqs, context, cfg.max_spec_tokens)
+
+
 @settings(max_examples=100, deadline=None)
 @given(seqs=st.dictionaries(st.integers(0, 10), st.lists(SMALL_VOCAB, max_size=30), max_size=5))
 def test_serialization_round_trips_exactly(seqs):
