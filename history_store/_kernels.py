@@ -12,11 +12,12 @@ The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel firs
           degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the state its most
           frequent continuation leads to, ties to the smaller token; -1: none), TOTAL (its continuations'
           counts summed), TOKEN (the token on every transition into it: all strings of a state end
-          alike; -1 for a root) and MASK (bit t & 31 set for each continuation token t). Insertion keeps
-          BEST and TOTAL up to date, so drafting reads a state's best continuation and its probability in
-          O(1), and each drafted token is one row of `states` (the next state, its count and its token)
-          rather than an edge row and then a state row. MASK settles most failed lookups from the state's
-          own row; matching falls back along suffix links through a miss at each level
+          alike; -1 for a root) and MASK (bit t % 31 set for each continuation token t; the sign bit marks
+          a hashed state). Insertion keeps BEST and TOTAL up to date, so drafting reads a state's best
+          continuation and its probability in O(1), and each drafted token is one row of `states` (the next
+          state, its count and its token) rather than an edge row and then a state row. MASK settles most
+          failed lookups from the state's own row (matching falls back along suffix links through a miss at
+          each level) and sends a hashed state's lookup straight to the hash
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
   hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
@@ -49,6 +50,7 @@ from history_store.draft_threads import start_threading_layer
 start_threading_layer()
 
 HASHED_DEGREE = 4
+_HASHED = np.int32(-(2**31))  # MASK's sign bit: the state's edges are in the hash
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
 LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK = 0, 1, 2, 3, 4, 5, 6, 7
@@ -118,25 +120,25 @@ def _slot(key, mask):
 
 @njit(cache=True)
 def _token_bit(tok):
-    """The bit of MASK that stands for tok: its low five bits (int32 arithmetic, so bit 31 is the sign)."""
-    return np.int32(1) << np.int32(tok & 31)
+    """The bit of MASK that stands for tok (bits 0-30; bit 31, the sign, marks a hashed state)."""
+    return np.int32(1) << np.int32(np.int64(tok) % 31)
 
 
 @njit(cache=True)
 def find_edge(states, edges, hashes, state, tok):
-    """Edge id of the transition (state, tok), or -1. A miss whose bit is clear in MASK reads only the state's
-    row: matching falls back along suffix links through many such misses."""
-    if states[state, MASK] & _token_bit(tok) == 0:
+    """Edge id of the transition (state, tok), or -1. The state's row settles most misses (its token's bit is
+    clear in MASK: matching falls back along suffix links through a miss at each level) and says whether to
+    scan the short edge list or probe the hash."""
+    bits = states[state, MASK]
+    if bits & _token_bit(tok) == 0:
         return np.int64(-1)
-    e = np.int64(states[state, EDGE])
-    for _ in range(HASHED_DEGREE):
-        if e == -1:
-            return np.int64(-1)
-        if edges[e, TOK] == tok:
-            return e
-        e = np.int64(edges[e, NEXT])
-    if e == -1:
-        return np.int64(-1)
+    if bits >= 0:
+        e = np.int64(states[state, EDGE])
+        while e != -1:
+            if edges[e, TOK] == tok:
+                return e
+            e = np.int64(edges[e, NEXT])
+        return e
     mask = hashes.shape[0] - 1
     i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
     while True:
@@ -191,6 +193,7 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
         degree += 1
         x = np.int64(edges[x, NEXT])
     if degree == HASHED_DEGREE + 1:  # just crossed the threshold: hash every edge of the state
+        states[state, MASK] |= _HASHED
         x = np.int64(e)
         while x != -1:
             _hash_put(hashes, state, edges[x, TOK], x)
@@ -344,12 +347,7 @@ def rehash(hashes_new, states, edges, n_states):
     """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
     hashes_new[:, H_STATE] = -1
     for s in range(n_states):
-        degree = 0
-        e = np.int64(states[s, EDGE])
-        while e != -1 and degree <= HASHED_DEGREE:
-            degree += 1
-            e = np.int64(edges[e, NEXT])
-        if degree <= HASHED_DEGREE:  # the same rule as _add_edge: hashed once it has HASHED_DEGREE + 1 edges
+        if states[s, MASK] >= 0:
             continue
         e = np.int64(states[s, EDGE])
         while e != -1:

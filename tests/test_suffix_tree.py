@@ -110,9 +110,9 @@ def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, cont
     assert tree.num_tokens == sum(len(s) for s in seqs.values())
 
 
-# Tokens whose low five bits agree share a bit of a state's continuation mask (31 is its sign bit): a set bit
-# only says "maybe", so a lookup of an absent token that shares it must still miss.
-ALIASED_VOCAB = st.sampled_from([1, 31, 33, 63, 95, 127])
+# Tokens equal modulo 31 share a bit of a state's continuation mask: a set bit only says "maybe", so a lookup
+# of an absent token that shares it must still miss. Six tokens also make hashed states (degree > 4).
+ALIASED_VOCAB = st.sampled_from([1, 32, 63, 94, 2, 33])
 
 
 @settings(max_examples=200, deadline=None)
