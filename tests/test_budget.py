@@ -86,6 +86,62 @@ def test_atypical_requests_keep_a_short_problems_request_on_the_tail_watch() -> 
     assert typical[0] == 0.0 and 0.05 < atypical[0] < 0.5
 
 
+def _weights_by_definition(quantiles, pool, atypical, outputs, speeds, n_bins):
+    """critical_weights as its docstring defines it, dense and slow: each row's outcomes on the grid, then
+    P(i last) proportional to the sum over its outcomes of their mass times every other row's P(ends in an
+    earlier bin) + half P(ends in the same bin)."""
+    rows = []
+    horizon = 1.0  # the grid spans every remaining length considered, likely or not
+    for i in range(len(outputs)):
+        if quantiles[i, -1] <= 0.0:
+            rows.append(None)
+            continue
+        lengths = [(x, 1.0 - atypical) for x in quantiles[i]] + [(x, atypical) for x in pool]
+        outcomes = [((x - outputs[i]) / speeds[i], m) for x, m in lengths if x > outputs[i]]
+        horizon = max([horizon] + [r for r, _ in outcomes])
+        if sum(m for _, m in outcomes) <= 0.0:
+            outcomes = [(max(outputs[i], 1.0) / speeds[i], 1.0)]
+            horizon = max(horizon, outcomes[0][0])
+        total = sum(m for _, m in outcomes)
+        rows.append([(r, m / total) for r, m in outcomes])
+    pmfs = np.zeros((len(rows), n_bins))
+    for i, row in enumerate(rows):
+        if row is None:
+            pmfs[i, -1] = 1.0
+        for r, m in row or []:
+            pmfs[i, min(n_bins - 1, int(r / horizon * n_bins))] += m
+    below = np.cumsum(pmfs, axis=1) - 0.5 * pmfs
+    weights = np.array(
+        [
+            sum(pmfs[i, b] * np.prod(np.delete(below[:, b], i)) for b in range(n_bins) if pmfs[i, b] > 0)
+            for i in range(len(rows))
+        ]
+    )
+    return weights / weights.sum() if weights.sum() > 0 else np.full(len(rows), 1.0 / len(rows))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(
+        st.one_of(st.just([]), st.lists(st.integers(1, 400), min_size=4, max_size=4)), min_size=1, max_size=6
+    ),
+    data=st.data(),
+    atypical=st.sampled_from([0.0, 0.1, 0.5]),
+    n_bins=st.sampled_from([4, 32]),
+)
+def test_critical_weights_equal_the_definition(lengths, data, atypical, n_bins) -> None:
+    # Rows whose outcomes span a few bins or all of them, unknown rows, ties and rows past every length.
+    n = len(lengths)
+    quantiles = np.array([sorted(x) if x else [0.0] * 4 for x in lengths], float)
+    pool = np.sort(np.array(data.draw(st.lists(st.integers(1, 600), min_size=4, max_size=4)), float))
+    outputs = np.array(data.draw(st.lists(st.integers(0, 500), min_size=n, max_size=n)), float)
+    speeds = np.array(data.draw(st.lists(st.sampled_from([1.0, 1.5, 3.0]), min_size=n, max_size=n)))
+    out = np.empty(n)
+    critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out)
+    expected = _weights_by_definition(quantiles, pool, atypical, outputs, speeds, n_bins)
+    np.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-12)
+
+
 def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() -> None:
     model = CostModel(BudgetConfig())
     rng = np.random.default_rng(0)

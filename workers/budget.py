@@ -331,40 +331,49 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
     # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
     # below[i, b] = P(row i ends in an earlier bin) + half of P(it ends in bin b). prod[b] is the product of
     # every row's below[., b] that is > 0 (zeros[b] counts the others), kept as prod[b] x TINY^scale[b] so
-    # that hundreds of factors do not underflow: plain products, no logarithm per row and bin.
+    # that hundreds of factors do not underflow: plain products, no logarithm per row and bin. A row's
+    # below is 0 before its first likely outcome's bin (counted in zeros through starts) and 1 after its
+    # last (up to rounding: a factor left out), so only the bins between are written and multiplied.
     below = np.empty((n, n_bins))
     bins = np.empty((n, 2 * q), np.int64)
-    pmf = np.empty(n_bins)
+    pmf = np.zeros(n_bins)
     prod = np.ones(n_bins)
     scale = np.zeros(n_bins, np.int64)
-    zeros = np.zeros(n_bins, np.int64)
+    starts = np.zeros(n_bins, np.int64)  # rows whose first outcome falls in each bin
     for i in range(n):
         k = used[i]
         if k == 0:
-            below[i, :] = 0.0
-            below[i, n_bins - 1] = 0.5
             bins[i, 0] = n_bins - 1
             mass[i, 0] = 1.0
+            k = 1
         else:
-            pmf[:] = 0.0
             for c in range(k):
-                b = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
-                bins[i, c] = b
+                bins[i, c] = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
+        first = n_bins - 1
+        last = 0
+        for c in range(k):
+            if mass[i, c] > 0.0:
+                b = bins[i, c]
                 pmf[b] += mass[i, c]
-            cum = 0.0
-            for b in range(n_bins):
-                below[i, b] = cum + 0.5 * pmf[b]
-                cum += pmf[b]
-        for b in range(n_bins):
-            v = below[i, b]
-            if v <= 0.0:
-                zeros[b] += 1
-            else:
-                p = prod[b] * v
-                if p < _TINY:
-                    p *= _HUGE
-                    scale[b] += 1
-                prod[b] = p
+                first = min(first, b)
+                last = max(last, b)
+        starts[first] += 1
+        cum = 0.0
+        for b in range(first, last + 1):
+            v = cum + 0.5 * pmf[b]
+            cum += pmf[b]
+            pmf[b] = 0.0
+            below[i, b] = v  # > 0: the first bin holds a likely outcome
+            p = prod[b] * v
+            if p < _TINY:
+                p *= _HUGE
+                scale[b] += 1
+            prod[b] = p
+    zeros = np.zeros(n_bins, np.int64)  # rows whose below is 0 in each bin: those that start later
+    later = 0
+    for b in range(n_bins - 1, -1, -1):
+        zeros[b] = later
+        later += starts[b]
     # P(i last) = sum over its outcomes of P(outcome) x prod_{j != i} P(j ends before), ties counted half.
     total = 0.0
     for i in range(n):
