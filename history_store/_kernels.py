@@ -187,21 +187,22 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
     states[state, MASK] |= _token_bit(tok)
     if states[state, LINK] == -1:
         states[state, COUNT] += 1  # a root's degree
-    degree = 0
+    if states[state, MASK] < 0:  # hashed already: hash the new edge too
+        _hash_put(hashes, state, tok, e)
+        meta[2] += 1
+        return
+    degree = 0  # at most HASHED_DEGREE + 1: an unhashed state had at most HASHED_DEGREE edges
     x = np.int64(e)
-    while x != -1 and degree <= HASHED_DEGREE + 1:
+    while x != -1:
         degree += 1
         x = np.int64(edges[x, NEXT])
-    if degree == HASHED_DEGREE + 1:  # just crossed the threshold: hash every edge of the state
+    if degree > HASHED_DEGREE:  # just crossed the threshold: hash every edge of the state
         states[state, MASK] |= _HASHED
         x = np.int64(e)
         while x != -1:
             _hash_put(hashes, state, edges[x, TOK], x)
             meta[2] += 1
             x = np.int64(edges[x, NEXT])
-    elif degree > HASHED_DEGREE + 1:
-        _hash_put(hashes, state, tok, e)
-        meta[2] += 1
 
 
 @njit(cache=True)
@@ -344,7 +345,7 @@ def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, tid, qs, i):
 
 @njit(cache=True)
 def rehash(hashes_new, states, edges, n_states):
-    """Re-inserts the edges of every hashed state (degree > HASHED_DEGREE) into a fresh, larger table."""
+    """Re-inserts the edges of every hashed state (MASK's sign bit) into a fresh, larger table."""
     hashes_new[:, H_STATE] = -1
     for s in range(n_states):
         if states[s, MASK] >= 0:
