@@ -405,7 +405,7 @@ def _budgets_kernel(
     slot_problem,
     length_count,
     quantile_table,
-    atypical,
+    length_stats,
     accepted_rate,
     outlived,
     coefficients,
@@ -432,7 +432,7 @@ def _budgets_kernel(
         quantiles[i] = quantile_table[rows[i]]
         outputs[i] = output_lens[i]
         speeds[i] = 1.0 + accepted_rate[s]
-    critical_weights(quantiles, quantile_table[0], atypical, outputs, speeds, n_bins, weights)
+    critical_weights(quantiles, quantile_table[0], _atypical(length_stats), outputs, speeds, n_bins, weights)
     c_base, c_seq, c_tok = coefficients[0], coefficients[1], coefficients[2]
     promoted = 0
     for i in range(n):
@@ -802,6 +802,13 @@ def _requantile(lengths, count, ratios, n_ratios, quantiles, row, pseudo_samples
 
 
 @njit(cache=True)
+def _atypical(stats):
+    """Share of responses unlike their problem's history, from a LengthModel's stats: those longer than every
+    quantile predicted for them (a 1/(2Q) share would be typical), with a prior of one in ten."""
+    return (stats[_L_BEYOND] + 1.0) / (stats[_L_PREDICTED] + 10.0)
+
+
+@njit(cache=True)
 def _observe_length(lengths, count, nxt, ratios, stats, quantiles, p, length, pseudo_samples):
     """Records a finished response of problem row p (and of the pool, row 0) and recomputes both rows'
     quantiles; counts whether it ran past every quantile predicted for it."""
@@ -845,7 +852,7 @@ class LengthModel:
         self._ratios = np.zeros(self._RATIOS)
         self.quantiles = np.zeros((1, self.QUANTILES))
         # Ratios seen; responses that ran past every quantile their problem predicted, of those predicted.
-        self._stats = np.zeros(3, np.int64)
+        self.stats = np.zeros(3, np.int64)
 
     @property
     def capacity(self) -> int:
@@ -865,12 +872,6 @@ class LengthModel:
                 self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
         return p
 
-    @property
-    def atypical(self) -> float:
-        """Share of responses unlike their problem's history: measured as those longer than every quantile
-        predicted for them (a 1/(2Q) share would be typical), with a prior of one in ten."""
-        return (self._stats[_L_BEYOND] + 1.0) / (self._stats[_L_PREDICTED] + 10.0)
-
     def window(self, problem: int) -> np.ndarray:
         return self._lengths[problem, : self.count[problem]]
 
@@ -882,7 +883,7 @@ class LengthModel:
             self.count,
             self._next,
             self._ratios,
-            self._stats,
+            self.stats,
             self.quantiles,
             p,
             float(length),
@@ -1039,7 +1040,7 @@ class BudgetPolicy:
             self.slot_problem,
             lengths.count,
             lengths.quantiles,
-            lengths.atypical,
+            lengths.stats,
             self.accepted_rate,
             self.outlived,
             self.cost.coefficients,

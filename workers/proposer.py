@@ -48,7 +48,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
+from operator import is_
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -256,7 +257,10 @@ class DasProposer:
         self._book = StepBook(64, self.k)
         self._step_tables: StepTables | None = None
         self._tables_rows = -1
-        self._metrics = MetricsFlush(self._book, publish=publish)
+        self._tables_held: tuple[Any, ...] = ()  # what the tables were packed from, flattened
+        self._recheck = False
+        # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
+        self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
         self._step_no = 0
         self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
         self._last_tokens = 0
@@ -495,76 +499,92 @@ class DasProposer:
         return rows
 
     def _tables(self, n: int) -> StepTables:
-        """The step kernels' tables for a batch of n rows: packed again only when the batch size changed or
-        something outside the kernels may have replaced an array since (`_stale` says so)."""
-        if self._step_tables is None or self._tables_rows != n:
-            policy, book, index = self.policy, self._book, self.index
-            config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
-            self._drafts, outputs = index.step_buffers(n)
-            self._buffers = policy.step_buffers(n)
-            self._step_tables = pack_tables(
-                index.forest.tables(),
-                index.slots,
-                outputs,
-                (*self.draft_config.kernel_args(), index.draft_threads),
-                (
-                    book.drafted_at,
-                    book.length,
-                    book.prompt_len,
-                    book.rows,
-                    book.accepted,
-                    book.accepted_by_position,
-                    book.drafted_by_position,
-                    book.totals,
-                    book.per_row(n),
-                    book.bounds,
-                    book.by_source,
-                    book.by_bucket,
-                    book.sum_by_class,
-                ),
-                (
-                    policy.kept,
-                    policy.features,
-                    policy.model_p,
-                    policy.path_p,
-                    policy.first_past,
-                    policy.slot_problem,
-                    policy.request_outcomes,
-                    policy.problem_outcomes,
-                    policy.problem_stamp,
-                    policy.accepted_rate,
-                    policy.outlived,
-                    policy.BINS,
-                    config.max_tokens,
-                    config.request_decay,
-                    config.problem_decay,
-                    config.rate_decay,
-                ),
-                self._buffers,
-                (lengths.count, lengths.quantiles, lengths.atypical),
-                (
-                    acceptance.recalibration,
-                    acceptance.path_recalibration,
-                    acceptance.gradient,
-                    acceptance.curvature,
-                    acceptance.state,
-                    acceptance.MIN_TRIALS,
-                    acceptance.forgetting,
-                    acceptance.ridge,
-                    acceptance.accumulated,
-                    acceptance.weights,
-                ),
-                policy.cost.kernel_state(),
-                self.k,
-                self.max_model_len,
-            )
-            self._tables_rows = n
+        """The step kernels' tables for a batch of n rows. After `_stale`, the arrays they would be packed from
+        are compared (by identity) with those they hold, and packed again only when the batch size changed or
+        an array was replaced: packing types some eighty fields (about 40 us), and at batch 256 a request
+        joins or finishes in most steps, while arrays are replaced only when something grows."""
+        if self._step_tables is not None and not self._recheck:
+            return self._step_tables
+        sources = self._table_sources(n)
+        held = tuple(chain.from_iterable(part if type(part) is tuple else (part,) for part in sources))
+        if (
+            self._step_tables is None
+            or self._tables_rows != n
+            or len(held) != len(self._tables_held)
+            or not all(map(is_, held, self._tables_held))
+        ):
+            self._step_tables = pack_tables(*sources)
+            self._tables_rows, self._tables_held = n, held
+        self._recheck = False
         return self._step_tables
+
+    def _table_sources(self, n: int) -> tuple[Any, ...]:
+        """`pack_tables`' arguments for n rows (the per-batch buffers, reused while n stays, included)."""
+        policy, book, index = self.policy, self._book, self.index
+        config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
+        self._drafts, outputs = index.step_buffers(n)
+        self._buffers = policy.step_buffers(n)
+        return (
+            index.forest.tables(),
+            index.slots,
+            outputs,
+            (*self.draft_config.kernel_args(), index.draft_threads),
+            (
+                book.drafted_at,
+                book.length,
+                book.prompt_len,
+                book.rows,
+                book.accepted,
+                book.accepted_by_position,
+                book.drafted_by_position,
+                book.totals,
+                book.per_row(n),
+                book.bounds,
+                book.by_source,
+                book.by_bucket,
+                book.sum_by_class,
+            ),
+            (
+                policy.kept,
+                policy.features,
+                policy.model_p,
+                policy.path_p,
+                policy.first_past,
+                policy.slot_problem,
+                policy.request_outcomes,
+                policy.problem_outcomes,
+                policy.problem_stamp,
+                policy.accepted_rate,
+                policy.outlived,
+                policy.BINS,
+                config.max_tokens,
+                config.request_decay,
+                config.problem_decay,
+                config.rate_decay,
+            ),
+            self._buffers,
+            (lengths.count, lengths.quantiles, lengths.stats),
+            (
+                acceptance.recalibration,
+                acceptance.path_recalibration,
+                acceptance.gradient,
+                acceptance.curvature,
+                acceptance.state,
+                acceptance.MIN_TRIALS,
+                acceptance.forgetting,
+                acceptance.ridge,
+                acceptance.accumulated,
+                acceptance.weights,
+            ),
+            policy.cost.kernel_state(),
+            self.k,
+            self.max_model_len,
+        )
 
     def _stale(self) -> None:
         """Something outside the step kernels ran (a request joined or finished, the history or the index
-        changed): it may have replaced arrays the packed tables hold, so the next step packs them again."""
-        self._step_tables = None
+        changed): it may have replaced arrays the packed tables hold, so the next step checks them."""
+        self._recheck = True
 
     def _native_step(
         self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float, src: np.ndarray
@@ -580,7 +600,7 @@ class DasProposer:
         tables = self._tables(n)
         bases = self._row_base[:n]
         verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
-        m, clean, refitted, status, row, promoted, tokens = decode_step(
+        m, clean, status, row, promoted, tokens = decode_step(
             tables,
             slots,
             num_tokens,
@@ -596,8 +616,6 @@ class DasProposer:
         )
         if m:
             policy.observe_step_no += 1
-        if refitted:
-            policy.cost.publish()
         self._verify_seconds = verify_seconds if clean else None
         while True:
             if promoted:

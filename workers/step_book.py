@@ -12,6 +12,7 @@ request, or even per step, in Python.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,8 +45,9 @@ TOTAL_NAMES = (
 )
 # Rows of `StepBook.prepare`'s output.
 END, NEW, HEADROOM, OUTPUT = range(4)
-# Prometheus scrapes every 15 s by default: handing it the totals a few times a second is fresh enough.
-FLUSH_INTERVAL_S = 0.25
+# Prometheus scrapes every 15 s by default: handing it the totals once a second is fresh enough. A flush costs
+# about 80 us (some 25 locked increments): at 0.25 s it was 2.6 us of every step at batch 1.
+FLUSH_INTERVAL_S = 1.0
 
 
 @njit(cache=True)
@@ -199,9 +201,12 @@ class StepBook:
 class MetricsFlush:
     """Hands the growth of a StepBook's totals, and the step and draft durations seen, to Prometheus."""
 
-    def __init__(self, book: StepBook, publish: bool = True) -> None:
+    def __init__(
+        self, book: StepBook, publish: bool = True, also_publish: Callable[[], None] | None = None
+    ) -> None:
         self.book = book
         self._publish = publish  # False: keep the totals to itself (the proposer's warm-up steps)
+        self._also_publish = also_publish  # more gauges handed over with each flush (the cost model's)
         self._flushed = book.snapshot()
         self._draft_seconds: list[float] = []
         self._step_seconds: list[float] = []
@@ -252,6 +257,8 @@ class MetricsFlush:
         self._draft_seconds.clear()
         self._step_seconds.clear()
         self._flushed = book.snapshot()
+        if self._also_publish is not None:
+            self._also_publish()
 
 
 def _add_observations(histogram: Any, buckets: list[int], total: float) -> None:

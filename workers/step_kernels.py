@@ -115,7 +115,7 @@ _FIELDS = (
     # the length model
     ("length_count", _I1),
     ("quantile_table", _F2),
-    ("atypical", types.float64),
+    ("length_stats", _I1),
     # the acceptance model
     ("recalibration", _F2),
     ("path_recalibration", _F2),
@@ -200,7 +200,7 @@ def pack_tables(
         t.rate_decay,
     ) = policy
     t.weights, t.value, t.classes, t.budgets, t.predicted, t.kept = buffers
-    t.length_count, t.quantile_table, t.atypical = lengths
+    t.length_count, t.quantile_table, t.length_stats = lengths
     (
         t.recalibration,
         t.path_recalibration,
@@ -232,7 +232,7 @@ def pack_tables(
 def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seconds, last_rows, last_tokens):
     """Per-row END/NEW/HEADROOM/OUTPUT into per_row, the verified rows' acceptance into the policy, and the
     previous step's time into the cost model when it was a clean decode step (no request joined, every row
-    committed, something was verified). Returns (verified rows, clean, cost refitted)."""
+    committed, something was verified). Returns (verified rows, clean)."""
     have = K.committed(t.seqs, t.slot_table, slots)
     m, every_row_new = _prepare(
         slots,
@@ -288,9 +288,8 @@ def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seco
                 t.acceptance_weights,
             )
     clean = not joined and every_row_new and last_rows > 0 and verify_seconds > 0.0
-    refitted = False
     if clean:
-        refitted = _cost_observe(
+        _cost_observe(
             t.ring,
             t.sums,
             t.cost_state,
@@ -303,7 +302,7 @@ def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seco
             t.refit_every,
             t.ridge,
         )
-    return m, clean, refitted
+    return m, clean
 
 
 @njit(cache=True)
@@ -323,7 +322,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
                 t.slot_problem,
                 t.length_count,
                 t.quantile_table,
-                t.atypical,
+                t.length_stats,
                 t.accepted_rate,
                 t.outlived,
                 t.coefficients,
@@ -435,13 +434,13 @@ def decode_step(
     src,
 ):
     """`before_draft`, then `draft_step` from the first row: the whole step in one call when the index has
-    room. Returns before_draft's (verified rows, clean, cost refitted), then draft_step's (status, row reached,
-    rows promoted, draft tokens)."""
-    m, clean, refitted = before_draft(
+    room. Returns before_draft's (verified rows, clean), then draft_step's (status, row reached, rows promoted,
+    draft tokens)."""
+    m, clean = before_draft(
         t, slots, num_tokens, step_no, policy_step, joined, verify_seconds, last_rows, last_tokens
     )
     status, row, promoted, tokens = draft_step(t, budget_on, False, 0, slots, bases, src, step_no)
-    return m, clean, refitted, status, row, promoted, tokens
+    return m, clean, status, row, promoted, tokens
 
 
 class DirectCall:
