@@ -48,7 +48,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain, pairwise, repeat
 from operator import is_
 from pathlib import Path
 from types import SimpleNamespace
@@ -258,6 +258,10 @@ class DasProposer:
         self._step_tables: StepTables | None = None
         self._tables_rows = -1
         self._tables_held: tuple[Any, ...] = ()  # what the tables were packed from, flattened
+        self._reply = (
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int64),
+        )  # the kept drafts, packed (`_pack_reply`)
         self._recheck = False
         # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
         self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
@@ -488,15 +492,13 @@ class DasProposer:
             self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
             self._row_width = width
         src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
-        lengths = self._native_step(slots, num_tokens, joined, started, src)
+        total = self._native_step(slots, num_tokens, joined, started, src)
         self._last_rows = n
         self._step_no += 1
-        rows = (
-            self._drafts.tokens.tolist()
-        )  # fresh lists: cutting them in place is cheaper than slicing copies
-        for row, m in zip(rows, lengths.tolist(), strict=True):
-            del row[m:]
-        return rows
+        # A fresh list per row (vLLM's scheduler may extend a draft in place), sliced from the packed tokens.
+        packed, bounds = self._reply
+        tokens, b = packed[:total].tolist(), bounds.tolist()
+        return [tokens[start:end] for start, end in pairwise(b)]
 
     def _tables(self, n: int) -> StepTables:
         """The step kernels' tables for a batch of n rows. After `_stale`, the arrays they would be packed from
@@ -522,8 +524,10 @@ class DasProposer:
         """`pack_tables`' arguments for n rows (the per-batch buffers, reused while n stays, included)."""
         policy, book, index = self.policy, self._book, self.index
         config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
-        self._drafts, outputs = index.step_buffers(n)
+        _, outputs = index.step_buffers(n)
         self._buffers = policy.step_buffers(n)
+        if self._reply[1].shape[0] != n + 1:
+            self._reply = (np.zeros(n * self.k, np.int32), np.zeros(n + 1, np.int64))
         return (
             index.forest.tables(),
             index.slots,
@@ -563,6 +567,7 @@ class DasProposer:
                 config.rate_decay,
             ),
             self._buffers,
+            self._reply,
             (lengths.count, lengths.quantiles, lengths.stats),
             (
                 acceptance.recalibration,
@@ -593,8 +598,8 @@ class DasProposer:
         the previous step's drafts teaches the budget (the tokens each verified row accepted, and the step's
         cost), then budgets, commit, drafts, the pay-off rule and counting. The interval from the previous
         return to this call is the verification step of the previous drafts; it counts only for a clean step
-        (no joiner: an idle engine between batches always resumes with joining requests). Returns each row's
-        kept draft length; the drafts are in `self._drafts`."""
+        (no joiner: an idle engine between batches always resumes with joining requests). Returns the number
+        of kept draft tokens; they are packed in `self._reply`."""
         n = slots.shape[0]
         policy, budget_on = self.policy, self.settings.budget
         tables = self._tables(n)
@@ -628,9 +633,9 @@ class DasProposer:
                 self._tables(n), budget_on, True, row, slots, bases, src, self._step_no
             )
         self._last_tokens = tokens
-        _, value, classes, _, predicted, kept = self._buffers
+        _, value, classes, _, predicted, _ = self._buffers
         policy.drafted(slots, value, classes, predicted)
-        return kept if budget_on else self._drafts.lengths
+        return tokens
 
     def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
         self._stale()

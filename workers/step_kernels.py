@@ -105,6 +105,9 @@ _FIELDS = (
     ("request_decay", types.float64),
     ("problem_decay", types.float64),
     ("rate_decay", types.float64),
+    # the reply: each row's kept draft tokens packed, row i's at reply_tokens[reply_bounds[i]:reply_bounds[i + 1]]
+    ("reply_tokens", _I32_1),
+    ("reply_bounds", _I1),
     # the policy's per-batch buffers (BudgetPolicy.step_buffers)
     ("weights", _F1),
     ("value", _F1),
@@ -152,6 +155,7 @@ def pack_tables(
     book,
     policy,
     buffers,
+    reply,
     lengths,
     acceptance,
     cost,
@@ -200,6 +204,7 @@ def pack_tables(
         t.rate_decay,
     ) = policy
     t.weights, t.value, t.classes, t.budgets, t.predicted, t.kept = buffers
+    t.reply_tokens, t.reply_bounds = reply
     t.length_count, t.quantile_table, t.length_stats = lengths
     (
         t.recalibration,
@@ -310,7 +315,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
     """Budgets (unless `resume`), commit and draft from `row` on, truncation and counting. Returns (status,
     row reached, rows promoted to the tail, draft tokens): a status other than K.DONE means the index must
     make room for that row and the caller packs the tables again and calls with resume=True from it. The
-    kept draft lengths are in `kept` with the budget on, else in out_info[:, I_LEN]."""
+    kept draft tokens are packed in reply_tokens (row i's from reply_bounds[i] to reply_bounds[i + 1])."""
     promoted = 0
     per_row, budgets, classes = t.per_row, t.budgets, t.classes
     if not resume:
@@ -415,7 +420,21 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
         t.sum_by_class,
         t.totals,
     )
+    _pack_reply(t.out_tok, lengths, t.reply_tokens, t.reply_bounds)
     return status, row, promoted, tokens
+
+
+@njit(cache=True)
+def _pack_reply(drafted, lengths, packed, bounds):
+    """Row i's first lengths[i] drafted tokens into packed[bounds[i]:bounds[i + 1]]: vLLM takes a list per row,
+    and slicing one list of the packed tokens builds them faster than cutting a list of every row's K."""
+    total = 0
+    bounds[0] = 0
+    for i in range(lengths.shape[0]):
+        m = lengths[i]
+        packed[total : total + m] = drafted[i, :m]
+        total += m
+        bounds[i + 1] = total
 
 
 @njit(cache=True)
