@@ -303,6 +303,9 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
     rows share one length: they tie, and ties split evenly.
     """
     n, q = quantiles.shape
+    if n == 1:  # the only row is the last: what the rest computes too (acc / acc), without its ten arrays
+        out[0] = 1.0
+        return
     remaining = np.empty((n, 2 * q))
     mass = np.empty((n, 2 * q))
     used = np.zeros(n, np.int64)
