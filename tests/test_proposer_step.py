@@ -115,6 +115,56 @@ def test_a_paused_proposer_drafts_nothing_and_picks_the_batch_up_again_when_resu
     assert proposer.stats()["errors"] == 0
 
 
+def test_rows_swapped_in_place_in_the_list_of_request_ids_are_looked_up_again() -> None:
+    """The proposer keeps the last step's slots while the rows stay the same; vLLM rewrites its list of
+    request ids in place (it condenses the batch when a request leaves), so the same list object with other
+    contents must not count as the same rows."""
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    histories = {"p": list(range(100, 160)), "q": list(range(300, 360))}
+    proposer.add_trajectories(
+        [
+            {"problem_id": problem, "epoch": 0, "sample": 0, "prompt_ids": [1, 2, 3], "response_ids": history}
+            for problem, history in histories.items()
+        ]
+    )
+    problem_of = {"a": "p", "b": "q"}
+    requests = {
+        key: SimpleNamespace(
+            num_prompt_tokens=3,
+            sampling_params=SimpleNamespace(extra_args={"das_problem_id": problem}, max_tokens=None),
+        )
+        for key, problem in problem_of.items()
+    }
+    req_ids = ["a", "b"]
+    token_ids = np.zeros((2, 64), np.int32)
+    num_tokens = np.zeros(2, np.int32)
+    committed = {"a": 1, "b": 1}  # response tokens so far: the prefill's sampled token
+
+    def step() -> list[list[int]]:
+        for row, key in enumerate(req_ids):
+            tokens = [1, 2, 3, *histories[problem_of[key]][: committed[key]]]
+            token_ids[row, : len(tokens)] = tokens
+            num_tokens[row] = len(tokens)
+        drafts = proposer.step(req_ids, num_tokens, token_ids, requests)
+        for row, key in enumerate(req_ids):
+            history = histories[problem_of[key]]
+            assert drafts[row] and drafts[row] == history[committed[key] : committed[key] + len(drafts[row])]
+            committed[key] += len(drafts[row]) + 1  # verification accepts the draft and one token more
+        return drafts
+
+    step()
+    req_ids[:] = ["b", "a"]  # the same list object
+    step()
+    req_ids.reverse()
+    step()
+    for key, problem in problem_of.items():  # each request's tokens went to its own sequence
+        expected = [1, 2, 3, *histories[problem][: committed[key]]]
+        assert (
+            proposer.index.request_tokens(key).tolist() == expected[: len(proposer.index.request_tokens(key))]
+        )
+    assert proposer.stats()["errors"] == 0
+
+
 def test_a_request_that_ends_by_itself_with_epoch_and_sample_enters_its_problem_history() -> None:
     proposer = DasProposer.standalone(K, MAX_LEN)
     runner = StandInRunner(proposer)

@@ -241,6 +241,9 @@ class DasProposer:
         self.clock: Callable[[], float] = time.perf_counter
         self._live: dict[str, _Live] = {}
         self._slot_of: dict[str, int] = {}
+        # The last step's request ids and their slots: vLLM's rows stay the same between most steps.
+        self._rows_seen: list[str] | None = None
+        self._rows_slots = np.zeros(0, np.int64)
         self._row_base = np.zeros(0, np.int64)
         self._row_width = 0
         self._warned: set[str] = set()
@@ -467,16 +470,10 @@ class DasProposer:
     ) -> list[list[int]]:
         n = len(req_ids)
         self._reap(requests)
-        slot_of = self._slot_of
-        try:
-            slots = np.fromiter(map(slot_of.__getitem__, req_ids), np.int64, n)
-            joined = False
-        except KeyError:  # requests joined the batch (rare next to steps): register them
-            slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1, n)), np.int64, n)
-            for i in np.flatnonzero(slots < 0).tolist():
-                key = req_ids[i]
-                slots[i] = self._start(key, requests[key], token_ids[i])
-            joined = True
+        if req_ids == self._rows_seen:  # the last step's rows, and no request started or finished since
+            slots, joined = self._rows_slots, False
+        else:
+            slots, joined = self._slots_of_rows(req_ids, requests, token_ids)
         if (
             type(num_tokens) is not np.ndarray
             or num_tokens.dtype != np.int32
@@ -499,6 +496,24 @@ class DasProposer:
         packed, bounds = self._reply
         tokens, b = packed[:total].tolist(), bounds.tolist()
         return [tokens[start:end] for start, end in pairwise(b)]
+
+    def _slots_of_rows(
+        self, req_ids: Sequence[str], requests: Mapping[str, Any], token_ids: np.ndarray
+    ) -> tuple[np.ndarray, bool]:
+        """Each row's slot, registering the requests that joined; and whether any did. Kept for the next
+        step with a copy of the rows (vLLM rewrites its list of request ids in place)."""
+        n, slot_of = len(req_ids), self._slot_of
+        try:
+            slots = np.fromiter(map(slot_of.__getitem__, req_ids), np.int64, n)
+            joined = False
+        except KeyError:  # requests joined the batch (rare next to steps): register them
+            slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1, n)), np.int64, n)
+            for i in np.flatnonzero(slots < 0).tolist():
+                key = req_ids[i]
+                slots[i] = self._start(key, requests[key], token_ids[i])
+            joined = True
+        self._rows_seen, self._rows_slots = list(req_ids), slots
+        return slots, joined
 
     def _tables(self, n: int) -> StepTables:
         """The step kernels' tables for a batch of n rows. After `_stale`, the arrays they would be packed from
@@ -666,6 +681,7 @@ class DasProposer:
             int(getattr(sampling, "min_tokens", 0) or 0),
         )
         self._slot_of[key] = slot
+        self._rows_seen = None
         self._book.start(slot, prompt_len)
         return slot
 
@@ -673,6 +689,7 @@ class DasProposer:
         self._stale()
         live = self._live.pop(key)
         del self._slot_of[key]
+        self._rows_seen = None
         tokens = self.index.request_tokens(key)
         response_len = _natural_end(live, tokens) if live.problem_id is not None else None
         self.index.finish_request(key)
