@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -10,6 +11,7 @@ import urllib.request
 
 import pytest
 from monitoring_support import METRICS_SOURCE, free_port
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import metrics
@@ -104,3 +106,28 @@ def test_preparing_the_folder_after_the_client_is_imported_is_refused() -> None:
     # This pytest process has imported prometheus_client (through monitoring.metrics) in single-process mode.
     with pytest.raises(RuntimeError, match="before importing monitoring.metrics"):
         prepare_multiprocess_dir(tempfile.gettempdir())
+
+
+_LAST_STEPS_THEN_EXIT = """
+from workers.step_book import DRAFT_TOKEN_TOTAL, DRAFTED, MetricsFlush, StepBook
+book = StepBook(4, 8)
+metrics = MetricsFlush(book)
+metrics.step_done(1e-5, None, now=0.0)  # the first step flushes (nothing yet); the next flush is due at 1.0
+book.totals[DRAFTED] += 5
+book.totals[DRAFT_TOKEN_TOTAL] += 12
+metrics.step_done(1e-5, 0.02, now=0.5)  # not due: these counts wait for the exit
+"""
+
+
+def test_counts_of_the_last_second_reach_prometheus_when_the_process_exits(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Metrics are flushed once a second; an engine that exits sooner after its last steps must not lose
+    them."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _LAST_STEPS_THEN_EXIT], check=True, env=env, timeout=120)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    samples = _samples(generate_latest(metrics_registry()).decode())
+    assert samples[("das_drafts_total", ())] == 5
+    assert samples[("das_draft_tokens_total", ())] == 12
+    assert samples[("das_draft_duration_seconds_count", ())] == 2

@@ -5,13 +5,16 @@ proposer's step calls them from `workers.step_kernels`).
 previous-step draft was just verified and how many of its tokens were accepted (a row commits accepted + 1
 tokens); `_record` remembers this step's drafts for the next step. Both
 add to running totals (drafts, tokens, per position, per source, per budget-histogram bucket and length
-class) that `stats` reads and `MetricsFlush` hands to Prometheus a few times a second. Nothing is counted per
-request, or even per step, in Python.
+class) that `stats` reads and `MetricsFlush` hands to Prometheus once a second and when the process exits.
+Nothing is counted per request, or even per step, in Python.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +46,7 @@ TOTAL_NAMES = (
     "verified_drafts",
     "budget_tokens",
 )
+logger = logging.getLogger(__name__)
 # Rows of `StepBook.prepare`'s output.
 END, NEW, HEADROOM, OUTPUT = range(4)
 # Prometheus scrapes every 15 s by default: handing it the totals once a second is fresh enough. A flush costs
@@ -219,6 +223,10 @@ class MetricsFlush:
             ACCEPTED_TOKENS_BY_POSITION.labels(position=position_label(j)) for j in range(book.k)
         ]
         self._budget = [SPEC_BUDGET.labels(length_class=c) for c in LENGTH_CLASSES]
+        if (
+            publish
+        ):  # the last second's counts too: an engine's run often ends within a second of its last step
+            atexit.register(_flush_at_exit, weakref.ref(self))
 
     def step_done(self, draft_seconds: float, step_seconds: float | None, now: float) -> None:
         """Notes one step's durations; flushes when FLUSH_INTERVAL_S has passed since the last flush."""
@@ -259,6 +267,16 @@ class MetricsFlush:
         self._flushed = book.snapshot()
         if self._also_publish is not None:
             self._also_publish()
+
+
+def _flush_at_exit(ref: weakref.ref[MetricsFlush]) -> None:
+    metrics = ref()
+    if metrics is None:
+        return
+    try:
+        metrics.flush()
+    except Exception:  # an exit must not fail on metrics; say what was lost
+        logger.warning("DAS metrics: the last counts could not be flushed at exit", exc_info=True)
 
 
 def _add_observations(histogram: Any, buckets: list[int], total: float) -> None:
