@@ -115,54 +115,73 @@ def test_a_paused_proposer_drafts_nothing_and_picks_the_batch_up_again_when_resu
     assert proposer.stats()["errors"] == 0
 
 
+class VerifiedRows:
+    """Requests of their own problems, each decoding exactly its problem's history, stepped through the
+    proposer with whatever rows the test names; verification accepts each draft and one token more."""
+
+    def __init__(self, problems: int) -> None:
+        self.proposer = DasProposer.standalone(K, MAX_LEN)
+        keys = "abcdefgh"[:problems]
+        self.histories = {key: list(range(100 + 100 * i, 160 + 100 * i)) for i, key in enumerate(keys)}
+        self.proposer.add_trajectories(
+            [
+                {"problem_id": f"p{key}", "epoch": 0, "sample": 0, "prompt_ids": [1, 2, 3], "response_ids": h}
+                for key, h in self.histories.items()
+            ]
+        )
+        self.requests = {
+            key: SimpleNamespace(
+                num_prompt_tokens=3,
+                sampling_params=SimpleNamespace(extra_args={"das_problem_id": f"p{key}"}, max_tokens=None),
+            )
+            for key in keys
+        }
+        self.committed = dict.fromkeys(keys, 1)  # response tokens so far: the prefill's sampled token
+
+    def step(self, req_ids: list[str]) -> None:
+        token_ids = np.zeros((len(req_ids), 64), np.int32)
+        num_tokens = np.zeros(len(req_ids), np.int32)
+        for row, key in enumerate(req_ids):
+            tokens = [1, 2, 3, *self.histories[key][: self.committed[key]]]
+            token_ids[row, : len(tokens)] = tokens
+            num_tokens[row] = len(tokens)
+        drafts = self.proposer.step(req_ids, num_tokens, token_ids, self.requests)
+        assert len(drafts) == len(req_ids)
+        for row, key in enumerate(req_ids):
+            done, draft = self.committed[key], drafts[row]
+            assert draft and draft == self.histories[key][done : done + len(draft)]
+            self.committed[key] += len(draft) + 1
+
+    def check_sequences(self) -> None:
+        """Each request's committed tokens went to its own sequence."""
+        for key, history in self.histories.items():
+            have = self.proposer.index.request_tokens(key).tolist()
+            assert have == [1, 2, 3, *history[: self.committed[key]]][: len(have)]
+        assert self.proposer.stats()["errors"] == 0
+
+
 def test_rows_swapped_in_place_in_the_list_of_request_ids_are_looked_up_again() -> None:
     """The proposer keeps the last step's slots while the rows stay the same; vLLM rewrites its list of
     request ids in place (it condenses the batch when a request leaves), so the same list object with other
     contents must not count as the same rows."""
-    proposer = DasProposer.standalone(K, MAX_LEN)
-    histories = {"p": list(range(100, 160)), "q": list(range(300, 360))}
-    proposer.add_trajectories(
-        [
-            {"problem_id": problem, "epoch": 0, "sample": 0, "prompt_ids": [1, 2, 3], "response_ids": history}
-            for problem, history in histories.items()
-        ]
-    )
-    problem_of = {"a": "p", "b": "q"}
-    requests = {
-        key: SimpleNamespace(
-            num_prompt_tokens=3,
-            sampling_params=SimpleNamespace(extra_args={"das_problem_id": problem}, max_tokens=None),
-        )
-        for key, problem in problem_of.items()
-    }
+    rows = VerifiedRows(2)
     req_ids = ["a", "b"]
-    token_ids = np.zeros((2, 64), np.int32)
-    num_tokens = np.zeros(2, np.int32)
-    committed = {"a": 1, "b": 1}  # response tokens so far: the prefill's sampled token
-
-    def step() -> list[list[int]]:
-        for row, key in enumerate(req_ids):
-            tokens = [1, 2, 3, *histories[problem_of[key]][: committed[key]]]
-            token_ids[row, : len(tokens)] = tokens
-            num_tokens[row] = len(tokens)
-        drafts = proposer.step(req_ids, num_tokens, token_ids, requests)
-        for row, key in enumerate(req_ids):
-            history = histories[problem_of[key]]
-            assert drafts[row] and drafts[row] == history[committed[key] : committed[key] + len(drafts[row])]
-            committed[key] += len(drafts[row]) + 1  # verification accepts the draft and one token more
-        return drafts
-
-    step()
+    rows.step(req_ids)
     req_ids[:] = ["b", "a"]  # the same list object
-    step()
+    rows.step(req_ids)
     req_ids.reverse()
-    step()
-    for key, problem in problem_of.items():  # each request's tokens went to its own sequence
-        expected = [1, 2, 3, *histories[problem][: committed[key]]]
-        assert (
-            proposer.index.request_tokens(key).tolist() == expected[: len(proposer.index.request_tokens(key))]
-        )
-    assert proposer.stats()["errors"] == 0
+    rows.step(req_ids)
+    rows.check_sequences()
+
+
+def test_preempted_rows_leave_and_rejoin_the_batch_without_starting_or_finishing() -> None:
+    """vLLM preempts a request under memory pressure: it leaves the batch but stays among the runner's
+    requests, so nothing starts or finishes, and it comes back later. The step follows the batch size all the
+    same: one draft per row, each from the row's own request."""
+    rows = VerifiedRows(3)
+    for req_ids in (["a", "b", "c"], ["a", "b"], ["a", "b"], ["a", "b", "c"], ["c", "a"], ["a", "b", "c"]):
+        rows.step(req_ids)
+    rows.check_sequences()
 
 
 def test_a_request_that_ends_by_itself_with_epoch_and_sample_enters_its_problem_history() -> None:

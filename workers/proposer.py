@@ -261,10 +261,8 @@ class DasProposer:
         self._step_tables: StepTables | None = None
         self._tables_rows = -1
         self._tables_held: tuple[Any, ...] = ()  # what the tables were packed from, flattened
-        self._reply = (
-            np.zeros(0, np.int32),
-            np.zeros(0, np.int64),
-        )  # the kept drafts, packed (`_pack_reply`)
+        # The kept drafts as the kernel packs them (`_pack_reply`): tokens, and where each row's start.
+        self._reply = (np.zeros(0, np.int32), np.zeros(0, np.int64))
         self._recheck = False
         # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
         self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
@@ -520,7 +518,7 @@ class DasProposer:
         are compared (by identity) with those they hold, and packed again only when the batch size changed or
         an array was replaced: packing types some eighty fields (about 40 us), and at batch 256 a request
         joins or finishes in most steps, while arrays are replaced only when something grows."""
-        if self._step_tables is not None and not self._recheck:
+        if self._step_tables is not None and self._tables_rows == n and not self._recheck:
             return self._step_tables
         sources = self._table_sources(n)
         held = tuple(chain.from_iterable(part if type(part) is tuple else (part,) for part in sources))
