@@ -48,8 +48,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, pairwise, repeat
-from operator import is_
+from itertools import pairwise, repeat
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -260,10 +259,8 @@ class DasProposer:
         self._book = StepBook(64, self.k)
         self._step_tables: StepTables | None = None
         self._tables_rows = -1
-        self._tables_held: tuple[Any, ...] = ()  # what the tables were packed from, flattened
         # The kept drafts as the kernel packs them (`_pack_reply`): tokens, and where each row's start.
         self._reply = (np.zeros(0, np.int32), np.zeros(0, np.int64))
-        self._recheck = False
         # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
         self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
         self._step_no = 0
@@ -514,23 +511,11 @@ class DasProposer:
         return slots, joined
 
     def _tables(self, n: int) -> StepTables:
-        """The step kernels' tables for a batch of n rows. After `_stale`, the arrays they would be packed from
-        are compared (by identity) with those they hold, and packed again only when the batch size changed or
-        an array was replaced: packing types some eighty fields (about 40 us), and at batch 256 a request
-        joins or finishes in most steps, while arrays are replaced only when something grows."""
-        if self._step_tables is not None and self._tables_rows == n and not self._recheck:
-            return self._step_tables
-        sources = self._table_sources(n)
-        held = tuple(chain.from_iterable(part if type(part) is tuple else (part,) for part in sources))
-        if (
-            self._step_tables is None
-            or self._tables_rows != n
-            or len(held) != len(self._tables_held)
-            or not all(map(is_, held, self._tables_held))
-        ):
-            self._step_tables = pack_tables(*sources)
-            self._tables_rows, self._tables_held = n, held
-        self._recheck = False
+        """The step kernels' tables for a batch of n rows: packed again only when the batch size changed or
+        something outside the kernels may have replaced an array since (`_stale` says so)."""
+        if self._step_tables is None or self._tables_rows != n:
+            self._step_tables = pack_tables(*self._table_sources(n))
+            self._tables_rows = n
         return self._step_tables
 
     def _table_sources(self, n: int) -> tuple[Any, ...]:
@@ -601,12 +586,12 @@ class DasProposer:
 
     def _stale(self) -> None:
         """Something outside the step kernels ran (a request joined or finished, the history or the index
-        changed): it may have replaced arrays the packed tables hold, so the next step checks them."""
-        self._recheck = True
+        changed): it may have replaced arrays the packed tables hold, so the next step packs them again."""
+        self._step_tables = None
 
     def _native_step(
         self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float, src: np.ndarray
-    ) -> np.ndarray:
+    ) -> int:
         """The step's native work, in one call unless the index must grow mid-step: what the verification of
         the previous step's drafts teaches the budget (the tokens each verified row accepted, and the step's
         cost), then budgets, commit, drafts, the pay-off rule and counting. The interval from the previous

@@ -105,7 +105,7 @@ _FIELDS = (
     ("request_decay", types.float64),
     ("problem_decay", types.float64),
     ("rate_decay", types.float64),
-    # the reply: each row's kept draft tokens packed, row i's at reply_tokens[reply_bounds[i]:reply_bounds[i + 1]]
+    # the reply: the kept draft tokens packed, row i's from reply_bounds[i] to reply_bounds[i + 1]
     ("reply_tokens", _I32_1),
     ("reply_bounds", _I1),
     # the policy's per-batch buffers (BudgetPolicy.step_buffers)
