@@ -66,8 +66,8 @@ R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
 R_STATE, R_MLEN, R_MVER = 6, 9, 12
 SLOT_FIELDS = 15
 # Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft).
-I_LEN, I_MATCH, I_SOURCE = 0, 1, 2
-INFO_FIELDS = 3
+I_LEN, I_MATCH, I_SOURCE, I_AGREE = 0, 1, 2, 3  # I_AGREE and I_AGREE + 1: see `_agreement`
+INFO_FIELDS = 5
 # What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
 DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
 # Below this many rows a step drafts on one thread: waking a second costs about what it saves.
@@ -551,6 +551,30 @@ def _prefetch_ahead(states, edges, slots, req_slots, r, n_rows):
 
 
 @njit(cache=True)
+def _agreement(states, trees, slots, s, c, draft, n):
+    """How many of the draft's first n tokens slot s's candidate tree c (0 when it has none) repeats on its
+    own likeliest path from its longest matched suffix with a continuation. A draft token that other trees
+    would also draft is accepted far more often than its probability in any one tree says (on the traces in
+    data/, first tokens at the same ratio: 0.24 -> 0.33 -> 0.45 accepted with 0, 1 and 2 trees agreeing), so
+    the budget takes it as evidence (`budget._features_of`). One `states` row per agreeing token, on states
+    the match just visited (and `_prefetch_ahead` fetched)."""
+    tid = slots[s, R_CAND + c]
+    if tid < 0:
+        return 0
+    root = trees[tid, ROOT]
+    st = np.int64(slots[s, R_STATE + c])
+    while st != root and states[st, BEST] == -1:
+        st = np.int64(states[st, LINK])
+    j = 0
+    while st != root and j < n:
+        st = np.int64(states[st, BEST])
+        if st == -1 or states[st, TOKEN] != draft[j]:
+            break
+        j += 1
+    return j
+
+
+@njit(cache=True)
 def _draft_range(
     states,
     edges,
@@ -591,6 +615,7 @@ def _draft_range(
         out_info[r, I_LEN] = 0
         out_info[r, I_MATCH] = 0
         out_info[r, I_SOURCE] = 0
+        out_info[r, I_AGREE] = out_info[r, I_AGREE + 1] = 0
         out_score[r] = 0.0
         for c in range(N_CANDIDATES):
             tid = slots[s, R_CAND + c]
@@ -655,6 +680,12 @@ def _draft_range(
                 out_info[r, I_MATCH] = used
                 out_info[r, I_SOURCE] = c + 1
                 out_score[r] = score
+        n = out_info[r, I_LEN]
+        if n > 0:  # the other two trees, in candidate order
+            chosen = out_info[r, I_SOURCE] - 1
+            first = 1 if chosen == 0 else 0
+            out_info[r, I_AGREE] = _agreement(states, trees, slots, s, first, out_tok[r], n)
+            out_info[r, I_AGREE + 1] = _agreement(states, trees, slots, s, 3 - chosen - first, out_tok[r], n)
         slots[s, R_MATCHED] = end - off
 
 

@@ -52,6 +52,7 @@ class BatchDrafts:
     match_lens: np.ndarray  # int32 (n,)
     scores: np.ndarray  # float64 (n,)
     sources: np.ndarray  # int32 (n,): SOURCE_*
+    agreement: np.ndarray  # int32 (n, 2): draft tokens each other tree's likeliest path repeats
 
     def draft(self, row: int) -> list[int]:
         return self.tokens[row, : self.lengths[row]].tolist()
@@ -83,6 +84,7 @@ class _StepBuffers:
                 match_lens=info[:, K.I_MATCH],
                 scores=out[4],
                 sources=info[:, K.I_SOURCE],
+                agreement=info[:, K.I_AGREE : K.I_AGREE + 2],
             )
             self._n, self._views = n, (drafts, out)
         return self._views

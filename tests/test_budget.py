@@ -274,6 +274,42 @@ def test_acceptance_model_learns_deep_positions_of_underconfident_thin_history()
     assert np.all(np.diff(policy.last_predicted[0]) <= 0)
 
 
+def test_acceptance_model_learns_that_tokens_other_trees_agree_on_are_accepted() -> None:
+    policy = BudgetPolicy(BudgetConfig(max_tokens=4))
+    slots = _start(policy, [f"p{i}" for i in range(40)])
+    probs = np.tile(0.5 ** np.arange(1, 5), (40, 1))
+    rng = np.random.default_rng(0)
+
+    def step(agree: np.ndarray) -> None:
+        budgets, _ = policy.budgets(np.asarray(slots), np.zeros(40), np.full(40, 100))
+        agreement = np.column_stack([agree, agree]).astype(np.int32)
+        policy.truncate(
+            np.minimum(budgets, 4),
+            probs,
+            np.full(40, 8),
+            np.full(40, SOURCE_PROBLEM),
+            np.full((40, 4), 3),
+            agreement,
+        )
+
+    for active in range(1, 41):
+        policy.observe_step(active, 3 * active, 0.008 + 0.0001 * active + 0.00003 * 3 * active)
+    half = np.arange(40) % 2
+    step(half)
+    prior_gap = policy.last_predicted[1, 0] - policy.last_predicted[0, 0]
+    assert prior_gap > 0  # the prior already takes agreement as evidence
+    # Each step a random half of the rows have a first token both other trees agree on, and only those are
+    # accepted: every request fares alike on average, so only the agreement tells the rows apart.
+    for _ in range(30):
+        agree = rng.random(40) < 0.5
+        step(agree)
+        policy.observe_acceptance(np.array(slots), agree.astype(np.int64))
+    step(half)
+    assert policy.last_predicted[1, 0] > 0.6
+    assert policy.last_predicted[0, 0] < 0.3
+    assert policy.last_predicted[1, 0] - policy.last_predicted[0, 0] > prior_gap
+
+
 def test_a_request_whose_drafts_keep_failing_stops_drafting_while_its_siblings_go_on() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=4))
     for length in (300, 310, 320, 330):

@@ -1,4 +1,5 @@
-"""The per-problem index: batched drafts equal the best single-tree draft; windows evict for good."""
+"""The per-problem index: batched drafts equal the best single-tree draft, with the other trees' agreement on it;
+windows evict for good."""
 
 from __future__ import annotations
 
@@ -25,6 +26,35 @@ def best_single_tree_draft(candidates: list[tuple[int, list[list[int]]]], contex
         if draft.tokens.size and draft.score > best[0]:
             best = (draft.score, draft.tokens.tolist(), source)
     return best[1], best[2]
+
+
+def agreement(seqs: list[list[int]], context: list[int], draft: list[int]) -> int:
+    """How many of the draft's tokens one tree's likeliest path repeats, by brute force: the path starts at
+    the longest context suffix (at most max_depth tokens) that some sequence continues, and takes the most
+    frequent next token each time (ties: the smaller)."""
+
+    def next_counts(y: list[int]) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for seq in seqs:
+            for i in range(len(seq) - len(y)):
+                if seq[i : i + len(y)] == y:
+                    counts[seq[i + len(y)]] = counts.get(seq[i + len(y)], 0) + 1
+        return counts
+
+    for length in range(min(len(context), CFG.max_depth), 0, -1):
+        path = context[-length:]
+        if next_counts(path):
+            break
+    else:
+        return 0
+    agreed = 0
+    for token in draft:
+        counts = next_counts(path)
+        if not counts or min(counts, key=lambda t: (-counts[t], t)) != token:
+            break
+        path = path + [token]
+        agreed += 1
+    return agreed
 
 
 @settings(max_examples=150, deadline=None)
@@ -76,6 +106,8 @@ def test_batched_drafts_equal_the_best_single_tree_draft(history, requests, step
             assert drafts.draft(row) == expected
             if expected:
                 assert drafts.sources[row] == source
+                others = [agreement(seqs, ctx, expected) for src, seqs in candidates if src != source]
+                assert drafts.agreement[row].tolist() == others
 
 
 def test_adding_a_trajectory_twice_changes_nothing():

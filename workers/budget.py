@@ -41,7 +41,7 @@ SHORT, MEDIUM, LONG = 0, 1, 2
 # Sources of a draft, in ProblemIndex.draft_batch's numbering (0: no draft).
 SOURCE_PROBLEM, SOURCE_LIVE, SOURCE_GLOBAL = 1, 2, 3
 # Features of a draft token (see `_features_of`).
-N_FEATURES = 9
+N_FEATURES = 10
 
 
 @dataclass(frozen=True)
@@ -466,7 +466,7 @@ def _log_odds_gain(outcomes):
 
 
 @njit(cache=True)
-def _features_of(probs, support, j, previous, log_match, source, request_gain, problem_gain, out):
+def _features_of(probs, support, j, previous, log_match, source, request_gain, problem_gain, agreement, out):
     """Features of draft token j for its acceptance given token j-1 was accepted: which tree drafted it (one
     intercept per source: what the verifier taught about one source says nothing about another, e.g.
     siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional ratio p_j / p_(j-1),
@@ -485,6 +485,7 @@ def _features_of(probs, support, j, previous, log_match, source, request_gain, p
     out[6] = request_gain
     out[7] = problem_gain
     out[8] = np.log1p(support[j]) / 4.0
+    out[9] = ((agreement[0] > j) + (agreement[1] > j)) / 2.0
 
 
 # log1p(j) / 2 for draft positions j: a table lookup instead of a logarithm per draft token.
@@ -517,6 +518,7 @@ def _truncate_kernel(
     lengths,
     match_lens,
     sources,
+    agreement,
     slots,
     slot_problem,
     request_outcomes,
@@ -570,7 +572,16 @@ def _truncate_kernel(
                 continue
             x = features[s, j]
             _features_of(
-                probs[i], support[i], j, previous, log_match, sources[i], request_gain, problem_gain, x
+                probs[i],
+                support[i],
+                j,
+                previous,
+                log_match,
+                sources[i],
+                request_gain,
+                problem_gain,
+                agreement[i],
+                x,
             )
             previous = probs[i, j]
             z = 0.0
@@ -737,6 +748,9 @@ class AcceptanceModel:
         # rollouts, and thin evidence should draft little until the verifier has spoken.
         self.weights = np.zeros(N_FEATURES)
         self.weights[:3], self.weights[3] = -0.5, 1.0
+        # Agreeing trees: each one added 0.4-0.5 to a first token's log odds of acceptance at the same ratio on
+        # dev_rollouts and rl_t1.0 (the feature counts half a tree per unit).
+        self.weights[9] = 0.8
         self.accumulated = np.zeros((N_FEATURES, N_FEATURES))  # the forgetting sum of past curvatures
         self.gradient = np.zeros(N_FEATURES)
         self.curvature = np.zeros((N_FEATURES, N_FEATURES))
@@ -1083,6 +1097,7 @@ class BudgetPolicy:
         match_lens: np.ndarray,
         sources: np.ndarray,
         support: np.ndarray,
+        agreement: np.ndarray | None = None,
     ) -> np.ndarray:
         """Draft lengths after the pay-off rule, for the rows of the last `budgets` call (a view of a reused
         buffer, like `last_predicted`: valid until the next step's `truncate`).
@@ -1093,6 +1108,8 @@ class BudgetPolicy:
             match_lens: context suffix length the draft was matched on.
             sources: which tree drafted it (ProblemIndex.SOURCE_*).
             support: occurrences behind each draft token (n, K).
+            agreement: (n, 2) draft tokens each other tree's likeliest path repeats (BatchDrafts.agreement);
+                none given counts as no agreement.
         """
         slots = self._slots
         n = len(lengths)
@@ -1107,6 +1124,7 @@ class BudgetPolicy:
             np.asarray(lengths),
             np.asarray(match_lens),
             np.asarray(sources),
+            np.zeros((n, 2), np.int32) if agreement is None else np.asarray(agreement),
             slots,
             self.slot_problem,
             self.request_outcomes,

@@ -382,6 +382,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
             out_info[:, K.I_LEN],
             out_info[:, K.I_MATCH],
             sources,
+            out_info[:, K.I_AGREE : K.I_AGREE + 2],
             slots,
             t.slot_problem,
             t.request_outcomes,

@@ -274,7 +274,12 @@ def simulate(
                 kept = np.minimum(result.lengths, budgets).astype(np.int64)
                 if policy is not None:
                     kept = policy.truncate(
-                        kept, result.probs, result.match_lens, result.sources, result.support
+                        kept,
+                        result.probs,
+                        result.match_lens,
+                        result.sources,
+                        result.support,
+                        result.agreement,
                     )
                     kept = kept.astype(np.int64)
             accepted = np.zeros(n, np.int64)
