@@ -65,8 +65,9 @@ N_CANDIDATES = 3
 R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
 R_STATE, R_MLEN, R_MVER = 6, 9, 12
 SLOT_FIELDS = 15
-# Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft).
-I_LEN, I_MATCH, I_SOURCE, I_AGREE = 0, 1, 2, 3  # I_AGREE and I_AGREE + 1: see `_agreement`
+# Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft), and the
+# agreement of the other two candidates with the draft (`_agreement`, two columns).
+I_LEN, I_MATCH, I_SOURCE, I_AGREE = 0, 1, 2, 3
 INFO_FIELDS = 5
 # What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
 DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3

@@ -473,7 +473,9 @@ def _features_of(probs, support, j, previous, log_match, source, request_gain, p
     log match length, log position, how much better or worse than predicted the request's and the
     problem's recent drafts did (0 without trials, so a request or problem that stopped drafting is not held
     to its old failures forever), and the log of the occurrences behind the token (a ratio of 1/2 from one
-    sighting is weaker evidence than one from 100). log_match is the row's log1p(match length) / 4."""
+    sighting is weaker evidence than one from 100), and half the number of the other trees whose own likeliest
+    path drafts the token too (`agreement`: the row's two counts of draft tokens they repeat). log_match is the
+    row's log1p(match length) / 4."""
     ratio = probs[j] / previous if previous > 0 else 0.0
     ratio = min(max(ratio, 0.02), 0.98)
     out[0] = 1.0 if source == SOURCE_PROBLEM else 0.0
