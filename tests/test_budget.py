@@ -236,7 +236,9 @@ def _step(policy: BudgetPolicy, slots, outputs, probs, sources=SOURCE_PROBLEM, m
     probs = np.asarray(probs, float)
     lengths = np.minimum(budgets, (probs > 0).sum(axis=1))
     support = np.full(probs.shape, 3)
-    kept = policy.truncate(lengths, probs, np.full(n, match), np.full(n, sources), support)
+    kept = policy.truncate(
+        lengths, probs, np.full(n, match), np.full(n, sources), support, np.zeros((n, 2), np.int32)
+    )
     return budgets, kept
 
 
@@ -392,7 +394,9 @@ def test_budgets_and_truncation_stay_within_k_headroom_and_draft_length(outputs,
     probs = np.random.default_rng(len(outputs)).random((len(slots), k))
     probs = -np.sort(-probs, axis=1)
     n = len(slots)
-    kept = policy.truncate(budgets, probs, np.full(n, 4), np.full(n, SOURCE_PROBLEM), np.ones((n, k)))
+    kept = policy.truncate(
+        budgets, probs, np.full(n, 4), np.full(n, SOURCE_PROBLEM), np.ones((n, k)), np.zeros((n, 2), np.int32)
+    )
     assert np.all(kept >= 0) and np.all(kept <= budgets)
     assert np.all((classes == SHORT) <= (budgets == 0))
 
@@ -449,7 +453,14 @@ def test_tokens_drafted_past_the_match_length_are_priced_by_what_such_paths_did(
 
     def step() -> np.ndarray:
         budgets, _ = policy.budgets(slots, np.zeros(20, np.int64), np.full(20, 100))
-        return policy.truncate(np.minimum(budgets, 8), probs, match, np.full(20, SOURCE_PROBLEM), support)
+        return policy.truncate(
+            np.minimum(budgets, 8),
+            probs,
+            match,
+            np.full(20, SOURCE_PROBLEM),
+            support,
+            np.zeros((20, 2), np.int32),
+        )
 
     kept = step()
     assert np.all(kept == 8), "a fresh model trusts the tree: every row drafts past its match"

@@ -1099,7 +1099,7 @@ class BudgetPolicy:
         match_lens: np.ndarray,
         sources: np.ndarray,
         support: np.ndarray,
-        agreement: np.ndarray | None = None,
+        agreement: np.ndarray,
     ) -> np.ndarray:
         """Draft lengths after the pay-off rule, for the rows of the last `budgets` call (a view of a reused
         buffer, like `last_predicted`: valid until the next step's `truncate`).
@@ -1110,8 +1110,7 @@ class BudgetPolicy:
             match_lens: context suffix length the draft was matched on.
             sources: which tree drafted it (ProblemIndex.SOURCE_*).
             support: occurrences behind each draft token (n, K).
-            agreement: (n, 2) draft tokens each other tree's likeliest path repeats (BatchDrafts.agreement);
-                none given counts as no agreement.
+            agreement: (n, 2) draft tokens each other tree's likeliest path repeats (BatchDrafts.agreement).
         """
         slots = self._slots
         n = len(lengths)
@@ -1126,7 +1125,7 @@ class BudgetPolicy:
             np.asarray(lengths),
             np.asarray(match_lens),
             np.asarray(sources),
-            np.zeros((n, 2), np.int32) if agreement is None else np.asarray(agreement),
+            np.asarray(agreement),
             slots,
             self.slot_problem,
             self.request_outcomes,
