@@ -463,7 +463,15 @@ def test_tokens_drafted_past_the_match_length_are_priced_by_what_such_paths_did(
         )
 
     kept = step()
-    assert np.all(kept == 8), "a fresh model trusts the tree: every row drafts past its match"
+    assert np.all(kept == 8), "cheap tokens at paths near 0.8: every row drafts past its match"
+    # Before any path past a match was verified, such a path is shown at its square (what the tables learned
+    # on real rollouts); tokens within the match show the model's path as it is.
+    shown, raw = policy.last_predicted, policy.path_p[slots]
+    past = np.arange(8) >= match[:, None]
+    assert np.array_equal(shown[~past], raw[~past])
+    first_past = np.zeros_like(past)
+    first_past[np.arange(20), match] = True
+    np.testing.assert_allclose(shown[first_past], raw[first_past] ** 2, rtol=1e-6)
     # Every token within the match passes; odd rows pass their first token past it too, then fail.
     policy.observe_acceptance(slots, match + np.arange(20) % 2)
     table = policy.acceptance.path_recalibration

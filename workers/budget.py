@@ -492,8 +492,8 @@ def _features_of(probs, support, j, previous, log_match, source, request_gain, p
 
 # log1p(j) / 2 for draft positions j: a table lookup instead of a logarithm per draft token.
 _LOG_POSITION = np.log1p(np.arange(64)) / 2.0
-# Pseudo-trials at the logistic model's own prediction in each recalibration bin; fewer for the paths of
-# tokens drafted past the match length, which are rarer (20 learned too slowly on rl_t1.0 at factor 4).
+# Pseudo-trials in each recalibration bin; fewer for the paths of tokens drafted past the match length,
+# which are rarer (20 learned too slowly on rl_t1.0 at factor 4).
 _RECALIBRATION_PRIOR = 20.0
 _PATH_PRIOR = 5.0
 
@@ -505,12 +505,15 @@ def _bin(p, table):
 
 
 @njit(cache=True)
-def _recalibrated(p, table, prior):
+def _recalibrated(p, table, prior, prior_mean):
     """A predicted probability p mapped through observed acceptance in p's bin (table[b] = accepted, tried),
-    with `prior` pseudo-trials at p: the logistic model's conditional acceptance (a logistic curve in these
-    features is not exactly right at either end), or the path of tokens drafted past the match length."""
+    with `prior` pseudo-trials at `prior_mean`: the logistic model's conditional acceptance (prior at p: a
+    logistic curve in these features is not exactly right at either end), or the path of tokens drafted past
+    the match length (prior at p squared: the path tables, once learned at factor 4 on templated_t0.7 and
+    rl_t1.0, saw such paths accepted at about that rate, e.g. 0.22 in the bin around 0.47; a prior at p drafted
+    past the match on every cold or forgotten bin, and that waste made more drafting freedom cost makespan)."""
     b = _bin(p, table)
-    return (table[b, 0] + prior * p) / (table[b, 1] + prior)
+    return (table[b, 0] + prior * prior_mean) / (table[b, 1] + prior)
 
 
 @njit(cache=True)
@@ -591,10 +594,13 @@ def _truncate_kernel(
                 z += x[c] * weights[c]
             p = 1.0 / (1.0 + np.exp(-z))
             model_p[s, j] = p
-            path *= _recalibrated(p, recalibration, _RECALIBRATION_PRIOR)
+            path *= _recalibrated(p, recalibration, _RECALIBRATION_PRIOR, p)
             path_p[s, j] = path
             # Never above the previous token's: the kept tokens stay a prefix.
-            shown = min(shown, _recalibrated(path, path_recalibration, _PATH_PRIOR) if j >= past else path)
+            if j >= past:
+                shown = min(shown, _recalibrated(path, path_recalibration, _PATH_PRIOR, path * path))
+            else:
+                shown = min(shown, path)
             predicted[i, j] = shown
             if shown * value[i] >= c_tok:
                 keep = j + 1  # path probabilities never grow along a row: the kept tokens are a prefix
