@@ -130,6 +130,34 @@ def test_calibration_reports_brier_score_and_a_reliability_table_that_add_up(tmp
     )
 
 
+def test_acceptance_by_agreement_counts_every_judged_draft_token_once(tmp_path):
+    """Token j of a draft is judged when tokens 0..j-1 were accepted: every accepted token once, plus one
+    rejected token per draft that was not accepted whole."""
+    records = _repeating_trace(tmp_path)
+    sim = replay.simulate(records, "das", DraftConfig())
+    judged, accepted, _ = sim.agreement.bins.sum(axis=0)
+    _, _, drafted, accepted_tokens = sim.per_request.sum(axis=0)
+    assert accepted == accepted_tokens > 0
+    assert accepted < judged <= drafted
+    report = replay.summarize(sim, replay.CostModel())["acceptance_by_agreement"]
+    assert sum(row["tokens"] for row in report) == judged
+    assert all(0.0 <= row["acceptance"] <= 1.0 and row["agreeing_trees"] in (0, 1, 2) for row in report)
+
+
+def test_agreement_table_groups_each_judged_token_by_the_trees_that_drafted_it_too():
+    table = replay._AgreementTable()
+    probs = np.array([[0.8, 0.4, 0.2, 0.1], [0.5, 0.25, 0.0, 0.0]], np.float32)
+    # Row 0: 3 kept, 1 accepted (tokens 0 and 1 judged); both other trees repeat its first two tokens, one
+    # its third. Row 1: 2 kept, both accepted (both judged); no other tree agrees.
+    agreement = np.array([[2, 3], [0, 0]], np.int32)
+    table.add(probs, agreement, np.array([3, 2]), np.array([1, 2]))
+    np.testing.assert_allclose(
+        table.bins,
+        [[2, 2, 0.5 + 0.5], [0, 0, 0], [2, 1, 0.8 + 0.5]],
+    )
+    assert [row["agreeing_trees"] for row in table.report()] == [0, 2]
+
+
 def test_suffix_problem_drafts_from_its_own_problem_only(tmp_path):
     # Two problems with disjoint vocabularies: per-problem trees never draft the other problem's text.
     records = [record("a", e, 0, list(range(10, 60))) for e in range(2)]

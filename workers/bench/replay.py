@@ -181,6 +181,45 @@ class _Calibration:
 
 
 @dataclass
+class _AgreementTable:
+    """Conditional acceptance of drafted tokens by how many of the request's other trees draft them too (0, 1
+    or 2: `BatchDrafts.agreement`), the evidence the budget's agreement feature stands on. Token j of a draft is
+    judged when tokens 0..j-1 were accepted; per group: tokens judged, accepted, and the sum of their trees'
+    conditional ratios p_j / p_(j-1), so a reader can see the groups differ beyond the ratio."""
+
+    bins: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+
+    def add(
+        self, probs: np.ndarray, agreement: np.ndarray, lengths: np.ndarray, accepted: np.ndarray
+    ) -> None:
+        pos = np.arange(probs.shape[1])[None, :]
+        judged = (pos < lengths[:, None]) & (pos <= accepted[:, None])
+        agreeing = (agreement[:, :1] > pos).astype(np.int64) + (agreement[:, 1:2] > pos)
+        p = probs.astype(np.float64)
+        previous = np.concatenate([np.ones((p.shape[0], 1)), p[:, :-1]], axis=1)
+        ratio = np.divide(p, previous, out=np.zeros_like(p), where=previous > 0)
+        groups = agreeing[judged]
+        for column, values in enumerate(
+            (np.ones(groups.shape[0]), (pos < accepted[:, None])[judged], ratio[judged])
+        ):
+            self.bins[:, column] += np.bincount(groups, values, minlength=3)
+
+    def report(self) -> list[dict] | None:
+        if not self.bins[:, 0].sum():
+            return None
+        return [
+            {
+                "agreeing_trees": a,
+                "tokens": int(n),
+                "acceptance": round(float(y / n), 4),
+                "mean_tree_ratio": round(float(r / n), 4),
+            }
+            for a, (n, y, r) in enumerate(self.bins)
+            if n
+        ]
+
+
+@dataclass
 class Simulation:
     """What one strategy did: per epoch, the (active requests, verified tokens) of every step."""
 
@@ -192,6 +231,7 @@ class Simulation:
     per_request: np.ndarray  # (n, 4): length, steps, drafted, accepted
     tree_calibration: _Calibration
     policy_calibration: _Calibration | None
+    agreement: _AgreementTable
 
 
 def simulate(
@@ -224,6 +264,7 @@ def simulate(
         np.zeros((0, 4), np.int64),
         _Calibration(),
         _Calibration() if policy else None,
+        _AgreementTable(),
     )
     per_request = []
     for epoch in sorted(by_epoch):
@@ -288,6 +329,7 @@ def simulate(
                 kept = accepted.copy()
             if index is not None and strategy != "oracle":
                 sim.tree_calibration.add(result.probs.astype(np.float64), kept, accepted)
+                sim.agreement.add(result.probs, result.agreement, kept, accepted)
             if policy is not None:
                 sim.policy_calibration.add(policy.last_predicted, kept, accepted)
             advance = np.minimum(accepted + 1, remaining)
@@ -405,6 +447,9 @@ def summarize(sim: Simulation, cost: CostModel) -> dict:
         calibration["budget_policy"] = sim.policy_calibration.report()
     if any(calibration.values()):
         out["calibration"] = calibration
+    by_agreement = sim.agreement.report()
+    if by_agreement:
+        out["acceptance_by_agreement"] = by_agreement
     return out
 
 
