@@ -469,9 +469,9 @@ def test_tokens_drafted_past_the_match_length_are_priced_by_what_such_paths_did(
     shown, raw = policy.last_predicted, policy.path_p[slots]
     past = np.arange(8) >= match[:, None]
     assert np.array_equal(shown[~past], raw[~past])
-    first_past = np.zeros_like(past)
-    first_past[np.arange(20), match] = True
-    np.testing.assert_allclose(shown[first_past], raw[first_past] ** 2, rtol=1e-6)
+    first_token_past = np.zeros_like(past)
+    first_token_past[np.arange(20), match] = True
+    np.testing.assert_allclose(shown[first_token_past], raw[first_token_past] ** 2, rtol=1e-6)
     # Every token within the match passes; odd rows pass their first token past it too, then fail.
     policy.observe_acceptance(slots, match + np.arange(20) % 2)
     table = policy.acceptance.path_recalibration

@@ -130,9 +130,21 @@ def test_calibration_reports_brier_score_and_a_reliability_table_that_add_up(tmp
     )
 
 
+def test_raw_paths_past_the_match_are_calibrated_only_where_drafts_run_past_it(tmp_path):
+    records = _repeating_trace(tmp_path)
+    cost = replay.CostModel()
+    default = replay.summarize(replay.simulate(records, "das", DraftConfig()), cost)
+    assert "past_match_raw_path" not in default["calibration"]
+    freer = replay.summarize(replay.simulate(records, "das", DraftConfig(max_spec_factor=4.0)), cost)
+    report = freer["calibration"]["past_match_raw_path"]
+    past = sum(row["tokens"] for row in report["reliability"])
+    assert 0 < past < freer["draft_tokens"]
+    assert all(0.0 <= row["observed"] <= 1.0 for row in report["reliability"])
+
+
 def test_acceptance_by_agreement_counts_every_judged_draft_token_once(tmp_path):
-    """Token j of a draft is judged when tokens 0..j-1 were accepted: every accepted token once, plus one
-    rejected token per draft that was not accepted whole."""
+    """Token j of a draft is judged when tokens 0..j-1 were accepted: every accepted token is judged (and
+    accepted), and so are some rejected ones, never more than were kept."""
     records = _repeating_trace(tmp_path)
     sim = replay.simulate(records, "das", DraftConfig())
     judged, accepted, _ = sim.agreement.bins.sum(axis=0)

@@ -509,9 +509,10 @@ def _recalibrated(p, table, prior, prior_mean):
     """A predicted probability p mapped through observed acceptance in p's bin (table[b] = accepted, tried),
     with `prior` pseudo-trials at `prior_mean`: the logistic model's conditional acceptance (prior at p: a
     logistic curve in these features is not exactly right at either end), or the path of tokens drafted past
-    the match length (prior at p squared: the path tables, once learned at factor 4 on templated_t0.7 and
-    rl_t1.0, saw such paths accepted at about that rate, e.g. 0.22 in the bin around 0.47; a prior at p drafted
-    past the match on every cold or forgotten bin, and that waste made more drafting freedom cost makespan)."""
+    the match length (prior at p squared: such paths are accepted at about that rate or less, e.g. 0.18 at a
+    raw path of 0.45 and 0.27 at 0.55 on templated_t0.7 at factor 4, `das bench replay`'s
+    `past_match_raw_path`; a prior at p drafted past the match on every cold or forgotten bin, and that waste
+    made more drafting freedom cost makespan)."""
     b = _bin(p, table)
     return (table[b, 0] + prior * prior_mean) / (table[b, 1] + prior)
 

@@ -154,9 +154,18 @@ class _Calibration:
 
     bins: np.ndarray = field(default_factory=lambda: np.zeros((CALIBRATION_BINS, 4)))
 
-    def add(self, predicted: np.ndarray, lengths: np.ndarray, accepted: np.ndarray) -> None:
+    def add(
+        self,
+        predicted: np.ndarray,
+        lengths: np.ndarray,
+        accepted: np.ndarray,
+        first: np.ndarray | None = None,
+    ) -> None:
+        """Counts each row's draft tokens before lengths[i] (from first[i] on, where given)."""
         pos = np.arange(predicted.shape[1])[None, :]
         mask = pos < lengths[:, None]
+        if first is not None:
+            mask &= pos >= first[:, None]
         p = predicted[mask]
         y = (pos < accepted[:, None])[mask].astype(np.float64)
         b = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
@@ -231,6 +240,9 @@ class Simulation:
     per_request: np.ndarray  # (n, 4): length, steps, drafted, accepted
     tree_calibration: _Calibration
     policy_calibration: _Calibration | None
+    # The acceptance model's raw path (before `path_recalibration`) for tokens drafted past the match length
+    # (only with max_spec_factor above 1): what the path recalibration and its prior correct.
+    past_match_calibration: _Calibration | None
     agreement: _AgreementTable
 
 
@@ -263,6 +275,7 @@ def simulate(
         [],
         np.zeros((0, 4), np.int64),
         _Calibration(),
+        _Calibration() if policy else None,
         _Calibration() if policy else None,
         _AgreementTable(),
     )
@@ -332,6 +345,8 @@ def simulate(
                 sim.agreement.add(result.probs, result.agreement, kept, accepted)
             if policy is not None:
                 sim.policy_calibration.add(policy.last_predicted, kept, accepted)
+                past = np.where(result.match_lens > 0, result.match_lens, k)
+                sim.past_match_calibration.add(policy.path_p[slots[active]], kept, accepted, past)
             advance = np.minimum(accepted + 1, remaining)
             verified = int(kept.sum()) + n
             step_log.append((n, verified))
@@ -445,6 +460,9 @@ def summarize(sim: Simulation, cost: CostModel) -> dict:
     calibration = {"tree_ratio": sim.tree_calibration.report()}
     if sim.policy_calibration is not None:
         calibration["budget_policy"] = sim.policy_calibration.report()
+        past_match = sim.past_match_calibration.report()
+        if past_match:  # none at max_spec_factor 1: no draft runs past its match
+            calibration["past_match_raw_path"] = past_match
     if any(calibration.values()):
         out["calibration"] = calibration
     by_agreement = sim.agreement.report()
