@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from workers.bench import proposer, proposer_ab
+from workers import proposer as proposer_module
+from workers.bench import proposer, proposer_ab, proposer_kernels_ab
+from workers.bench.proposer_ab import REPO
 from workers.cli import main
 
 TRACE = Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl"
@@ -54,3 +58,30 @@ def test_an_unknown_revision_is_one_clear_line(capsys: pytest.CaptureFixture[str
     assert main(["bench", "proposer", str(TRACE), "--against", "no-such-revision-xyz"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no-such-revision-xyz" in err
+
+
+def test_kernels_against_a_revision_pairs_steps_in_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    # HEAD's step kernels, imported as a temporary package (compiled afresh: about 40 s here), against the
+    # working tree's: two proposers decode the same rollouts in turns and every steady step is paired.
+    before = (proposer_module.decode_step, proposer_module.draft_step, proposer_module.pack_tables)
+    argv = ["bench", "proposer", str(TRACE), "--kernels-against", "HEAD", "--steps", "8", "--warmup", "1"]
+    assert main([*argv, "--batches", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["kernels_against"]["commit"]) == 40
+    [row] = result["batches"]
+    assert row["batch"] == 2 and 0 < row["steady_steps_paired"] <= 8
+    assert row["this_checkout_median_us_per_request"] > 0 and row["against_median_us_per_request"] > 0
+    assert row["ratio_p25"] <= row["ratio_median"] <= row["ratio_p75"]
+    kernels = [str(REPO / path) for path in proposer_kernels_ab.KERNEL_FILES.values()]
+    if subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", *kernels]).returncode == 0:
+        assert row["drafts_identical"] and row["first_differing_step"] is None  # the same kernels
+    # Nothing of the run is left behind: the proposer steps through this checkout's kernels again.
+    assert (proposer_module.decode_step, proposer_module.draft_step, proposer_module.pack_tables) == before
+    assert not any(name.startswith(proposer_kernels_ab.PACKAGE) for name in sys.modules)
+
+
+def test_two_ways_to_compare_at_once_are_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "proposer", str(TRACE), "--against", "HEAD", "--kernels-against", "HEAD"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--kernels-against" in err

@@ -30,18 +30,24 @@ REPO = Path(__file__).resolve().parents[2]
 FIGURES = ("steady_step_median_us_per_request", "step_median_us_per_request")
 
 
-def export_revision(revision: str, into: Path) -> str:
-    """Writes `revision`'s tracked files under `into`; returns its full commit id. Raises ValueError when
-    this is not a git checkout or git does not know the revision."""
+def resolve_revision(revision: str) -> str:
+    """`revision`'s full commit id. Raises ValueError when this is not a git checkout or git does not know
+    the revision."""
     try:
-        commit = subprocess.run(
+        return subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise ValueError(f"--against {revision!r}: not a revision of the git checkout at {REPO}") from exc
+        raise ValueError(f"{revision!r}: not a revision of the git checkout at {REPO}") from exc
+
+
+def export_revision(revision: str, into: Path) -> str:
+    """Writes `revision`'s tracked files under `into`; returns its full commit id (ValueError as
+    `resolve_revision`)."""
+    commit = resolve_revision(revision)
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", "--format=tar", commit], capture_output=True, check=True
     ).stdout

@@ -35,6 +35,13 @@ def register(cli) -> None:
     parser.add_argument(
         "--rounds", type=POSITIVE, default=5, help="with --against: runs of each side per batch size"
     )
+    parser.add_argument(
+        "--kernels-against",
+        metavar="REV",
+        help="compare this checkout's step kernels with git revision REV's in one process: two proposers "
+        "decode the same workload stepping in turns, each steady step paired with its partner, drafts "
+        "compared (--repeats is not used)",
+    )
 
 
 def _batch_sizes(raw: str) -> tuple[int, ...]:
@@ -48,8 +55,12 @@ def _batch_sizes(raw: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.against is not None and args.kernels_against is not None:
+        raise ValueError("--against and --kernels-against are two ways to compare: pass one")
     if args.against is not None:
         return _run_against(args)
+    if args.kernels_against is not None:
+        return _run_kernels_against(args)
     from workers.bench import proposer
 
     result = proposer.run(
@@ -88,4 +99,25 @@ def _run_against(args: argparse.Namespace) -> int:
                 f"ratio median {p['ratio_median']} (rounds {p['ratio_min']}-{p['ratio_max']}), "
                 f"of the best rounds {p['ratio_of_best']}"
             )
+    return 0
+
+
+def _run_kernels_against(args: argparse.Namespace) -> int:
+    from workers.bench import proposer_kernels_ab
+
+    result = proposer_kernels_ab.run(
+        args.trace, args.kernels_against, k=args.k, steps=args.steps, warmup=args.warmup, batches=args.batches
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    commit = result["kernels_against"]["commit"][:12]
+    print(f"this checkout's step kernels against {args.kernels_against} ({commit}), paired steady steps:")
+    for row in result["batches"]:
+        print(
+            f"batch {row['batch']}: {row['this_checkout_median_us_per_request']} vs "
+            f"{row['against_median_us_per_request']} us per request, ratio median {row['ratio_median']} "
+            f"(quartiles {row['ratio_p25']}-{row['ratio_p75']}, {row['steady_steps_paired']} steps), "
+            f"drafts {'identical' if row['drafts_identical'] else 'differ'}"
+        )
     return 0

@@ -1,0 +1,163 @@
+"""`das bench proposer --kernels-against REV`: this checkout's step kernels against another revision's, in one
+process, step by step.
+
+`--against` runs each side in its own process, and on a shared machine such runs of the same code spread by
+3-10% from one to the next: more than a kernel change worth making. Here two proposers decode the same
+workload in one process, one stepping through this checkout's kernels and one through REV's, in turns (the
+order flips every step), and each steady step (no request started or finished) is compared with its
+partner: a burst from another tenant falls on both alike. The drafts of the two sides are compared every
+step, so the run also says whether the change left the drafts as they were.
+
+Only the native step differs between the sides. REV's `history_store/_kernels.py`, `workers/budget.py`,
+`workers/step_book.py` and `workers/step_kernels.py` are imported as a temporary package (`das_rev_kernels`,
+its imports of each other rewritten to it), while the proposer, index and policy around them are this
+checkout's on both sides. REV must therefore keep the step's contract with them (`pack_tables`' groups,
+the arena's layout); a revision that does not fails in numba's typing, with numba's message.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from workers import proposer as proposer_module
+from workers.bench.proposer import _build, _engine_for
+from workers.bench.proposer_ab import REPO, resolve_revision
+from workers.bench.replay import load_traces
+
+PACKAGE = "das_rev_kernels"
+# The step's kernel modules, by the name they are imported under in the package.
+KERNEL_FILES = {
+    "_kernels": "history_store/_kernels.py",
+    "budget": "workers/budget.py",
+    "step_book": "workers/step_book.py",
+    "step_kernels": "workers/step_kernels.py",
+}
+_IMPORTS = (
+    (re.compile(r"^from history_store import _kernels\b", re.M), f"from {PACKAGE} import _kernels"),
+    (re.compile(r"^from workers\.(budget|step_book) import", re.M), rf"from {PACKAGE}.\1 import"),
+)
+
+
+def _revision_kernels(commit: str, folder: Path) -> ModuleType:
+    """REV's step kernel modules as the package `das_rev_kernels` under `folder` (a normal import: numba's
+    on-disk cache cannot key a module loaded from a bare file path); returns its `step_kernels`."""
+    package = folder / PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, path in KERNEL_FILES.items():
+        source = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True, text=True, check=True
+        ).stdout
+        for pattern, replacement in _IMPORTS:
+            source = pattern.sub(replacement, source)
+        (package / f"{name}.py").write_text(source)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(f"{PACKAGE}.step_kernels")
+
+
+def _unload(folder: Path) -> None:
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    for name in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
+        del sys.modules[name]
+
+
+def _use(kernels: tuple[Any, Any, Any]) -> None:
+    proposer_module.decode_step, proposer_module.draft_step, proposer_module.pack_tables = kernels
+
+
+def _paired_batch(
+    records: list[Any], theirs: ModuleType, batch: int, k: int, steps: int, warmup: int
+) -> dict[str, Any]:
+    """Both sides decode the same rollouts at `batch` rows, alternating per step."""
+    max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + k + 2
+    mine = (proposer_module.decode_step, proposer_module.draft_step, proposer_module.pack_tables)
+    sides = {}
+    for side, module in (("ours", None), ("theirs", theirs)):
+        proposer, live, history, last = _build(records, k, max_len)
+        engine = _engine_for(proposer, live, history, last, batch, max_len)
+        kernels = mine
+        if module is not None:
+            direct = proposer_module.DirectCall
+            kernels = (direct(module.decode_step), direct(module.draft_step), module.pack_tables)
+        sides[side] = (proposer, engine, kernels)
+    seconds: dict[str, list[float]] = {"ours": [], "theirs": []}
+    differing = []
+    try:
+        for step in range(warmup + steps):
+            order = ("ours", "theirs") if step % 2 == 0 else ("theirs", "ours")
+            drafts = {}
+            steady = {}
+            for side in order:
+                proposer, engine, kernels = sides[side]
+                _use(kernels)
+                req_ids = engine.req_ids()
+                steady[side] = req_ids == proposer._rows_seen
+                start = time.perf_counter()
+                drafts[side] = proposer.step(req_ids, engine.num_tokens, engine.token_ids, engine.requests)
+                elapsed = time.perf_counter() - start
+                if step >= warmup:
+                    seconds[side].append(elapsed if steady[side] else float("nan"))
+                engine.verify(drafts[side])
+            if drafts["ours"] != drafts["theirs"]:
+                differing.append(step)
+    finally:
+        _use(mine)
+    for proposer, _, _ in sides.values():
+        if proposer.stats()["errors"]:
+            raise RuntimeError("a proposer reported errors; see the log")
+    ours, theirs_s = np.array(seconds["ours"]), np.array(seconds["theirs"])
+    both = ~np.isnan(ours) & ~np.isnan(theirs_s)
+    ratios = ours[both] / theirs_s[both]
+    per = 1e6 / batch
+    return {
+        "batch": batch,
+        "steps": steps,
+        "steady_steps_paired": int(both.sum()),
+        "this_checkout_median_us_per_request": round(float(np.median(ours[both])) * per, 3),
+        "against_median_us_per_request": round(float(np.median(theirs_s[both])) * per, 3),
+        "ratio_median": round(float(np.median(ratios)), 4),
+        "ratio_p25": round(float(np.percentile(ratios, 25)), 4),
+        "ratio_p75": round(float(np.percentile(ratios, 75)), 4),
+        "drafts_identical": not differing,
+        "first_differing_step": differing[0] if differing else None,
+    }
+
+
+def run(
+    trace: str | Path,
+    against: str,
+    k: int = 8,
+    steps: int = 400,
+    warmup: int = 50,
+    batches: tuple[int, ...] = (1, 64, 256),
+) -> dict[str, Any]:
+    """The JSON `das bench proposer --kernels-against REV` prints."""
+    trace = Path(trace).resolve()
+    if not trace.is_file():
+        raise ValueError(f"no trace file at {trace}")
+    commit = resolve_revision(against)
+    records = load_traces(trace)
+    with tempfile.TemporaryDirectory(prefix="das-kernels-against-") as name:
+        folder = Path(name)
+        try:
+            theirs = _revision_kernels(commit, folder)
+            rows = [_paired_batch(records, theirs, b, k, steps, warmup) for b in batches]
+        finally:
+            _unload(folder)
+    return {
+        "trace": str(trace),
+        "kernels_against": {"revision": against, "commit": commit},
+        "k": k,
+        "batches": rows,
+    }
