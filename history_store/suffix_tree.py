@@ -430,9 +430,9 @@ class SuffixTree:
         state, length = K.advance_match(
             f.states, f.edges, f.hashes, root, root, 0, ctx, 0, ctx.shape[0], cfg.max_depth
         )
-        out_tok, tmp_tok = np.empty(budget, np.int32), np.empty(budget, np.int32)
-        out_prob, tmp_prob = np.empty(budget, np.float32), np.empty(budget, np.float32)
-        out_sup, tmp_sup = np.empty(budget, np.int32), np.empty(budget, np.int32)
+        out_tok, tmp_tok = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
+        out_prob, tmp_prob = np.empty((1, budget), np.float32), np.empty(budget, np.float32)
+        out_sup, tmp_sup = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
         n, match_len, score = K.draft_best(
             f.states,
             root,
@@ -448,12 +448,13 @@ class SuffixTree:
             out_tok,
             out_prob,
             out_sup,
+            0,
             tmp_tok,
             tmp_prob,
             tmp_sup,
         )
         return Draft(
-            out_tok[:n].copy(), out_prob[:n].copy(), out_sup[:n].copy(), int(match_len), float(score)
+            out_tok[0, :n].copy(), out_prob[0, :n].copy(), out_sup[0, :n].copy(), int(match_len), float(score)
         )
 
     def to_bytes(self) -> bytes:

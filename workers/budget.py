@@ -432,7 +432,8 @@ def _budgets_kernel(
         s = slots[i]
         p = slot_problem[s]
         rows[i] = p if length_count[p] > 0 else 0  # problems without history take the pool's lengths
-        quantiles[i] = quantile_table[rows[i]]
+        for c in range(q):  # indexed: row views cost atomic reference counts
+            quantiles[i, c] = quantile_table[rows[i], c]
         outputs[i] = output_lens[i]
         speeds[i] = 1.0 + accepted_rate[s]
     critical_weights(quantiles, quantile_table[0], _atypical(length_stats), outputs, speeds, n_bins, weights)
@@ -458,16 +459,18 @@ def _budgets_kernel(
 
 
 @njit(cache=True)
-def _log_odds_gain(outcomes):
-    # Log odds of the accepted against the predicted share of tried tokens, from (accepted, predicted, tried)
-    # sums; half a pseudo-token each side keeps it finite, and no trials give 0.
-    accepted, predicted, tried = outcomes[0] + 0.5, outcomes[1] + 0.5, outcomes[2] + 1.0
+def _log_odds_gain(outcomes, row):
+    # Log odds of the accepted against the predicted share of tried tokens, from the (accepted, predicted,
+    # tried) sums in outcomes[row]; half a pseudo-token each side keeps it finite, and no trials give 0.
+    accepted, predicted, tried = outcomes[row, 0] + 0.5, outcomes[row, 1] + 0.5, outcomes[row, 2] + 1.0
     return np.log(accepted / (tried - accepted)) - np.log(predicted / (tried - predicted))
 
 
 @njit(cache=True)
-def _features_of(probs, support, j, previous, log_match, source, request_gain, problem_gain, agreement, out):
-    """Features of draft token j for its acceptance given token j-1 was accepted: which tree drafted it (one
+def _features_of(
+    probs, support, i, j, previous, log_match, source, request_gain, problem_gain, agreement, out, s
+):
+    """Features of row i's draft token j, into out[s, j], for its acceptance given token j-1 was accepted: which tree drafted it (one
     intercept per source: what the verifier taught about one source says nothing about another, e.g.
     siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional ratio p_j / p_(j-1),
     log match length, log position, how much better or worse than predicted the request's and the
@@ -475,19 +478,20 @@ def _features_of(probs, support, j, previous, log_match, source, request_gain, p
     to its old failures forever), and the log of the occurrences behind the token (a ratio of 1/2 from one
     sighting is weaker evidence than one from 100), and half the number of the other trees whose own likeliest
     path drafts the token too (`agreement`: the row's two counts of draft tokens they repeat). log_match is the
-    row's log1p(match length) / 4."""
-    ratio = probs[j] / previous if previous > 0 else 0.0
+    row's log1p(match length) / 4. Every array is indexed by row rather than passed as a row view: a view
+    costs two atomic reference counts, and this runs per draft token."""
+    ratio = probs[i, j] / previous if previous > 0 else 0.0
     ratio = min(max(ratio, 0.02), 0.98)
-    out[0] = 1.0 if source == SOURCE_PROBLEM else 0.0
-    out[1] = 1.0 if source == SOURCE_LIVE else 0.0
-    out[2] = 1.0 if source == SOURCE_GLOBAL else 0.0
-    out[3] = np.log(ratio / (1.0 - ratio))
-    out[4] = log_match
-    out[5] = _LOG_POSITION[j] if j < _LOG_POSITION.shape[0] else np.log1p(j) / 2.0
-    out[6] = request_gain
-    out[7] = problem_gain
-    out[8] = np.log1p(support[j]) / 4.0
-    out[9] = ((agreement[0] > j) + (agreement[1] > j)) / 2.0
+    out[s, j, 0] = 1.0 if source == SOURCE_PROBLEM else 0.0
+    out[s, j, 1] = 1.0 if source == SOURCE_LIVE else 0.0
+    out[s, j, 2] = 1.0 if source == SOURCE_GLOBAL else 0.0
+    out[s, j, 3] = np.log(ratio / (1.0 - ratio))
+    out[s, j, 4] = log_match
+    out[s, j, 5] = _LOG_POSITION[j] if j < _LOG_POSITION.shape[0] else np.log1p(j) / 2.0
+    out[s, j, 6] = request_gain
+    out[s, j, 7] = problem_gain
+    out[s, j, 8] = np.log1p(support[i, j]) / 4.0
+    out[s, j, 9] = ((agreement[i, 0] > j) + (agreement[i, 1] > j)) / 2.0
 
 
 # log1p(j) / 2 for draft positions j: a table lookup instead of a logarithm per draft token.
@@ -559,12 +563,13 @@ def _truncate_kernel(
     for i in range(n):
         s = slots[i]
         if lengths[i] == 0:
-            predicted[i] = 0.0
+            for j in range(k):
+                predicted[i, j] = 0.0
             kept[i] = kept_store[s] = 0
             accepted_rate[s] *= rate_decay
             continue
-        request_gain = _log_odds_gain(request_outcomes[s])
-        problem_gain = _log_odds_gain(problem_outcomes[slot_problem[s]])
+        request_gain = _log_odds_gain(request_outcomes, s)
+        problem_gain = _log_odds_gain(problem_outcomes, slot_problem[s])
         log_match = np.log1p(match_lens[i]) / 4.0
         path = 1.0
         previous = 1.0
@@ -576,23 +581,24 @@ def _truncate_kernel(
             if j >= lengths[i]:
                 predicted[i, j] = 0.0
                 continue
-            x = features[s, j]
             _features_of(
-                probs[i],
-                support[i],
+                probs,
+                support,
+                i,
                 j,
                 previous,
                 log_match,
                 sources[i],
                 request_gain,
                 problem_gain,
-                agreement[i],
-                x,
+                agreement,
+                features,
+                s,
             )
             previous = probs[i, j]
             z = 0.0
             for c in range(f):
-                z += x[c] * weights[c]
+                z += features[s, j, c] * weights[c]
             p = 1.0 / (1.0 + np.exp(-z))
             model_p[s, j] = p
             path *= _recalibrated(p, recalibration, _RECALIBRATION_PRIOR, p)
@@ -648,9 +654,8 @@ def _observe_kernel(
             continue  # nothing drafted, or the answer came after the slot was reused
         a = min(accepted[i], length)
         accepted_rate[s] = rate_decay * accepted_rate[s] + (1.0 - rate_decay) * a
-        outcome[:] = 0.0
+        outcome[0] = outcome[1] = outcome[2] = 0.0
         for j in range(min(length, a + 1)):
-            x = features[s, j]
             p = model_p[s, j]  # what truncate predicted: the weights change only after this kernel
             y = 1.0 if j < a else 0.0
             b = _bin(p, recalibration)
@@ -660,10 +665,11 @@ def _observe_kernel(
             outcome[1] += p
             outcome[2] += 1.0
             w = p * (1.0 - p)
-            for c in range(f):
-                gradient[c] += (y - p) * x[c]
+            for c in range(f):  # features indexed, not through a row view (two atomic reference counts)
+                x_c = features[s, j, c]
+                gradient[c] += (y - p) * x_c
                 for d in range(c + 1):
-                    curvature[c, d] += w * x[c] * x[d]
+                    curvature[c, d] += w * x_c * features[s, j, d]
         for j in range(first_past[s], length):
             # Paths of tokens drafted past the match: was the whole path up to j accepted?
             b = _bin(path_p[s, j], path_recalibration)
