@@ -73,6 +73,14 @@ def _run_side(tree: Path, args: list[str]) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
+def existing_trace(trace: str | Path) -> Path:
+    """The trace's absolute path (the sides may run in other folders). Raises ValueError when it is missing."""
+    path = Path(trace).resolve()
+    if not path.is_file():
+        raise ValueError(f"no trace file at {path}")
+    return path
+
+
 def paired(ours: list[float], theirs: list[float]) -> dict[str, Any]:
     """Both sides' per-round figures and the per-round ratio ours / theirs, with its median and range, and the
     ratio of each side's best round (below 1: this checkout is faster)."""
@@ -101,9 +109,7 @@ def run(
     batches: tuple[int, ...] = (1, 64, 256),
 ) -> dict[str, Any]:
     """The JSON `das bench proposer --against REV` prints."""
-    trace = Path(trace).resolve()
-    if not trace.is_file():
-        raise ValueError(f"no trace file at {trace}")
+    trace = existing_trace(trace)
     common = [str(trace), "--k", str(k), "--repeats", "1"]
     timed = [*common, "--steps", str(steps), "--warmup", str(warmup)]
     with tempfile.TemporaryDirectory(prefix="das-against-") as folder:

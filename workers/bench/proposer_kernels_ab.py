@@ -31,7 +31,7 @@ import numpy as np
 
 from workers import proposer as proposer_module
 from workers.bench.proposer import _build, _engine_for
-from workers.bench.proposer_ab import REPO, resolve_revision
+from workers.bench.proposer_ab import REPO, existing_trace, resolve_revision
 from workers.bench.replay import load_traces
 
 PACKAGE = "das_rev_kernels"
@@ -145,9 +145,7 @@ def run(
     batches: tuple[int, ...] = (1, 64, 256),
 ) -> dict[str, Any]:
     """The JSON `das bench proposer --kernels-against REV` prints."""
-    trace = Path(trace).resolve()
-    if not trace.is_file():
-        raise ValueError(f"no trace file at {trace}")
+    trace = existing_trace(trace)
     commit = resolve_revision(against)
     records = load_traces(trace)
     with tempfile.TemporaryDirectory(prefix="das-kernels-against-") as name:
