@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from workers import proposer as proposer_module
 from workers.bench import proposer, proposer_ab, proposer_kernels_ab
 from workers.bench.proposer_ab import REPO
+from workers.bench.replay import load_traces
 from workers.cli import main
 
 TRACE = Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl"
@@ -85,3 +87,21 @@ def test_two_ways_to_compare_at_once_are_one_clear_line(capsys: pytest.CaptureFi
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--kernels-against" in err
+
+
+def test_kernels_that_do_not_fit_the_proposer_stop_at_the_first_step() -> None:
+    # 957d7ae's decode_step took one argument fewer than today's proposer passes ("too many arguments:
+    # expected 12, got 13"). The proposer logs such a failure and drafts nothing, so the run must stop at the
+    # first step with one clear line rather than time a side that does no work.
+    from workers import step_kernels
+
+    def decode_step_of_fewer_arguments(tables, slots, num_tokens, step_no, policy_step, joined, seconds,
+                                       last_rows, last_tokens, budget_on, bases):  # fmt: skip
+        raise AssertionError("never called: the arguments do not fit")
+
+    older = ModuleType("older_kernels")
+    older.decode_step = decode_step_of_fewer_arguments
+    older.draft_step, older.pack_tables = step_kernels.draft_step, step_kernels.pack_tables
+    records = load_traces(TRACE)
+    with pytest.raises(ValueError, match="the revision's step kernels fail"):
+        proposer_kernels_ab._paired_batch(records, older, batch=2, k=8, steps=5, warmup=1)

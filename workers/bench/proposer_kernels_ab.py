@@ -76,6 +76,18 @@ def _use(kernels: tuple[Any, Any, Any]) -> None:
     proposer_module.decode_step, proposer_module.draft_step, proposer_module.pack_tables = kernels
 
 
+def _check_errors(sides: dict[str, tuple[Any, Any, Any]]) -> None:
+    """Stops the run when a side's step failed (the proposer logs the error and drafts nothing): REV's
+    kernels that do not fit this checkout's proposer fail at the first step."""
+    if sides["theirs"][0].stats()["errors"]:
+        raise ValueError(
+            "the revision's step kernels fail in this checkout's proposer (the log above says how): "
+            "--kernels-against needs a revision whose kernels take the same tables and arguments"
+        )
+    if sides["ours"][0].stats()["errors"]:
+        raise RuntimeError("this checkout's proposer reported errors; see the log")
+
+
 def _paired_batch(
     records: list[Any], theirs: ModuleType, batch: int, k: int, steps: int, warmup: int
 ) -> dict[str, Any]:
@@ -113,11 +125,10 @@ def _paired_batch(
                 engine.verify(drafts[side])
             if drafts["ours"] != drafts["theirs"]:
                 differing.append(step)
+            if step == 0 or step == warmup + steps - 1:
+                _check_errors(sides)
     finally:
         _use(mine)
-    for proposer, _, _ in sides.values():
-        if proposer.stats()["errors"]:
-            raise RuntimeError("a proposer reported errors; see the log")
     ours, theirs_s = np.array(seconds["ours"]), np.array(seconds["theirs"])
     both = ~np.isnan(ours) & ~np.isnan(theirs_s)
     ratios = ours[both] / theirs_s[both]
