@@ -557,12 +557,12 @@ def _prefetch_ahead(states, edges, slots, req_slots, r, n_rows):
 
 @njit(cache=True)
 def _agreement(states, trees, slots, s, c, drafted, r, n):
-    """How many of the draft's first n tokens (drafted[r]) slot s's candidate tree c (0 when it has none) repeats on its
-    own likeliest path from its longest matched suffix with a continuation. A draft token that other trees
-    would also draft is accepted far more often than its probability in any one tree says (dev_rollouts, ad hoc,
-    first tokens at a conditional ratio of 0.4-0.8: 0.24 -> 0.33 -> 0.45 accepted with 0, 1, 2 agreeing), so
-    the budget takes it as evidence (`budget._features_of`). One `states` row per agreeing token, on states
-    the match just visited (and `_prefetch_ahead` fetched)."""
+    """How many of the draft's first n tokens (drafted[r]) slot s's candidate tree c (0 when it has none)
+    repeats on its own likeliest path from its longest matched suffix with a continuation. A draft token that
+    other trees would also draft is accepted far more often than its probability in any one tree says
+    (dev_rollouts, ad hoc, first tokens at a conditional ratio of 0.4-0.8: 0.24 -> 0.33 -> 0.45 accepted with
+    0, 1, 2 agreeing), so the budget takes it as evidence (`budget._features_of`). One `states` row per
+    agreeing token, on states the match just visited (and `_prefetch_ahead` fetched)."""
     tid = slots[s, R_CAND + c]
     if tid < 0:
         return 0

@@ -470,16 +470,16 @@ def _log_odds_gain(outcomes, row):
 def _features_of(
     probs, support, i, j, previous, log_match, source, request_gain, problem_gain, agreement, out, s
 ):
-    """Features of row i's draft token j, into out[s, j], for its acceptance given token j-1 was accepted: which tree drafted it (one
-    intercept per source: what the verifier taught about one source says nothing about another, e.g.
-    siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional ratio p_j / p_(j-1),
-    log match length, log position, how much better or worse than predicted the request's and the
-    problem's recent drafts did (0 without trials, so a request or problem that stopped drafting is not held
-    to its old failures forever), and the log of the occurrences behind the token (a ratio of 1/2 from one
-    sighting is weaker evidence than one from 100), and half the number of the other trees whose own likeliest
-    path drafts the token too (`agreement`: the row's two counts of draft tokens they repeat). log_match is the
-    row's log1p(match length) / 4. Every array is indexed by row rather than passed as a row view: a view
-    costs two atomic reference counts, and this runs per draft token."""
+    """Features of row i's draft token j, into out[s, j], for its acceptance given token j-1 was accepted:
+    which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
+    about another, e.g. siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional
+    ratio p_j / p_(j-1), log match length, log position, how much better or worse than predicted the request's
+    and the problem's recent drafts did (0 without trials, so a request or problem that stopped drafting is
+    not held to its old failures forever), and the log of the occurrences behind the token (a ratio of 1/2
+    from one sighting is weaker evidence than one from 100), and half the number of the other trees whose own
+    likeliest path drafts the token too (`agreement`: the row's two counts of draft tokens they repeat).
+    log_match is the row's log1p(match length) / 4. Every array is indexed by row rather than passed as a row
+    view: a view costs two atomic reference counts, and this runs per draft token."""
     ratio = probs[i, j] / previous if previous > 0 else 0.0
     ratio = min(max(ratio, 0.02), 0.98)
     out[s, j, 0] = 1.0 if source == SOURCE_PROBLEM else 0.0
