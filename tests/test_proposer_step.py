@@ -20,7 +20,7 @@ from history_store.problem_index import ProblemIndex
 from history_store.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
 from workers import proposer as proposer_module
-from workers.bench.proposer import _build, _engine_for
+from workers.bench.proposer import _build, _engine_for, decoding
 from workers.bench.replay import load_traces
 from workers.proposer import DasProposer
 from workers.step_kernels import _FIELDS, DirectCall, pack_tables
@@ -374,12 +374,10 @@ def test_the_step_kernel_called_past_numbas_dispatcher_drafts_exactly_as_through
     exactly as through numba's dispatcher, and token counts of another dtype (int64, or vLLM's int32 in a
     strided view) must be normalized on entry, not read by an entry point compiled for contiguous int32."""
     records = load_traces(Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl")
-    max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + K + 2
 
     def run(kernel: object, counts_of=lambda c: c) -> list[list[list[int]]]:  # noqa: ANN001
         monkeypatch.setattr(proposer_module, "decode_step", kernel)
-        proposer, live, history, last = _build(records, K, max_len)
-        engine = _engine_for(proposer, live, history, last, 24, max_len)
+        proposer, engine = decoding(records, K, 24)
         steps = []
         for _ in range(150):
             counts = counts_of(engine.num_tokens)

@@ -212,10 +212,16 @@ def _engine_for(
     return engine
 
 
-def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) -> dict:
+def decoding(records: list[Any], k: int, batch: int) -> tuple[DasProposer, _Batch]:
+    """A proposer holding every epoch of the trace but the last, and the bench's engine decoding the last
+    epoch with it at `batch` rows (room for every record's tokens and a full draft)."""
     max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + k + 2
     proposer, live, history, last = _build(records, k, max_len)
-    engine = _engine_for(proposer, live, history, last, batch, max_len)
+    return proposer, _engine_for(proposer, live, history, last, batch, max_len)
+
+
+def _run_batch(records: list[Any], batch: int, k: int, steps: int, warmup: int) -> dict:
+    proposer, engine = decoding(records, k, batch)
     for _ in range(warmup):
         engine.verify(proposer.step(engine.req_ids(), engine.num_tokens, engine.token_ids, engine.requests))
     proposer.reset_stats()

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from workers import proposer as proposer_module
-from workers.bench.proposer import _build, _engine_for
+from workers.bench.proposer import decoding
 from workers.bench.proposer_ab import REPO, existing_trace, resolve_revision
 from workers.bench.replay import load_traces
 
@@ -92,12 +92,10 @@ def _paired_batch(
     records: list[Any], theirs: ModuleType, batch: int, k: int, steps: int, warmup: int
 ) -> dict[str, Any]:
     """Both sides decode the same rollouts at `batch` rows, alternating per step."""
-    max_len = max(len(r.prompt_ids) + len(r.response_ids) for r in records) + k + 2
     mine = (proposer_module.decode_step, proposer_module.draft_step, proposer_module.pack_tables)
     sides = {}
     for side, module in (("ours", None), ("theirs", theirs)):
-        proposer, live, history, last = _build(records, k, max_len)
-        engine = _engine_for(proposer, live, history, last, batch, max_len)
+        proposer, engine = decoding(records, k, batch)
         kernels = mine
         if module is not None:
             direct = proposer_module.DirectCall
@@ -108,7 +106,6 @@ def _paired_batch(
     try:
         for step in range(warmup + steps):
             drafts = {}
-            steady = {}
             # Always in this order, so each side's step follows the other's: flipping the order every step
             # ran one side twice in a row, on caches it had just warmed, and split the ratios in two groups
             # (pairs of the same code spread 0.95-1.00 in their median at batch 256).
@@ -116,12 +113,12 @@ def _paired_batch(
                 proposer, engine, kernels = sides[side]
                 _use(kernels)
                 req_ids = engine.req_ids()
-                steady[side] = req_ids == proposer._rows_seen
+                steady = req_ids == proposer._rows_seen  # no request started or finished
                 start = time.perf_counter()
                 drafts[side] = proposer.step(req_ids, engine.num_tokens, engine.token_ids, engine.requests)
                 elapsed = time.perf_counter() - start
                 if step >= warmup:
-                    seconds[side].append(elapsed if steady[side] else float("nan"))
+                    seconds[side].append(elapsed if steady else float("nan"))
                 engine.verify(drafts[side])
             if drafts["ours"] != drafts["theirs"]:
                 differing.append(step)
