@@ -184,6 +184,17 @@ def test_preempted_rows_leave_and_rejoin_the_batch_without_starting_or_finishing
     rows.check_sequences()
 
 
+def test_the_budget_knows_each_requests_cap_from_max_tokens_and_the_model_length() -> None:
+    proposer = DasProposer.standalone(K, MAX_LEN)
+    runner = StandInRunner(proposer)
+    runner.add(0, "capped", [7, 8, 9], "q")
+    runner.requests["capped"].sampling_params.max_tokens = 384
+    runner.add(1, "open", [7, 8, 9, 10], "q")  # no max_tokens: the model's length bounds it
+    runner.draft([[1], [1]])
+    caps = proposer.policy.max_length[[proposer.index.slot("capped"), proposer.index.slot("open")]]
+    assert caps.tolist() == [384, MAX_LEN - 4]
+
+
 def test_a_request_that_ends_by_itself_with_epoch_and_sample_enters_its_problem_history() -> None:
     proposer = DasProposer.standalone(K, MAX_LEN)
     runner = StandInRunner(proposer)

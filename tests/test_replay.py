@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from history_store.suffix_tree import DraftConfig
+from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.cli import main
 
@@ -193,3 +194,20 @@ def test_measured_costs_set_the_step_times_the_budget_learns_from_per_epoch(tmp_
     drafted = [[e["draft_tokens"] for e in r["per_epoch"]] for r in (plain, priced)]
     assert drafted[1][0] == drafted[0][0] > 0
     assert drafted[1][2] < 0.2 * drafted[0][2]
+
+
+def test_the_replay_knows_the_traces_response_cap_as_the_engine_did() -> None:
+    def record(sample: int, length: int, finish: str) -> TrajectoryRecord:
+        return TrajectoryRecord(
+            problem_id="p",
+            epoch=0,
+            sample=sample,
+            prompt_ids=[1],
+            response_ids=[5] * length,
+            finish_reason=finish,
+        )
+
+    stopped = [record(0, 40, "stop"), record(1, 90, "stop")]
+    assert replay.trace_max_tokens(stopped) is None  # nothing ran into it: unknown
+    assert replay.trace_max_tokens([*stopped, record(2, 64, "length")]) is None  # one ran past it: mixed caps
+    assert replay.trace_max_tokens([*stopped, record(2, 128, "length")]) == 128

@@ -291,23 +291,29 @@ _TINY, _HUGE = 1e-280, 1e280
 
 
 @njit(cache=True)
-def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
+def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, out):
     """out[i] = P(row i is the last of the batch to finish), rows independent.
 
     Row i's total length is one of its problem's quantiles[i] (ascending, equally likely; all <= 0:
     unknown) with probability 1 - atypical, or one of every problem's (`pool`) with probability `atypical`
     (a request unlike its problem's history), conditioned on exceeding outputs[i]; remaining steps =
-    remaining tokens / speeds[i]. Conditioning is what moves the tail: a request that outlived nearly all of
+    remaining tokens / speed, where the speed is 1 or 2 x speeds[i] - 1 (tokens per step), equally likely:
+    a request's recent speed says little about how many of its next drafts pass, and a sure speed would
+    hand the whole tail to whichever of two nearly tied requests happens to lag by a token. Conditioning is what moves the tail: a request that outlived nearly all of
     its problem's lengths is left with the lengths of all problems that ran that long. Past every length
     it expects to run as long again as it has (heavy tails: the longer it ran, the longer it runs). Unknown
     rows share one length: they tie, and ties split evenly.
+
+    No length passes caps[i] (> 0: the most tokens row i may generate, its max_tokens; <= 0: no cap): the
+    lengths past it pile up at it. RL rollouts often run into their cap, and then the tail is the capped
+    request furthest behind, not the one whose lengths were extrapolated furthest.
     """
     n, q = quantiles.shape
     if n == 1:  # the only row is the last: what the rest computes too (acc / acc), without its ten arrays
         out[0] = 1.0
         return
-    remaining = np.empty((n, 2 * q))
-    mass = np.empty((n, 2 * q))
+    remaining = np.empty((n, 4 * q))
+    mass = np.empty((n, 4 * q))
     used = np.zeros(n, np.int64)
     horizon = 1.0
     for i in range(n):
@@ -317,14 +323,21 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
         total = 0.0
         for c in range(2 * q):
             length = quantiles[i, c] if c < q else pool[c - q]
+            if caps[i] > 0.0:
+                length = min(length, caps[i])
             if length > outputs[i]:
-                remaining[i, k] = (length - outputs[i]) / speeds[i]
-                mass[i, k] = (1.0 - atypical) if c < q else atypical
-                total += mass[i, k]
-                horizon = max(horizon, remaining[i, k])
-                k += 1
+                for v in range(2):
+                    speed = 1.0 if v == 0 else 2.0 * speeds[i] - 1.0
+                    remaining[i, k] = (length - outputs[i]) / speed
+                    mass[i, k] = 0.5 * ((1.0 - atypical) if c < q else atypical)
+                    total += mass[i, k]
+                    horizon = max(horizon, remaining[i, k])
+                    k += 1
         if total <= 0.0:
-            remaining[i, 0] = max(outputs[i], 1.0) / speeds[i]
+            again = max(outputs[i], 1.0)
+            if caps[i] > 0.0:
+                again = max(min(again, caps[i] - outputs[i]), 1.0)
+            remaining[i, 0] = again / speeds[i]
             horizon = max(horizon, remaining[i, 0])
             mass[i, 0] = total = 1.0
             k = 1
@@ -338,7 +351,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, n_bins, out):
     # below is 0 before its first likely outcome's bin (counted in zeros through starts) and 1 after its
     # last (up to rounding: a factor left out), so only the bins between are written and multiplied.
     below = np.empty((n, n_bins))
-    bins = np.empty((n, 2 * q), np.int64)
+    bins = np.empty((n, 4 * q), np.int64)
     pmf = np.zeros(n_bins)
     prod = np.ones(n_bins)
     scale = np.zeros(n_bins, np.int64)
@@ -411,6 +424,7 @@ def _budgets_kernel(
     length_stats,
     accepted_rate,
     outlived,
+    max_length,
     coefficients,
     n_bins,
     k,
@@ -427,6 +441,7 @@ def _budgets_kernel(
     quantiles = np.empty((n, q))
     outputs = np.empty(n)
     speeds = np.empty(n)
+    caps = np.empty(n)
     rows = np.empty(n, np.int64)
     for i in range(n):
         s = slots[i]
@@ -436,7 +451,10 @@ def _budgets_kernel(
             quantiles[i, c] = quantile_table[rows[i], c]
         outputs[i] = output_lens[i]
         speeds[i] = 1.0 + accepted_rate[s]
-    critical_weights(quantiles, quantile_table[0], _atypical(length_stats), outputs, speeds, n_bins, weights)
+        caps[i] = max_length[s]
+    critical_weights(
+        quantiles, quantile_table[0], _atypical(length_stats), outputs, speeds, caps, n_bins, weights
+    )
     c_base, c_seq, c_tok = coefficients[0], coefficients[1], coefficients[2]
     promoted = 0
     for i in range(n):
@@ -995,6 +1013,7 @@ class BudgetPolicy:
         self.request_outcomes = np.zeros((0, 3))
         self.accepted_rate = np.zeros(0)
         self.outlived = np.zeros(0, bool)
+        self.max_length = np.zeros(0)  # the most tokens the request may generate (0: no cap known)
         self.features = np.zeros((0, k, N_FEATURES))
         self.kept = np.zeros(0, np.int64)  # kept draft tokens awaiting the verifier's answer
         self.model_p = np.zeros((0, k))  # the acceptance model's conditional probabilities of those tokens
@@ -1010,8 +1029,9 @@ class BudgetPolicy:
 
     # ---- requests
 
-    def start(self, slot: int, problem_id: str | None) -> None:
-        """Registers a new request in `slot` (dense: the tables grow when one lands past their end)."""
+    def start(self, slot: int, problem_id: str | None, max_length: int | None = None) -> None:
+        """Registers a new request in `slot` (dense: the tables grow when one lands past their end).
+        max_length: the most tokens it may generate (vLLM's max_tokens, within max_model_len), when known."""
         size = self.slot_problem.shape[0]
         if slot >= size:
             grown = max(2 * size, slot + 1, 64)
@@ -1020,6 +1040,7 @@ class BudgetPolicy:
                 "request_outcomes",
                 "accepted_rate",
                 "outlived",
+                "max_length",
                 "features",
                 "kept",
                 "model_p",
@@ -1041,6 +1062,7 @@ class BudgetPolicy:
         self.request_outcomes[slot] = 0.0
         self.accepted_rate[slot] = 0.0
         self.outlived[slot] = False
+        self.max_length[slot] = max(max_length or 0, 0)
         self.kept[slot] = 0
 
     def finish(self, slot: int) -> None:
@@ -1075,6 +1097,7 @@ class BudgetPolicy:
             lengths.stats,
             self.accepted_rate,
             self.outlived,
+            self.max_length,
             self.cost.coefficients,
             self.BINS,
             self.config.max_tokens,

@@ -558,6 +558,7 @@ class DasProposer:
                 policy.problem_stamp,
                 policy.accepted_rate,
                 policy.outlived,
+                policy.max_length,
                 policy.BINS,
                 config.max_tokens,
                 config.request_decay,
@@ -647,7 +648,7 @@ class DasProposer:
         # What it may commit: a step that meets a request outgrowing its token segment stops to move it.
         expected = min(prompt_len + int(max_tokens or self.max_model_len), self.max_model_len)
         slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len], expected)
-        self.policy.start(slot, problem_id)
+        self.policy.start(slot, problem_id, expected - prompt_len)
         self._live[key] = _Live(
             slot,
             problem_id,

@@ -91,6 +91,17 @@ def load_traces(path: str | Path) -> list[TrajectoryRecord]:
     return records
 
 
+def trace_max_tokens(records: Iterable[TrajectoryRecord]) -> int | None:
+    """The response cap the trace was generated with (vLLM's max_tokens), as the engine knows it for every
+    request: the length of the responses that ended on it (finish_reason "length"). None when no response
+    did, or when one ran past it (then the trace mixes caps and none is known for all)."""
+    capped = [len(r.response_ids) for r in records if r.finish_reason == "length"]
+    if not capped:
+        return None
+    cap = max(capped)
+    return cap if all(len(r.response_ids) <= cap for r in records) else None
+
+
 @njit(cache=True)
 def ngram_draft(ctx: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """vLLM's prompt lookup: the longest n-gram (min_n..max_n) ending the context that also occurs earlier;
@@ -264,6 +275,7 @@ def simulate(
     k = config.max_spec_tokens
     # The same policy the engine runs, with the engine's prior: it must learn the verifier from step times.
     policy = BudgetPolicy(BudgetConfig(max_tokens=k)) if strategy == "das" else None
+    max_tokens = trace_max_tokens(records)
     by_epoch: dict[int, list[TrajectoryRecord]] = defaultdict(list)
     for r in records:
         by_epoch[r.epoch].append(r)
@@ -300,7 +312,7 @@ def simulate(
             )
             if policy is not None:
                 for slot, r in zip(slots, batch, strict=True):
-                    policy.start(int(slot), r.problem_id)
+                    policy.start(int(slot), r.problem_id, max_tokens)
         pos = np.zeros(n_req, np.int64)
         stats = np.zeros((n_req, 3), np.int64)  # steps, drafted, accepted
         active = np.nonzero(lengths > 0)[0]
