@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from workers import proposer as proposer_module
-from workers.bench.replay import CostModel, load_traces
+from workers.bench.replay import CostModel, load_traces, trace_max_tokens
 from workers.proposer import DasProposer
 
 BATCHES = (1, 64, 256)
@@ -118,6 +118,12 @@ class _Batch:
         self.history = history
         self.add_history = add_history
         self.alphabet = 1 + max(max(r.prompt_ids + r.response_ids) for r in (*records, *history))
+        # What the engine knows of every request as it starts, and no more: the trace's response cap and its
+        # stop tokens (those that ended its "stop" responses). A trace without finish reasons gives each
+        # request its own length as its cap, so that it still ends by itself and enters the history.
+        everything = (*records, *history)
+        self.cap = trace_max_tokens(everything)
+        self.stop_ids = {r.response_ids[-1] for r in everything if r.finish_reason == "stop" and r.response_ids}
         self.laps_seeded = 0
         self.served = 0
         self.committed = 0
@@ -152,9 +158,14 @@ class _Batch:
         self.num_tokens[i] = prompt.shape[0] + 1
         self.rows[i] = _Row(key, prompt.shape[0], response, pos=1)
         extra = {"das_problem_id": record.problem_id, "das_epoch": self.epoch, "das_sample": record.sample}
+        known = self.cap is not None and record.finish_reason in ("stop", "length")
         self.requests[key] = SimpleNamespace(
             num_prompt_tokens=prompt.shape[0],
-            sampling_params=SimpleNamespace(extra_args=extra, max_tokens=response.shape[0]),
+            sampling_params=SimpleNamespace(
+                extra_args=extra,
+                max_tokens=self.cap if known else response.shape[0],
+                all_stop_token_ids={t + lap * self.alphabet for t in self.stop_ids},
+            ),
         )
 
     def clock(self) -> float:
