@@ -123,7 +123,9 @@ class _Batch:
         # request its own length as its cap, so that it still ends by itself and enters the history.
         everything = (*records, *history)
         self.cap = trace_max_tokens(everything)
-        self.stop_ids = {r.response_ids[-1] for r in everything if r.finish_reason == "stop" and r.response_ids}
+        self.stop_ids = {
+            r.response_ids[-1] for r in everything if r.finish_reason == "stop" and r.response_ids
+        }
         self.laps_seeded = 0
         self.served = 0
         self.committed = 0
