@@ -299,10 +299,11 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
     (a request unlike its problem's history), conditioned on exceeding outputs[i]; remaining steps =
     remaining tokens / speed, where the speed is 1 or 2 x speeds[i] - 1 (tokens per step), equally likely:
     a request's recent speed says little about how many of its next drafts pass, and a sure speed would
-    hand the whole tail to whichever of two nearly tied requests happens to lag by a token. Conditioning is what moves the tail: a request that outlived nearly all of
-    its problem's lengths is left with the lengths of all problems that ran that long. Past every length
-    it expects to run as long again as it has (heavy tails: the longer it ran, the longer it runs). Unknown
-    rows share one length: they tie, and ties split evenly.
+    hand the whole tail to whichever of two nearly tied requests happens to lag by a token. Conditioning is
+    what moves the tail: a request that outlived nearly all of its problem's lengths is left with the
+    lengths of all problems that ran that long. Past every length it expects to run as long again as it
+    has, at its recent speed (heavy tails: the longer it ran, the longer it runs). Unknown rows share one
+    length: they tie, and ties split evenly.
 
     No length passes caps[i] (> 0: the most tokens row i may generate, its max_tokens; <= 0: no cap): the
     lengths past it pile up at it. RL rollouts often run into their cap, and then the tail is the capped
