@@ -292,6 +292,32 @@ _TINY, _HUGE = 1e-280, 1e280
 
 @njit(cache=True)
 def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, out):
+    """`critical_weights_into` with scratch of its own (for callers outside the step)."""
+    n, q = quantiles.shape
+    critical_weights_into(
+        quantiles,
+        pool,
+        atypical,
+        outputs,
+        speeds,
+        caps,
+        n_bins,
+        out,
+        np.empty((n, 4 * q)),
+        np.empty((n, 4 * q)),
+        np.empty((n, n_bins)),
+    )
+
+
+@njit(cache=True)
+def _grid_bin(remaining, horizon, n_bins):
+    return min(n_bins - 1, int(remaining / horizon * n_bins))
+
+
+@njit(cache=True)
+def critical_weights_into(
+    quantiles, pool, atypical, outputs, speeds, caps, n_bins, out, remaining, mass, below
+):
     """out[i] = P(row i is the last of the batch to finish), rows independent.
 
     Row i's total length is one of its problem's quantiles[i] (ascending, equally likely; all <= 0:
@@ -308,13 +334,14 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
     No length passes caps[i] (> 0: the most tokens row i may generate, its max_tokens; <= 0: no cap): the
     lengths past it pile up at it. RL rollouts often run into their cap, and then the tail is the capped
     request furthest behind, not the one whose lengths were extrapolated furthest.
+
+    remaining and mass (at least n x 4q) and below (n x n_bins) are scratch: the step passes buffers it
+    keeps (`_StepBuffers.tail_scratch`), since allocating them took half a megabyte a step at batch 256.
     """
     n, q = quantiles.shape
-    if n == 1:  # the only row is the last: what the rest computes too (acc / acc), without its ten arrays
+    if n == 1:  # the only row is the last: what the rest computes too (acc / acc), without its arrays
         out[0] = 1.0
         return
-    remaining = np.empty((n, 4 * q))
-    mass = np.empty((n, 4 * q))
     used = np.zeros(n, np.int64)
     horizon = 1.0
     for i in range(n):
@@ -351,8 +378,6 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
     # that hundreds of factors do not underflow: plain products, no logarithm per row and bin. A row's
     # below is 0 before its first likely outcome's bin (counted in zeros through starts) and 1 after its
     # last (up to rounding: a factor left out), so only the bins between are written and multiplied.
-    below = np.empty((n, n_bins))
-    bins = np.empty((n, 4 * q), np.int64)
     pmf = np.zeros(n_bins)
     prod = np.ones(n_bins)
     scale = np.zeros(n_bins, np.int64)
@@ -360,17 +385,13 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
     for i in range(n):
         k = used[i]
         if k == 0:
-            bins[i, 0] = n_bins - 1
             mass[i, 0] = 1.0
             k = 1
-        else:
-            for c in range(k):
-                bins[i, c] = min(n_bins - 1, int(remaining[i, c] / horizon * n_bins))
         first = n_bins - 1
         last = 0
         for c in range(k):
             if mass[i, c] > 0.0:
-                b = bins[i, c]
+                b = _grid_bin(remaining[i, c], horizon, n_bins) if used[i] else n_bins - 1
                 pmf[b] += mass[i, c]
                 first = min(first, b)
                 last = max(last, b)
@@ -398,7 +419,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
         last_bin = -1
         share = 0.0
         for c in range(max(used[i], 1)):
-            b = bins[i, c]
+            b = _grid_bin(remaining[i, c], horizon, n_bins) if used[i] else n_bins - 1
             if mass[i, c] > 0.0 and zeros[b] == 0:
                 if b != last_bin:  # outcomes in one bin share its product
                     last_bin = b
@@ -433,13 +454,17 @@ def _budgets_kernel(
     value,
     classes,
     budgets,
+    quantiles,
+    remaining,
+    mass,
+    below,
 ):
     """`BudgetPolicy.budgets` in one call: each row's critical weight, the value of one of its accepted tokens,
     its class and budget. Marks the slots that just outlived their problem's lengths in `outlived` and
-    returns how many did."""
+    returns how many did. quantiles (n x q), remaining, mass and below are scratch
+    (`_StepBuffers.tail_scratch`)."""
     n = slots.shape[0]
     q = quantile_table.shape[1]
-    quantiles = np.empty((n, q))
     outputs = np.empty(n)
     speeds = np.empty(n)
     caps = np.empty(n)
@@ -453,8 +478,18 @@ def _budgets_kernel(
         outputs[i] = output_lens[i]
         speeds[i] = 1.0 + accepted_rate[s]
         caps[i] = max_length[s]
-    critical_weights(
-        quantiles, quantile_table[0], _atypical(length_stats), outputs, speeds, caps, n_bins, weights
+    critical_weights_into(
+        quantiles,
+        quantile_table[0],
+        _atypical(length_stats),
+        outputs,
+        speeds,
+        caps,
+        n_bins,
+        weights,
+        remaining,
+        mass,
+        below,
     )
     c_base, c_seq, c_tok = coefficients[0], coefficients[1], coefficients[2]
     promoted = 0
@@ -961,29 +996,48 @@ class _StepBuffers:
     """Per-row outputs of a step (`budgets`, `truncate`), allocated for the largest batch seen and reused; the
     views of the last batch size are kept too (a view costs about as much as a small numpy operation)."""
 
-    def __init__(self, k: int) -> None:
-        self._k = k
+    def __init__(self, k: int, quantiles: int, bins: int) -> None:
+        self._k, self._q, self._bins = k, quantiles, bins
         self._rows = 0
         self._arrays: tuple[np.ndarray, ...] = ()
+        self._scratch: tuple[np.ndarray, ...] = ()
         self._n = -1
         self._views: tuple[np.ndarray, ...] = ()
+        self._scratch_views: tuple[np.ndarray, ...] = ()
+
+    def _resize(self, n: int) -> None:
+        if n == self._n:
+            return
+        if n > self._rows:
+            self._rows = max(n, 2 * self._rows, 64)
+            rows = self._rows
+            self._arrays = (
+                np.zeros(rows),  # critical weights
+                np.zeros(rows),  # value of an accepted token
+                np.zeros(rows, np.int64),  # class
+                np.zeros(rows, np.int32),  # budget
+                np.zeros((rows, self._k)),  # predicted path acceptance
+                np.zeros(rows, np.int32),  # kept draft tokens
+            )
+            self._scratch = (
+                np.zeros((rows, self._q)),  # each row's length quantiles
+                np.zeros((rows, 4 * self._q)),  # remaining steps of each (length, speed) outcome
+                np.zeros((rows, 4 * self._q)),  # its probability
+                np.zeros((rows, self._bins)),  # P(ends before each grid bin)
+            )
+        self._n = n
+        self._views = tuple(a[:n] for a in self._arrays)
+        self._scratch_views = tuple(a[:n] for a in self._scratch)
 
     def views(self, n: int) -> tuple[np.ndarray, ...]:
         """(weights, value, classes, budgets, predicted, kept) for n rows: valid until the next step."""
-        if n != self._n:
-            if n > self._rows:
-                self._rows = max(n, 2 * self._rows, 64)
-                rows = self._rows
-                self._arrays = (
-                    np.zeros(rows),  # critical weights
-                    np.zeros(rows),  # value of an accepted token
-                    np.zeros(rows, np.int64),  # class
-                    np.zeros(rows, np.int32),  # budget
-                    np.zeros((rows, self._k)),  # predicted path acceptance
-                    np.zeros(rows, np.int32),  # kept draft tokens
-                )
-            self._n, self._views = n, tuple(a[:n] for a in self._arrays)
+        self._resize(n)
         return self._views
+
+    def tail_scratch(self, n: int) -> tuple[np.ndarray, ...]:
+        """The critical-path weights' scratch for n rows (`_budgets_kernel`'s last four arguments)."""
+        self._resize(n)
+        return self._scratch_views
 
 
 class BudgetPolicy:
@@ -1023,7 +1077,7 @@ class BudgetPolicy:
         # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
-        self._buffers = _StepBuffers(k)
+        self._buffers = _StepBuffers(k, LengthModel.QUANTILES, self.BINS)
         self._promotions = CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG])
         self.last_predicted = np.zeros((0, k))
         self.last_classes = np.zeros(0, np.int64)
@@ -1106,6 +1160,7 @@ class BudgetPolicy:
             value,
             classes,
             budgets,
+            *self._buffers.tail_scratch(slots.shape[0]),
         )
         self.count_promotions(promoted)
         self._value = value
@@ -1117,6 +1172,10 @@ class BudgetPolicy:
         """(weights, value, classes, budgets, predicted, kept) buffers for n rows, for a caller that runs the
         policy's kernels from its own (then `drafted` records what they computed)."""
         return self._buffers.views(n)
+
+    def tail_scratch(self, n: int) -> tuple[np.ndarray, ...]:
+        """The budget kernel's scratch for n rows, for the same callers."""
+        return self._buffers.tail_scratch(n)
 
     def count_promotions(self, promoted: int) -> None:
         """Counts requests that just outlived their problem's lengths (`_budgets_kernel` returns how many)."""

@@ -524,6 +524,7 @@ class DasProposer:
         config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
         _, outputs = index.step_buffers(n)
         self._buffers = policy.step_buffers(n)
+        scratch = policy.tail_scratch(n)
         if self._reply[1].shape[0] != n + 1:
             self._reply = (np.zeros(n * self.k, np.int32), np.zeros(n + 1, np.int64))
         return (
@@ -565,7 +566,7 @@ class DasProposer:
                 config.problem_decay,
                 config.rate_decay,
             ),
-            self._buffers,
+            (*self._buffers, *scratch),
             self._reply,
             (lengths.count, lengths.quantiles, lengths.stats),
             (

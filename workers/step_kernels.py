@@ -116,6 +116,10 @@ _FIELDS = (
     ("budgets", _I32_1),
     ("predicted", _F2),
     ("kept", _I32_1),
+    ("tail_quantiles", _F2),  # the critical-path weights' scratch (BudgetPolicy.tail_scratch)
+    ("tail_remaining", _F2),
+    ("tail_mass", _F2),
+    ("tail_below", _F2),
     # the length model
     ("length_count", _I1),
     ("quantile_table", _F2),
@@ -205,7 +209,18 @@ def pack_tables(
         t.problem_decay,
         t.rate_decay,
     ) = policy
-    t.weights, t.value, t.classes, t.budgets, t.predicted, t.kept = buffers
+    (
+        t.weights,
+        t.value,
+        t.classes,
+        t.budgets,
+        t.predicted,
+        t.kept,
+        t.tail_quantiles,
+        t.tail_remaining,
+        t.tail_mass,
+        t.tail_below,
+    ) = buffers
     t.reply_tokens, t.reply_bounds = reply
     t.length_count, t.quantile_table, t.length_stats = lengths
     (
@@ -340,6 +355,10 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
                 t.value,
                 classes,
                 budgets,
+                t.tail_quantiles,
+                t.tail_remaining,
+                t.tail_mass,
+                t.tail_below,
             )
         else:
             for i in range(slots.shape[0]):
