@@ -41,8 +41,16 @@ def _weights(
     out = np.empty(len(candidates))
     speeds = np.ones(len(candidates)) if speeds is None else np.asarray(speeds, float)
     caps = np.zeros(len(candidates)) if caps is None else np.asarray(caps, float)
-    critical_weights(quantiles, pool, atypical, np.asarray(outputs, float), speeds, caps, 64, out)
+    critical_weights(
+        quantiles, pool, atypical, np.asarray(outputs, float), speeds, caps, 64, out, *_scratch(quantiles, 64)
+    )
     return out
+
+
+def _scratch(quantiles: np.ndarray, n_bins: int) -> tuple[np.ndarray, ...]:
+    """critical_weights' scratch (remaining, mass, below), filled with NaN: nothing may be read unwritten."""
+    n, q = quantiles.shape
+    return np.full((n, 4 * q), np.nan), np.full((n, 4 * q), np.nan), np.full((n, n_bins), np.nan)
 
 
 def test_the_request_sure_to_run_longest_is_the_critical_one() -> None:
@@ -168,7 +176,9 @@ def test_critical_weights_equal_the_definition(lengths, data, atypical, n_bins) 
     # No cap, or one the request has not reached yet (a request at its cap is finished).
     caps = np.array([data.draw(st.sampled_from([0.0, o + 1.0, o + 120.0])) for o in outputs])
     out = np.empty(n)
-    critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, out)
+    critical_weights(
+        quantiles, pool, atypical, outputs, speeds, caps, n_bins, out, *_scratch(quantiles, n_bins)
+    )
     expected = _weights_by_definition(quantiles, pool, atypical, outputs, speeds, caps, n_bins)
     np.testing.assert_allclose(out, expected, rtol=1e-9, atol=1e-12)
 

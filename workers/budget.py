@@ -291,33 +291,13 @@ _TINY, _HUGE = 1e-280, 1e280
 
 
 @njit(cache=True)
-def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, out):
-    """`critical_weights_into` with scratch of its own (for callers outside the step)."""
-    n, q = quantiles.shape
-    critical_weights_into(
-        quantiles,
-        pool,
-        atypical,
-        outputs,
-        speeds,
-        caps,
-        n_bins,
-        out,
-        np.empty((n, 4 * q)),
-        np.empty((n, 4 * q)),
-        np.empty((n, n_bins)),
-    )
-
-
-@njit(cache=True)
 def _grid_bin(remaining, horizon, n_bins):
+    """The bin of the shared grid (n_bins over [0, horizon]) that `remaining` steps fall in; horizon: the last."""
     return min(n_bins - 1, int(remaining / horizon * n_bins))
 
 
 @njit(cache=True)
-def critical_weights_into(
-    quantiles, pool, atypical, outputs, speeds, caps, n_bins, out, remaining, mass, below
-):
+def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, out, remaining, mass, below):
     """out[i] = P(row i is the last of the batch to finish), rows independent.
 
     Row i's total length is one of its problem's quantiles[i] (ascending, equally likely; all <= 0:
@@ -335,8 +315,8 @@ def critical_weights_into(
     lengths past it pile up at it. RL rollouts often run into their cap, and then the tail is the capped
     request furthest behind, not the one whose lengths were extrapolated furthest.
 
-    remaining and mass (at least n x 4q) and below (n x n_bins) are scratch: the step passes buffers it
-    keeps (`_StepBuffers.tail_scratch`), since allocating them took half a megabyte a step at batch 256.
+    remaining and mass (at least n x 4q) and below (n x n_bins) are scratch, which the step keeps per batch
+    size (`BudgetPolicy.tail_scratch`): allocated here, they took half a megabyte a step at batch 256.
     """
     n, q = quantiles.shape
     if n == 1:  # the only row is the last: what the rest computes too (acc / acc), without its arrays
@@ -384,14 +364,15 @@ def critical_weights_into(
     starts = np.zeros(n_bins, np.int64)  # rows whose first outcome falls in each bin
     for i in range(n):
         k = used[i]
-        if k == 0:
+        if k == 0:  # one outcome, in the last bin
+            remaining[i, 0] = horizon
             mass[i, 0] = 1.0
             k = 1
         first = n_bins - 1
         last = 0
         for c in range(k):
             if mass[i, c] > 0.0:
-                b = _grid_bin(remaining[i, c], horizon, n_bins) if used[i] else n_bins - 1
+                b = _grid_bin(remaining[i, c], horizon, n_bins)
                 pmf[b] += mass[i, c]
                 first = min(first, b)
                 last = max(last, b)
@@ -419,7 +400,7 @@ def critical_weights_into(
         last_bin = -1
         share = 0.0
         for c in range(max(used[i], 1)):
-            b = _grid_bin(remaining[i, c], horizon, n_bins) if used[i] else n_bins - 1
+            b = _grid_bin(remaining[i, c], horizon, n_bins)
             if mass[i, c] > 0.0 and zeros[b] == 0:
                 if b != last_bin:  # outcomes in one bin share its product
                     last_bin = b
@@ -478,7 +459,7 @@ def _budgets_kernel(
         outputs[i] = output_lens[i]
         speeds[i] = 1.0 + accepted_rate[s]
         caps[i] = max_length[s]
-    critical_weights_into(
+    critical_weights(
         quantiles,
         quantile_table[0],
         _atypical(length_stats),
