@@ -271,6 +271,11 @@ def _start(policy: BudgetPolicy, problems: list[str | None], first: int = 0) -> 
     return slots
 
 
+def _tokens(n: int, k: int, first: int = 7) -> np.ndarray:
+    """Draft token ids for n rows of k: first, first + 1, ... in every row."""
+    return np.tile(np.arange(first, first + k, dtype=np.int32), (n, 1))
+
+
 def _step(policy: BudgetPolicy, slots, outputs, probs, sources=SOURCE_PROBLEM, match=8):
     n = len(slots)
     budgets, _ = policy.budgets(np.asarray(slots), np.asarray(outputs), np.full(n, 100))
@@ -278,7 +283,13 @@ def _step(policy: BudgetPolicy, slots, outputs, probs, sources=SOURCE_PROBLEM, m
     lengths = np.minimum(budgets, (probs > 0).sum(axis=1))
     support = np.full(probs.shape, 3)
     kept = policy.truncate(
-        lengths, probs, np.full(n, match), np.full(n, sources), support, np.zeros((n, 2), np.int32)
+        lengths,
+        probs,
+        np.full(n, match),
+        np.full(n, sources),
+        support,
+        np.zeros((n, 2), np.int32),
+        _tokens(n, probs.shape[1]),
     )
     return budgets, kept
 
@@ -333,6 +344,7 @@ def test_acceptance_model_learns_that_tokens_other_trees_agree_on_are_accepted()
             np.full(40, SOURCE_PROBLEM),
             np.full((40, 4), 3),
             agreement,
+            _tokens(40, 4),
         )
 
     for active in range(1, 41):
@@ -351,6 +363,43 @@ def test_acceptance_model_learns_that_tokens_other_trees_agree_on_are_accepted()
     assert policy.last_predicted[1, 0] > 0.6
     assert policy.last_predicted[0, 0] < 0.3
     assert policy.last_predicted[1, 0] - policy.last_predicted[0, 0] > prior_gap
+
+
+def test_acceptance_model_learns_which_draft_tokens_are_accepted() -> None:
+    policy = BudgetPolicy(BudgetConfig(max_tokens=4))
+    slots = _start(policy, [f"p{i}" for i in range(40)])
+    probs = np.tile(0.5 ** np.arange(1, 5), (40, 1))
+    rng = np.random.default_rng(0)
+    sure, whim = 1000, 2000  # first draft tokens: one the verifier always accepts, one it always rejects
+
+    def step(first: np.ndarray) -> None:
+        budgets, _ = policy.budgets(np.asarray(slots), np.zeros(40), np.full(40, 100))
+        tokens = _tokens(40, 4)
+        tokens[:, 0] = first
+        policy.truncate(
+            np.minimum(budgets, 4),
+            probs,
+            np.full(40, 8),
+            np.full(40, SOURCE_PROBLEM),
+            np.full((40, 4), 3),
+            np.zeros((40, 2), np.int32),
+            tokens,
+        )
+
+    for active in range(1, 41):
+        policy.observe_step(active, 3 * active, 0.008 + 0.0001 * active + 0.00003 * 3 * active)
+    half = np.where(np.arange(40) % 2 == 1, sure, whim)
+    step(half)
+    assert policy.last_predicted[1, 0] == policy.last_predicted[0, 0]  # nothing known of either token yet
+    # Each step a random half of the rows draft `sure` first, and only those are accepted: every request and
+    # problem fares alike on average, so only the token tells the rows apart.
+    for _ in range(30):
+        first = np.where(rng.random(40) < 0.5, sure, whim)
+        step(first)
+        policy.observe_acceptance(np.array(slots), (first == sure).astype(np.int64))
+    step(half)
+    assert policy.last_predicted[1, 0] > 0.6
+    assert policy.last_predicted[0, 0] < 0.3
 
 
 def test_a_request_whose_drafts_keep_failing_stops_drafting_while_its_siblings_go_on() -> None:
@@ -440,7 +489,13 @@ def test_budgets_and_truncation_stay_within_k_headroom_and_draft_length(outputs,
     probs = -np.sort(-probs, axis=1)
     n = len(slots)
     kept = policy.truncate(
-        budgets, probs, np.full(n, 4), np.full(n, SOURCE_PROBLEM), np.ones((n, k)), np.zeros((n, 2), np.int32)
+        budgets,
+        probs,
+        np.full(n, 4),
+        np.full(n, SOURCE_PROBLEM),
+        np.ones((n, k)),
+        np.zeros((n, 2), np.int32),
+        _tokens(n, k),
     )
     assert np.all(kept >= 0) and np.all(kept <= budgets)
     assert np.all((classes == SHORT) <= (budgets == 0))
@@ -505,6 +560,7 @@ def test_tokens_drafted_past_the_match_length_are_priced_by_what_such_paths_did(
             np.full(20, SOURCE_PROBLEM),
             support,
             np.zeros((20, 2), np.int32),
+            _tokens(20, 8),
         )
 
     kept = step()

@@ -346,6 +346,7 @@ def simulate(
                         result.sources,
                         result.support,
                         result.agreement,
+                        result.tokens,
                     )
                     kept = kept.astype(np.int64)
             accepted = np.zeros(n, np.int64)
