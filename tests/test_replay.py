@@ -157,6 +157,36 @@ def test_acceptance_by_agreement_counts_every_judged_draft_token_once(tmp_path):
     assert all(0.0 <= row["acceptance"] <= 1.0 and row["agreeing_trees"] in (0, 1, 2) for row in report)
 
 
+def test_by_source_splits_every_epochs_drafts_and_accepted_tokens_between_the_trees(tmp_path):
+    records = _repeating_trace(tmp_path)
+    for strategy in ("das-unbudgeted", "das"):
+        result = replay.summarize(replay.simulate(records, strategy, DraftConfig()), replay.CostModel())
+        by_source = result["by_source"]
+        assert [row["epoch"] for row in by_source] == [e["epoch"] for e in result["per_epoch"]]
+        for row, epoch in zip(by_source, result["per_epoch"], strict=True):
+            trees = [row[name] for name in replay.SOURCE_NAMES]
+            assert sum(t["draft_tokens"] for t in trees) == epoch["draft_tokens"]
+            assert sum(t["accepted_tokens"] for t in trees) == epoch["accepted_tokens"]
+            assert all(
+                t["accepted_tokens"] <= t["draft_tokens"] and t["drafts"] <= t["draft_tokens"] for t in trees
+            )
+        assert by_source[-1]["history"]["accepted_tokens"] > 0  # a repeated epoch drafts from its history
+
+
+def test_source_table_counts_only_kept_drafts_by_their_tree():
+    table = replay._SourceTable()
+    # Rows: a history draft of 3 (1 accepted), a live draft cut to nothing, a global draft of 2 (2 accepted),
+    # and a row with no draft.
+    table.add(0, np.array([1, 2, 3, 0]), np.array([3, 0, 2, 0]), np.array([1, 0, 2, 0]))
+    (row,) = table.report()
+    assert row == {
+        "epoch": 0,
+        "history": {"drafts": 1, "draft_tokens": 3, "accepted_tokens": 1},
+        "live": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0},
+        "global": {"drafts": 1, "draft_tokens": 2, "accepted_tokens": 2},
+    }
+
+
 def test_agreement_table_groups_each_judged_token_by_the_trees_that_drafted_it_too():
     table = replay._AgreementTable()
     probs = np.array([[0.8, 0.4, 0.2, 0.1], [0.5, 0.25, 0.0, 0.0]], np.float32)

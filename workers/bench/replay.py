@@ -239,6 +239,41 @@ class _AgreementTable:
         ]
 
 
+# The trees a draft can come from, in ProblemIndex's numbering (SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL).
+SOURCE_NAMES = ("history", "live", "global")
+
+
+@dataclass
+class _SourceTable:
+    """Per epoch, what each tree's drafts brought: drafts verified, their tokens and the tokens accepted.
+    "history" is the problem's tree (its earlier epochs' rollouts and this epoch's finished ones), "live" the
+    request's own context with its in-flight siblings, "global" every problem's: where each epoch's gain
+    comes from."""
+
+    rows: dict[int, np.ndarray] = field(default_factory=dict)  # epoch -> (3 sources, 3 counts)
+
+    def add(self, epoch: int, sources: np.ndarray, kept: np.ndarray, accepted: np.ndarray) -> None:
+        table = self.rows.setdefault(epoch, np.zeros((len(SOURCE_NAMES), 3), np.int64))
+        drafted = (kept > 0) & (sources > 0)
+        column = sources[drafted] - 1
+        for c, values in enumerate((np.ones(column.shape[0]), kept[drafted], accepted[drafted])):
+            table[:, c] += np.bincount(column, values, minlength=len(SOURCE_NAMES)).astype(np.int64)
+
+    def report(self) -> list[dict] | None:
+        if not self.rows:
+            return None
+        return [
+            {
+                "epoch": epoch,
+                **{
+                    name: {"drafts": int(d), "draft_tokens": int(t), "accepted_tokens": int(a)}
+                    for name, (d, t, a) in zip(SOURCE_NAMES, table, strict=True)
+                },
+            }
+            for epoch, table in sorted(self.rows.items())
+        ]
+
+
 @dataclass
 class Simulation:
     """What one strategy did: per epoch, the (active requests, verified tokens) of every step."""
@@ -255,6 +290,7 @@ class Simulation:
     # (only with max_spec_factor above 1): what the path recalibration and its prior correct.
     past_match_calibration: _Calibration | None
     agreement: _AgreementTable
+    sources: _SourceTable
 
 
 def simulate(
@@ -290,6 +326,7 @@ def simulate(
         _Calibration() if policy else None,
         _Calibration() if policy else None,
         _AgreementTable(),
+        _SourceTable(),
     )
     per_request = []
     for epoch in sorted(by_epoch):
@@ -356,6 +393,8 @@ def simulate(
             if index is not None and strategy != "oracle":
                 sim.tree_calibration.add(result.probs.astype(np.float64), kept, accepted)
                 sim.agreement.add(result.probs, result.agreement, kept, accepted)
+            if index is not None:
+                sim.sources.add(epoch, result.sources, kept, accepted)
             if policy is not None:
                 sim.policy_calibration.add(policy.last_predicted, kept, accepted)
                 past = np.where(result.match_lens > 0, result.match_lens, k)
@@ -481,6 +520,9 @@ def summarize(sim: Simulation, cost: CostModel) -> dict:
     by_agreement = sim.agreement.report()
     if by_agreement:
         out["acceptance_by_agreement"] = by_agreement
+    by_source = sim.sources.report()
+    if by_source:
+        out["by_source"] = by_source
     return out
 
 
