@@ -328,6 +328,22 @@ def test_acceptance_model_learns_deep_positions_of_underconfident_thin_history()
     assert np.all(np.diff(policy.last_predicted[0]) <= 0)
 
 
+def _rows_step(policy: BudgetPolicy, slots, probs, agreement=None, tokens=None) -> None:
+    """A step of fresh rows (output 0) from one problem source, at match 8 and support 3: budgets, then
+    truncate with the given agreement and token ids (none agreeing and `_tokens` by default)."""
+    n, k = probs.shape
+    budgets, _ = policy.budgets(np.asarray(slots), np.zeros(n), np.full(n, 100))
+    policy.truncate(
+        np.minimum(budgets, k),
+        probs,
+        np.full(n, 8),
+        np.full(n, SOURCE_PROBLEM),
+        np.full((n, k), 3),
+        np.zeros((n, 2), np.int32) if agreement is None else agreement,
+        _tokens(n, k) if tokens is None else tokens,
+    )
+
+
 def test_acceptance_model_learns_that_tokens_other_trees_agree_on_are_accepted() -> None:
     policy = BudgetPolicy(BudgetConfig(max_tokens=4))
     slots = _start(policy, [f"p{i}" for i in range(40)])
@@ -335,17 +351,7 @@ def test_acceptance_model_learns_that_tokens_other_trees_agree_on_are_accepted()
     rng = np.random.default_rng(0)
 
     def step(agree: np.ndarray) -> None:
-        budgets, _ = policy.budgets(np.asarray(slots), np.zeros(40), np.full(40, 100))
-        agreement = np.column_stack([agree, agree]).astype(np.int32)
-        policy.truncate(
-            np.minimum(budgets, 4),
-            probs,
-            np.full(40, 8),
-            np.full(40, SOURCE_PROBLEM),
-            np.full((40, 4), 3),
-            agreement,
-            _tokens(40, 4),
-        )
+        _rows_step(policy, slots, probs, agreement=np.column_stack([agree, agree]).astype(np.int32))
 
     for active in range(1, 41):
         policy.observe_step(active, 3 * active, 0.008 + 0.0001 * active + 0.00003 * 3 * active)
@@ -373,18 +379,9 @@ def test_acceptance_model_learns_which_draft_tokens_are_accepted() -> None:
     sure, whim = 1000, 2000  # first draft tokens: one the verifier always accepts, one it always rejects
 
     def step(first: np.ndarray) -> None:
-        budgets, _ = policy.budgets(np.asarray(slots), np.zeros(40), np.full(40, 100))
         tokens = _tokens(40, 4)
         tokens[:, 0] = first
-        policy.truncate(
-            np.minimum(budgets, 4),
-            probs,
-            np.full(40, 8),
-            np.full(40, SOURCE_PROBLEM),
-            np.full((40, 4), 3),
-            np.zeros((40, 2), np.int32),
-            tokens,
-        )
+        _rows_step(policy, slots, probs, tokens=tokens)
 
     for active in range(1, 41):
         policy.observe_step(active, 3 * active, 0.008 + 0.0001 * active + 0.00003 * 3 * active)

@@ -297,9 +297,10 @@ _TINY, _HUGE = 1e-280, 1e280
 
 
 @njit(cache=True)
-def _grid_bin(remaining, horizon, n_bins):
-    """The bin of the shared grid (n_bins over [0, horizon]) that `remaining` steps fall in; horizon: the last."""
-    return min(n_bins - 1, int(remaining / horizon * n_bins))
+def _grid_bin(remaining, per_step, n_bins):
+    """The bin of the shared grid that `remaining` steps fall in: n_bins over [0, horizon], per_step = n_bins /
+    horizon (a multiplication per outcome instead of a division); horizon itself falls in the last."""
+    return min(n_bins - 1, int(remaining * per_step))
 
 
 @njit(cache=True)
@@ -335,14 +336,14 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
             continue
         k = 0
         total = 0.0
+        slow = 1.0 / (2.0 * speeds[i] - 1.0)  # steps per token at the second speed
         for c in range(2 * q):
             length = quantiles[i, c] if c < q else pool[c - q]
             if caps[i] > 0.0:
                 length = min(length, caps[i])
             if length > outputs[i]:
                 for v in range(2):
-                    speed = 1.0 if v == 0 else 2.0 * speeds[i] - 1.0
-                    remaining[i, k] = (length - outputs[i]) / speed
+                    remaining[i, k] = (length - outputs[i]) * (1.0 if v == 0 else slow)
                     mass[i, k] = 0.5 * ((1.0 - atypical) if c < q else atypical)
                     total += mass[i, k]
                     horizon = max(horizon, remaining[i, k])
@@ -355,8 +356,9 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
             horizon = max(horizon, remaining[i, 0])
             mass[i, 0] = total = 1.0
             k = 1
+        norm = 1.0 / total
         for c in range(k):
-            mass[i, c] /= total
+            mass[i, c] *= norm
         used[i] = k
     # Each row's remaining steps as a histogram over a shared grid; the unknown sit in the last bin.
     # below[i, b] = P(row i ends in an earlier bin) + half of P(it ends in bin b). prod[b] is the product of
@@ -364,6 +366,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
     # that hundreds of factors do not underflow: plain products, no logarithm per row and bin. A row's
     # below is 0 before its first likely outcome's bin (counted in zeros through starts) and 1 after its
     # last (up to rounding: a factor left out), so only the bins between are written and multiplied.
+    per_step = n_bins / horizon
     pmf = np.zeros(n_bins)
     prod = np.ones(n_bins)
     scale = np.zeros(n_bins, np.int64)
@@ -378,7 +381,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
         last = 0
         for c in range(k):
             if mass[i, c] > 0.0:
-                b = _grid_bin(remaining[i, c], horizon, n_bins)
+                b = _grid_bin(remaining[i, c], per_step, n_bins)
                 pmf[b] += mass[i, c]
                 first = min(first, b)
                 last = max(last, b)
@@ -406,7 +409,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
         last_bin = -1
         share = 0.0
         for c in range(max(used[i], 1)):
-            b = _grid_bin(remaining[i, c], horizon, n_bins)
+            b = _grid_bin(remaining[i, c], per_step, n_bins)
             if mass[i, c] > 0.0 and zeros[b] == 0:
                 if b != last_bin:  # outcomes in one bin share its product
                     last_bin = b
