@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from history_store._kernels import _slot
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, COST_MODEL_COEFFICIENT, LENGTH_CLASSES
 
 # Length classes, for dashboards: short = not worth drafting this step, long = likelier than average to be
@@ -45,7 +46,6 @@ N_FEATURES = 11
 # Buckets of the drafted tokens' recent outcomes (`token_outcomes`): token ids hashed into a table that stays
 # in cache (a vocabulary-sized one would be a cache miss per draft token); collisions only blur it.
 TOKEN_BUCKETS = 4096
-_TOKEN_HASH = np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclass(frozen=True)
@@ -553,13 +553,6 @@ def _features_of(
     out[s, j, 10] = token_gain
 
 
-@njit(cache=True)
-def _token_bucket(token):
-    """The row of `token_outcomes` that token id `token` shares."""
-    x = np.uint64(token) * _TOKEN_HASH
-    return np.int64((x >> np.uint64(40)) & np.uint64(TOKEN_BUCKETS - 1))
-
-
 # log1p(j) / 2 for draft positions j: a table lookup instead of a logarithm per draft token.
 _LOG_POSITION = np.log1p(np.arange(64)) / 2.0
 # Pseudo-trials in each recalibration bin; fewer for the paths of tokens drafted past the match length,
@@ -650,7 +643,7 @@ def _truncate_kernel(
             if j >= lengths[i]:
                 predicted[i, j] = 0.0
                 continue
-            bucket = _token_bucket(drafted[i, j])
+            bucket = _slot(drafted[i, j], TOKEN_BUCKETS - 1)  # the arena's hash
             drafted_bucket[s, j] = bucket
             _features_of(
                 probs,
@@ -1090,7 +1083,7 @@ class BudgetPolicy:
         # Recent (accepted, predicted, tried) tokens per problem row (row 0: requests without a problem).
         self.problem_outcomes = np.zeros((1, 3))
         self.problem_stamp = np.zeros(1, np.int64)  # the observe step that last decayed the row
-        # Recent (accepted, predicted, tried) of drafted tokens, by bucket of token id (`_token_bucket`).
+        # Recent (accepted, predicted, tried) of drafted tokens, by bucket of token id (`_kernels._slot`).
         self.token_outcomes = np.zeros((TOKEN_BUCKETS, 3))
         self.observe_step_no = 0
         # Per slot: problem row, recent outcomes, accepted tokens per step, promotion, and the

@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit
 from pydantic import ValidationError
 
-from history_store.problem_index import ProblemIndex
+from history_store.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
 from history_store.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.budget import BudgetConfig, BudgetPolicy
@@ -239,8 +239,8 @@ class _AgreementTable:
         ]
 
 
-# The trees a draft can come from, in ProblemIndex's numbering (SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL).
-SOURCE_NAMES = ("history", "live", "global")
+# The trees a draft can come from, by ProblemIndex's source number.
+SOURCE_NAMES = {SOURCE_HISTORY: "history", SOURCE_LIVE: "live", SOURCE_GLOBAL: "global"}
 
 
 @dataclass
@@ -250,14 +250,15 @@ class _SourceTable:
     request's own context with its in-flight siblings, "global" every problem's: where each epoch's gain
     comes from."""
 
-    rows: dict[int, np.ndarray] = field(default_factory=dict)  # epoch -> (3 sources, 3 counts)
+    rows: dict[int, np.ndarray] = field(default_factory=dict)  # epoch -> (source number, 3 counts)
 
     def add(self, epoch: int, sources: np.ndarray, kept: np.ndarray, accepted: np.ndarray) -> None:
-        table = self.rows.setdefault(epoch, np.zeros((len(SOURCE_NAMES), 3), np.int64))
-        drafted = (kept > 0) & (sources > 0)
-        column = sources[drafted] - 1
-        for c, values in enumerate((np.ones(column.shape[0]), kept[drafted], accepted[drafted])):
-            table[:, c] += np.bincount(column, values, minlength=len(SOURCE_NAMES)).astype(np.int64)
+        size = max(SOURCE_NAMES) + 1
+        table = self.rows.setdefault(epoch, np.zeros((size, 3), np.int64))
+        drafted = kept > 0  # a row without a draft has source SOURCE_NONE and keeps nothing
+        source = sources[drafted]
+        for c, values in enumerate((np.ones(source.shape[0]), kept[drafted], accepted[drafted])):
+            table[:, c] += np.bincount(source, values, minlength=size).astype(np.int64)
 
     def report(self) -> list[dict] | None:
         if not self.rows:
@@ -267,7 +268,7 @@ class _SourceTable:
                 "epoch": epoch,
                 **{
                     name: {"drafts": int(d), "draft_tokens": int(t), "accepted_tokens": int(a)}
-                    for name, (d, t, a) in zip(SOURCE_NAMES, table, strict=True)
+                    for name, (d, t, a) in ((name, table[number]) for number, name in SOURCE_NAMES.items())
                 },
             }
             for epoch, table in sorted(self.rows.items())
