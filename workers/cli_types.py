@@ -186,3 +186,14 @@ def add_metrics_arguments(parser: argparse.ArgumentParser, default_port: int = N
         help=f"port to serve /metrics on (env {PORT_ENV}; default {default_port}); -1 serves nothing, "
         "0 picks a free port",
     )
+
+
+def temperature_schedule(raw: str) -> tuple[float, ...]:
+    """Comma-separated sampling temperatures, one per epoch, each >= 0 (`--temperatures`)."""
+    try:
+        values = tuple(float(part) for part in raw.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {raw!r}") from None
+    if any(not value >= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {raw!r}")
+    return values

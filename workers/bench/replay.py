@@ -275,6 +275,21 @@ class _SourceTable:
         ]
 
 
+@dataclass(frozen=True)
+class VerifiedStep:
+    """One step's drafts and what verification kept of them, for `simulate`'s `on_verified` (arrays are the
+    step's own: valid only during the call)."""
+
+    epoch: int
+    keys: list[str]  # the rows' requests, "problem/epoch/sample"
+    positions: np.ndarray  # each row's response position of its first draft token
+    tokens: np.ndarray  # (rows, K) draft tokens
+    kept: np.ndarray  # tokens sent to the verifier
+    accepted: np.ndarray  # of those, the accepted prefix
+    remaining: np.ndarray  # tokens left in each row's response (a draft past its end is never accepted)
+    predicted: np.ndarray | None  # (rows, K) the budget's path acceptance probabilities (das only)
+
+
 @dataclass
 class Simulation:
     """What one strategy did: per epoch, the (active requests, verified tokens) of every step."""
@@ -303,10 +318,12 @@ def simulate(
     ngram_range: tuple[int, int] = (2, 4),
     progress: Callable[[str], None] | None = None,
     measured_costs: Mapping[int, CostModel] | None = None,
+    on_verified: Callable[[VerifiedStep], None] | None = None,
 ) -> Simulation:
     """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online from
     step times: those of `cost`, or of `measured_costs[epoch]` where given (what an engine fitted in that
-    epoch, so that a replay of its trace prices drafts as it did)."""
+    epoch, so that a replay of its trace prices drafts as it did). A tree strategy hands every step's verified
+    drafts to `on_verified` (`das bench ceiling` scores the budget's predictions with it)."""
     cost = cost or CostModel()
     index = _index_for(strategy, config, window)
     k = config.max_spec_tokens
@@ -389,6 +406,19 @@ def simulate(
                     kept = kept.astype(np.int64)
             accepted = np.zeros(n, np.int64)
             _accepted_prefix(drafts, kept, responses, starts[active], pos[active], remaining, accepted)
+            if on_verified is not None and index is not None:
+                on_verified(
+                    VerifiedStep(
+                        epoch,
+                        act_keys,
+                        pos[active],
+                        drafts,
+                        kept,
+                        accepted,
+                        remaining,
+                        policy.last_predicted if policy is not None else None,
+                    )
+                )
             if strategy == "oracle":
                 kept = accepted.copy()
             if index is not None and strategy != "oracle":

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.cli_types import NON_NEGATIVE, POSITIVE, integer, number
+from workers.cli_types import NON_NEGATIVE, POSITIVE, integer, number, temperature_schedule
 from workers.rollout import DTYPES, KV_CACHE_DTYPES
 
 
@@ -35,7 +35,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=number(0), default=1.0, help="sampling temperature (RL: 1.0)")
     parser.add_argument(
         "--temperatures",
-        type=_temperature_schedule,
+        type=temperature_schedule,
         help="one temperature per epoch, comma-separated (e.g. 1.0,0.85,0.7,0.55: a policy that sharpens "
         "during RL); replaces --temperature",
     )
@@ -99,16 +99,6 @@ def shard(raw: str) -> tuple[int, int]:
     if not sep or not index.isdigit() or not count.isdigit() or not 0 <= int(index) < int(count):
         raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N, got {raw!r}")
     return int(index), int(count)
-
-
-def _temperature_schedule(raw: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(part) for part in raw.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {raw!r}") from None
-    if any(not value >= 0 for value in values):
-        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {raw!r}")
-    return values
 
 
 def _check(args: argparse.Namespace) -> None:
