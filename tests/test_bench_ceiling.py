@@ -97,3 +97,10 @@ def test_the_cli_refuses_a_schedule_of_the_wrong_length() -> None:
     )  # fmt: skip
     assert result.returncode != 0
     assert "--temperatures gives 2 values for 3 epochs" in result.stderr
+
+
+def test_a_trace_of_one_epoch_is_cross_fitted_by_sample(records) -> None:
+    report = ceiling([r for r in records if r.epoch == 0], {0: 1.0}, require_model())
+    assert report["tokens"] > 0
+    assert report["brier"]["policy_recalibrated"] is not None
+    assert report["brier"]["target_probability"] < report["brier"]["policy_recalibrated"]

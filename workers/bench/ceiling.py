@@ -178,10 +178,12 @@ def ceiling(
     log_odds = np.log(clipped / (1.0 - clipped))
     ones = np.ones_like(y)
     epochs = np.asarray(found.epochs)
-    # Halves by epoch parity (a trace of one epoch: by request), so a fit never scores its own tokens.
-    fold = epochs % 2 == 0 if len(set(found.epochs)) > 1 else np.arange(y.shape[0]) % 2 == 0
+    # Halves by epoch parity (a trace of one epoch: by sample parity), so no fit scores tokens of a request,
+    # or of an epoch, it saw.
+    samples = np.asarray([int(key.rsplit("/", 1)[1]) for key in found.keys])
+    fold = epochs % 2 == 0 if len(set(found.epochs)) > 1 else samples % 2 == 0
     later = np.asarray(found.draft_index) > 0
-    result: dict[str, Any] = {
+    return {
         "tokens": int(y.shape[0]),
         "acceptance": round(float(y.mean()), 4),
         "mean_target_probability": round(float(target.mean()), 4),
@@ -206,7 +208,6 @@ def ceiling(
         "target_probability_below_0.1": round(float(np.mean(target < 0.1)), 4),
         "target_probability_above_0.9": round(float(np.mean(target > 0.9)), 4),
     }
-    return result
 
 
 def _rounded(value: float | None) -> float | None:
