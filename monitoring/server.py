@@ -1,7 +1,7 @@
 """Serves `/metrics` for one DAS process, aggregating child processes when `PROMETHEUS_MULTIPROC_DIR` is set.
 
 Every long-running command (`das indexer run`, `das rollout ...`) adds `--metrics-host/--metrics-port`
-(`workers.cli_types.add_metrics_arguments`) and calls `start_from_args` once at start. The server binds to loopback unless told otherwise: a metrics port open to the
+(`workers.cli.types.add_metrics_arguments`) and calls `start_from_args` once at start. The server binds to loopback unless told otherwise: a metrics port open to the
 network is a choice the operator makes (docker compose sets `DAS_METRICS_HOST=0.0.0.0` inside its network).
 
 Multi-process mode (vLLM workers, where the proposer runs in spawned processes): the launching process calls

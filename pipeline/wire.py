@@ -48,7 +48,7 @@ REASON_KEY_MISMATCH = "key_mismatch"  # the message key is not the record's iden
 REASON_EPOCH_AHEAD = "epoch_ahead"  # an epoch too far beyond the newest the replica holds (it would evict)
 REASON_SAMPLE_RANGE = "sample_range"  # a sample id beyond the replica's limit
 REASON_EPOCH_RANGE = "epoch_range"  # an epoch beyond any training run's (the empty replica's guard)
-# Limits a replica checks against its own state (workers.indexer). Training moves one epoch at a time; a
+# Limits a replica checks against its own state (workers.replica.service). Training moves one epoch at a time; a
 # record this far beyond the newest stored epoch would evict the history of the problem it names, so it is
 # dead-lettered. A replica that was down for more epochs than this rebuilds from the topic (an empty folder)
 # or runs with a larger --max-epochs-ahead.

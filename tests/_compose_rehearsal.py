@@ -31,7 +31,7 @@ def rehearsal_config(broker: str, topic: str, history_dir: str) -> Any:
     """The compose trainer's verl config with the loopback model, broker, topic and replica folder."""
     from test_compose import trainer_config
 
-    from workers.model import require_model
+    from workers.generator.model import require_model
 
     return trainer_config(
         {
@@ -53,7 +53,7 @@ def replica_records(history_dir: str) -> int:
     """Trajectories in the node's replica, read as the proposer reads it (a RocksDB secondary)."""
     import tempfile
 
-    from history_store.store import HistoryStore
+    from history_store.durable.store import HistoryStore
 
     with tempfile.TemporaryDirectory(prefix="das-rehearsal-reader-") as secondary:
         store = HistoryStore.open_secondary(Path(history_dir), Path(secondary))

@@ -76,7 +76,7 @@ def _ingest(path: str, checkpoints: str) -> None:
     """Child process: resumes a little before the stored offset (at-least-once re-delivery), applies the
     stream in batches with automatic checkpoints, and prints "ack <next offset>" after each durable batch
     (the parent kills it at random points)."""
-    from history_store.indexed import IndexedHistory
+    from history_store.indexed_history import IndexedHistory
 
     stream = CRASH_WORKLOAD.stream()
     with IndexedHistory.open(

@@ -22,7 +22,7 @@ def readme_verl_command() -> list[str]:
 def readme_overrides(tmp_path: Path) -> tuple[str, str, list[str]]:
     import datasets
 
-    from workers.model import require_model
+    from workers.generator.model import require_model
 
     command = readme_verl_command()
     assert command[:3] == ["python", "-m", "verl.trainer.main_ppo"]

@@ -19,7 +19,7 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError, UnknownTopicOrPartitionError
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.topics import admin_client, ensure_topics
 
 REPO = Path(__file__).resolve().parent.parent

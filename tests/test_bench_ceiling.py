@@ -14,7 +14,7 @@ import pytest
 
 from workers.bench import replay
 from workers.bench.ceiling import VerifiedTokens, ceiling, verified_tokens
-from workers.model import require_model
+from workers.generator.model import require_model
 
 pytestmark = pytest.mark.vllm  # the prepared model
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from monitoring.metrics import CLASS_PROMOTIONS, COST_MODEL_COEFFICIENT
-from workers.budget import (
+from workers.budget.policy import (
     LONG,
     SHORT,
     SOURCE_LIVE,

@@ -1,4 +1,4 @@
-"""Every flag and variable of every `das` subcommand is checked in one place (workers/cli_types.py), and every
+"""Every flag and variable of every `das` subcommand is checked in one place (workers/cli/types.py), and every
 error reaches the user as one line.
 
 The subcommands and flags come from the real parser, so a flag added later is covered without editing this
@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import pytest
 from conftest import REPO
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.synthetic import SyntheticShape, synthetic_records
-from workers import cli_types
 from workers.cli import build_cli, main
+from workers.cli import types as cli_types
 
 
 def _subcommands() -> Iterator[tuple[list[str], argparse.ArgumentParser]]:
@@ -84,7 +84,7 @@ def test_no_numeric_flag_escapes_the_checked_types():
         for a in parser._actions
         if a.type in (int, float)
     ]
-    assert not raw, f"use workers.cli_types (integer/number/PORT...) for: {raw}"
+    assert not raw, f"use workers.cli.types (integer/number/PORT...) for: {raw}"
     assert len(CASES) > 100
 
 

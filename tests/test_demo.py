@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.demo import identical_status
-from workers.report import PLOT_FILES, SUMMARY_FILE, format_table
+from workers.demo.report import PLOT_FILES, SUMMARY_FILE, format_table
+from workers.demo.run import identical_status
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

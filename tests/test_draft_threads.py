@@ -15,11 +15,11 @@ from unittest import mock
 import numba
 import pytest
 
-from history_store import _kernels as K
-from history_store.draft_threads import usable_draft_threads
+from history_store.automaton import kernels as K
+from history_store.automaton.draft_threads import usable_draft_threads
 from workers.bench.proposer import _build, _engine_for
 from workers.bench.replay import load_traces
-from workers.proposer import ProposerSettings
+from workers.generator.proposer import ProposerSettings
 
 DRAFT_K = 8
 TRACE = Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl"
@@ -86,7 +86,7 @@ def test_the_thread_setting_parses_or_names_the_variable(monkeypatch) -> None:
 
 def test_no_more_threads_than_cpus_the_process_may_run_on(monkeypatch, caplog) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
-    with caplog.at_level("WARNING", logger="history_store.draft_threads"):
+    with caplog.at_level("WARNING", logger="history_store.automaton.draft_threads"):
         assert usable_draft_threads(4) == 1
     assert "drafting on 1 thread(s), not 4: this process may run on 1 CPU(s)" in caplog.text
 
@@ -122,7 +122,7 @@ def test_a_step_compiled_against_cached_kernels_links(tmp_path: Path) -> None:
     step = [sys.executable, "-c", STEP_SCRIPT]
     first = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
-    step_caches = list(tmp_path.rglob("step_kernels.*.nb[ic]"))
+    step_caches = list(tmp_path.rglob("step.*.nb[ic]"))
     assert step_caches, "the first run must cache the step kernels"
     for path in step_caches:
         path.unlink()

@@ -18,7 +18,7 @@ import time
 import pytest
 from conftest import REPO, drop_topics, end_offsets, topic_keys, wait_caught_up
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.bus import BusBackpressureError, open_bus
 from pipeline.synthetic import SyntheticShape, synthetic_records
 from pipeline.topics import admin_client

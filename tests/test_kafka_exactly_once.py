@@ -17,7 +17,7 @@ import time
 import pytest
 from conftest import end_offsets, wait_caught_up
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.bus import open_bus
 from pipeline.synthetic import SyntheticShape, synthetic_records
 from pipeline.topics import admin_client

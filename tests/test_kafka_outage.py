@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import REPO, end_offsets, topic_keys, wait_caught_up
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.bus import BusBackpressureError, open_bus
 from pipeline.synthetic import SyntheticShape, synthetic_records
 

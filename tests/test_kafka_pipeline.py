@@ -15,8 +15,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource
 from kafka.errors import KafkaTimeoutError
 
-from history_store.problem_index import ProblemIndex
-from history_store.store import HistoryStore
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.durable.store import HistoryStore
 from pipeline.bus import BusBackpressureError, BusError, open_bus
 from pipeline.consumer import (
     H_OFFSET,
@@ -30,7 +30,7 @@ from pipeline.synthetic import SyntheticShape, synthetic_record, synthetic_recor
 from pipeline.topics import admin_client
 from pipeline.wire import DEFAULT_MAX_EPOCHS_AHEAD, encode_record, partition_for, record_key
 from workers.cli import main as das
-from workers.indexer import Indexer, ProblemIndexListener
+from workers.replica.service import Indexer, ProblemIndexListener
 
 pytestmark = pytest.mark.kafka
 SMALL = SyntheticShape(

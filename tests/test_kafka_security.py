@@ -19,7 +19,7 @@ import uuid
 import pytest
 from conftest import REPO
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.kafka_config import client_settings
 
 pytestmark = pytest.mark.kafka

@@ -12,7 +12,7 @@ import sys
 import pytest
 from _checkpoints import shard_checkpoint
 
-from workers.model import (
+from workers.generator.model import (
     ModelError,
     check_checkpoint,
     default_model_dir,

@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 PROBE = """
 import sys, tempfile
 from prometheus_client import REGISTRY, generate_latest
-from history_store.checkpoints import create_checkpoint
-from history_store.store import HistoryStore
+from history_store.durable.checkpoints import create_checkpoint
+from history_store.durable.store import HistoryStore
 
 def exported():
     for line in generate_latest(REGISTRY).decode().splitlines():

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from monitoring import metrics
 from monitoring.multiproc import prepare_multiprocess_dir
 from monitoring.server import metrics_registry, start_from_args, start_metrics_server
-from workers.cli_types import add_metrics_arguments
+from workers.cli.types import add_metrics_arguments
 
 
 def _samples(exposition: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -109,7 +109,7 @@ def test_preparing_the_folder_after_the_client_is_imported_is_refused() -> None:
 
 
 _LAST_STEPS_THEN_EXIT = """
-from workers.step_book import DRAFT_TOKEN_TOTAL, DRAFTED, MetricsFlush, StepBook
+from workers.generator.step_book import DRAFT_TOKEN_TOTAL, DRAFTED, MetricsFlush, StepBook
 book = StepBook(4, 8)
 metrics = MetricsFlush(book)
 metrics.step_done(1e-5, None, now=0.0)  # the first step flushes (nothing yet); the next flush is due at 1.0

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 
-from history_store.problem_index import ProblemIndex
-from history_store.store import HistoryStore
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.durable.store import HistoryStore
 from pipeline.bus import BusBackpressureError, BusError, EmbeddedBus, embedded_bus, open_bus
 from pipeline.kafka_config import parse_bus_url
 from pipeline.schemas import TrajectoryRecord
 from pipeline.synthetic import SyntheticShape, synthetic_records
-from workers.indexer import Indexer, ProblemIndexListener
+from workers.replica.service import Indexer, ProblemIndexListener
 
 SHAPE = SyntheticShape(problems=5, epochs=5, prompt_tokens=20, response_tokens_median=50)
 
@@ -83,7 +83,7 @@ def test_open_bus_names_the_embedded_bus_and_refuses_unknown_urls():
 
 
 def test_replica_checkpoints_at_epoch_boundaries_and_a_failed_checkpoint_never_stops_ingest(tmp_path, caplog):
-    from history_store.checkpoints import Checkpointer, list_checkpoints, read_manifest
+    from history_store.durable.checkpoints import Checkpointer, list_checkpoints, read_manifest
 
     bus = EmbeddedBus()
     records = list(synthetic_records(0, 60, SHAPE))

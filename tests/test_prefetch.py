@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from history_store._kernels import prefetch_row
+from history_store.automaton.kernels import prefetch_row
 
 
 @njit

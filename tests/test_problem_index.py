@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from history_store.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
-from history_store.suffix_tree import DraftConfig, SuffixTree
+from history_store.automaton.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
+from history_store.automaton.suffix_tree import DraftConfig, SuffixTree
 
 CFG = DraftConfig(max_depth=6, max_spec_tokens=5, min_token_prob=0.0)
 tokens = st.lists(st.integers(0, 4), min_size=1, max_size=15)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.proposer import ProposerSettings, parse_extra_args
+from workers.generator.proposer import ProposerSettings, parse_extra_args
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ from types import ModuleType
 
 import pytest
 
-from workers import proposer as proposer_module
 from workers.bench import proposer, proposer_ab, proposer_kernels_ab
 from workers.bench.proposer_ab import REPO
 from workers.bench.replay import load_traces
 from workers.cli import main
+from workers.generator import proposer as proposer_module
 
 TRACE = Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl"
 
@@ -93,7 +93,7 @@ def test_kernels_that_do_not_fit_the_proposer_stop_at_the_first_step() -> None:
     # 957d7ae's decode_step took one argument fewer than today's proposer passes ("too many arguments:
     # expected 12, got 13"). The proposer logs such a failure and drafts nothing, so the run must stop at the
     # first step with one clear line rather than time a side that does no work.
-    from workers import step_kernels
+    from workers.generator import step as step_kernels
 
     def decode_step_of_fewer_arguments(tables, slots, num_tokens, step_no, policy_step, joined, seconds,
                                        last_rows, last_tokens, budget_on, bases):  # fmt: skip

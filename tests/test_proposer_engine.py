@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
-from workers.rollout import (
+from workers.rollout.worker import (
     EngineOptions,
     Problem,
     RolloutWorker,
@@ -116,7 +116,7 @@ def test_budget_cost_model_is_fitted_from_measured_engine_steps(das_epochs) -> N
 def test_spec_counters_are_read_from_the_engines_own_logger(das, das_epochs) -> None:
     """`RolloutWorker.spec_counters` reads the engine's own Prometheus logger (the registry only holds the
     newest engine's metrics when a process builds several): with one engine alive both readings agree."""
-    from workers.rollout import _own_spec_counters, _registry_spec_counters
+    from workers.rollout.worker import _own_spec_counters, _registry_spec_counters
 
     own = _own_spec_counters(das.llm)
     assert own == _registry_spec_counters(das.llm) == das.spec_counters()

@@ -14,17 +14,17 @@ from _store_workload import Workload
 from numba import njit, types
 from rocksdict import Options, Rdict
 
-from history_store import layout
-from history_store.indexed import load_index
-from history_store.problem_index import ProblemIndex
-from history_store.store import HistoryStore
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.durable import layout
+from history_store.durable.store import HistoryStore
+from history_store.indexed_history import load_index
 from pipeline.schemas import TrajectoryRecord
-from workers import proposer as proposer_module
 from workers.bench.proposer import _build, _engine_for, decoding
 from workers.bench.replay import load_traces
-from workers.proposer import DasProposer
-from workers.step_kernels import _FIELDS, DirectCall, pack_tables
-from workers.step_kernels import decode_step as _decode_step_dispatcher
+from workers.generator import proposer as proposer_module
+from workers.generator.proposer import DasProposer
+from workers.generator.step import _FIELDS, DirectCall, pack_tables
+from workers.generator.step import decode_step as _decode_step_dispatcher
 
 K = 8
 MAX_LEN = 4096

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from _checkpoints import shard_checkpoint
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
-from workers.model import require_model
-from workers.rollout import EngineOptions, engine_kwargs
+from workers.generator.model import require_model
+from workers.rollout.worker import EngineOptions, engine_kwargs
 
 REPO = Path(__file__).resolve().parent.parent
 # Tiny runs: the engine start dominates; greedy, so a repeated epoch is drafted exactly from its history.

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from pipeline.schemas import TrajectoryRecord
-from workers.rollout import EngineOptions, RolloutWorker, build_engine, shutdown_engine
+from workers.rollout.worker import EngineOptions, RolloutWorker, build_engine, shutdown_engine
 
 # One module fixture draws every sample: minutes on two quiet cores, much longer on a loaded machine.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]

@@ -10,10 +10,10 @@ import pytest
 from _store_workload import Workload
 from rocksdict import Options, Rdict
 
-from history_store import layout
-from history_store.codec import decode_trajectory
+from history_store.durable import layout
+from history_store.durable.codec import decode_trajectory
+from history_store.durable.store import HistoryStore
 from history_store.errors import StoreOpenError
-from history_store.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
 
 WORKLOAD = Workload(problems=3, epochs=4, samples=3)

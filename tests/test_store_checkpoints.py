@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from _store_workload import Workload
 
-from history_store.checkpoints import (
+from history_store.durable.checkpoints import (
     Checkpointer,
     CheckpointError,
     create_checkpoint,
@@ -17,8 +17,8 @@ from history_store.checkpoints import (
     read_manifest,
     restore_checkpoint,
 )
-from history_store.indexed import IndexedHistory
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
+from history_store.indexed_history import IndexedHistory
 from workers.cli import main as das
 
 WORKLOAD = Workload(problems=4, epochs=3, samples=4)

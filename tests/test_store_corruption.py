@@ -9,8 +9,8 @@ from _store_workload import Workload
 from prometheus_client import REGISTRY
 from rocksdict import Options, Rdict
 
-from history_store import layout
-from history_store.store import HistoryStore
+from history_store.durable import layout
+from history_store.durable.store import HistoryStore
 
 WORKLOAD = Workload(problems=3, epochs=2, samples=4)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from _store_workload import CRASH_BATCH, CRASH_TOPIC, CRASH_WINDOW, CRASH_WORKLOAD
 
-from history_store.checkpoints import list_checkpoints, read_manifest, restore_checkpoint
-from history_store.indexed import IndexedHistory
-from history_store.store import HistoryStore
+from history_store.durable.checkpoints import list_checkpoints, read_manifest, restore_checkpoint
+from history_store.durable.store import HistoryStore
+from history_store.indexed_history import IndexedHistory
 
 CHILD = Path(__file__).with_name("_store_workload.py")
 KILLS = 5

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from _store_workload import Workload, owner_of
 
-from history_store.indexed import IndexedHistory, follow
-from history_store.problem_index import ProblemIndex
-from history_store.store import HistoryStore
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.durable.store import HistoryStore
+from history_store.indexed_history import IndexedHistory, follow
 
 WORKLOAD = Workload(problems=6, epochs=7, samples=4, min_len=40, max_len=120)
 WINDOW = 2

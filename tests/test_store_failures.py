@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from _store_workload import Workload
 
+from history_store.durable.store import HistoryStore
 from history_store.errors import StoreLockedError, StoreOpenError
-from history_store.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def test_second_writer_in_another_process_fails_at_once_with_store_locked_error(
         f"""
         import sys; sys.path.insert(0, {str(ROOT)!r})
         from history_store.errors import StoreLockedError
-        from history_store.store import HistoryStore
+        from history_store.durable.store import HistoryStore
         try:
             HistoryStore({str(tmp_path / "h")!r})
         except StoreLockedError as exc:
@@ -55,7 +55,7 @@ _WRITE_FAILURE_CHILD = """
 import os, resource, signal, sys
 sys.path.insert(0, sys.argv[2])
 from history_store.errors import StoreWriteError
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
 
 def record(sample, n):

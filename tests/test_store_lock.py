@@ -10,8 +10,8 @@ import textwrap
 import pytest
 from conftest import REPO
 
+from history_store.durable.store import HistoryStore
 from history_store.errors import StoreLockedError
-from history_store.store import HistoryStore
 from pipeline.synthetic import SyntheticShape, synthetic_records
 
 SHAPE = SyntheticShape(problems=4, epochs=2, prompt_tokens=8, response_tokens_median=16)
@@ -25,7 +25,7 @@ def test_a_second_writer_is_refused_even_after_lock_is_deleted(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
-            from history_store.store import HistoryStore
+            from history_store.durable.store import HistoryStore
             with HistoryStore({str(path)!r}):
                 print("open", flush=True)
                 sys.stdin.read()

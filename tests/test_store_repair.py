@@ -18,9 +18,9 @@ import time
 import pytest
 from conftest import end_offsets, wait_caught_up
 
-from history_store import layout
+from history_store.durable import layout
+from history_store.durable.store import HistoryStore
 from history_store.errors import StoreCorruptionError
-from history_store.store import HistoryStore
 from pipeline.bus import open_bus
 from pipeline.synthetic import SyntheticShape, synthetic_records
 from workers.cli import main as das

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from history_store.suffix_tree import DraftConfig, SuffixForest, SuffixTree
+from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree
 
 
 def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: DraftConfig, budget: int):

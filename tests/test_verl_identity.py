@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
 from workers.verl.identity import (
     LEDGER_FILE,
@@ -75,7 +75,7 @@ def _dataset_rows(tmp_path: Path, files: list[Path]) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from workers.model import require_model
+    from workers.generator.model import require_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(require_model()))
     config = OmegaConf.create({"cache_dir": str(tmp_path / "cache"), "max_prompt_length": 512})

@@ -32,7 +32,7 @@ EXAMPLE_DIR = REPO / "examples" / "verl"
 def _compose(*overrides: str) -> Any:
     from hydra import compose, initialize_config_dir
 
-    from workers.model import require_model
+    from workers.generator.model import require_model
 
     with initialize_config_dir(config_dir=str(EXAMPLE_DIR), version_base=None):
         return compose(
@@ -49,7 +49,7 @@ def test_example_config_composes_with_verl_defaults_and_passes_verls_rollout_che
     rollout = config.actor_rollout_ref.rollout
     vllm_kwargs = rollout.engine_kwargs.vllm
     assert vllm_kwargs.speculative_config.method == "custom_class"
-    assert vllm_kwargs.speculative_config.model == "workers.proposer.DasProposer"
+    assert vllm_kwargs.speculative_config.model == "workers.generator.proposer.DasProposer"
     assert vllm_kwargs.worker_extension_cls == "workers.verl.extension.DasVerlWorkerExtension"
     assert rollout.disable_log_stats is False
     assert rollout.temperature == 1.0 and rollout.n == 8
@@ -351,7 +351,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     ],
 )
 def test_the_proposer_adds_only_requests_that_ended_by_themselves(response, max_tokens, expected) -> None:
-    from workers.proposer import _Live, _natural_end
+    from workers.generator.proposer import _Live, _natural_end
 
     prompt = [1, 1]
     tokens = np.array(prompt + response, dtype=np.int32)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers import vllm_cpu_sampling
+from workers.generator import cpu_sampling as vllm_cpu_sampling
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_vllm_cpus_own_expansion_is_defective_here() -> None:
         import sys
         from vllm.platforms import current_platform
         from vllm.v1.sample import rejection_sampler
-        from workers import vllm_cpu_sampling
+        from workers.generator import cpu_sampling as vllm_cpu_sampling
 
         if not current_platform.is_cpu():
             sys.exit(3)
@@ -115,7 +115,7 @@ def test_the_plugin_is_a_vllm_general_plugins_entry_point() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     plugins = project["project"]["entry-points"]["vllm.general_plugins"]
     module, _, function = plugins["das_cpu_sampling"].partition(":")
-    assert f"{module}:{function}" == "workers.vllm_cpu_sampling:register"
+    assert f"{module}:{function}" == "workers.generator.cpu_sampling:register"
 
 
 def test_the_installed_package_declares_the_plugin_to_vllm() -> None:
@@ -123,7 +123,7 @@ def test_the_installed_package_declares_the_plugin_to_vllm() -> None:
     from importlib.metadata import entry_points
 
     found = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert found.get("das_cpu_sampling") == "workers.vllm_cpu_sampling:register", found
+    assert found.get("das_cpu_sampling") == "workers.generator.cpu_sampling:register", found
 
 
 def test_a_step_without_drafts_passes_the_top_k_mask_after_register(monkeypatch) -> None:
@@ -156,12 +156,12 @@ def test_recovered_tokens_draw_the_exponential_race_only_for_requests_with_draft
         import torch
         from vllm.platforms import current_platform
         from vllm.v1.sample import rejection_sampler
-        from workers import vllm_cpu_sampling
+        from workers.generator import cpu_sampling as vllm_cpu_sampling
 
         current_platform.register_triton_kernel_overrides()
         vllm_cpu_sampling.register()
         sample = rejection_sampler.sample_recovered_tokens
-        assert sample.__module__ == "workers.vllm_cpu_sampling", sample.__module__
+        assert sample.__module__ == "workers.generator.cpu_sampling", sample.__module__
         drawn = []
         exponential = torch.Tensor.exponential_
         def counting(self, *args, **kwargs):

@@ -98,7 +98,7 @@ def _interleaved(config: E2eConfig, progress: Any) -> dict[str, list[dict[int, d
     """Every strategy's engine at once, and each (replicate, batch) rolled out on all of them back to back,
     the order rotating: the machine's drift (other processes, thermal) falls on every strategy alike instead
     of on whichever ran last. Returns per strategy, per replicate, {batch: measured row}."""
-    from workers.rollout import (
+    from workers.rollout.worker import (
         EngineOptions,
         Problem,
         RolloutWorker,

@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from history_store.suffix_tree import DraftConfig
+from history_store.automaton.suffix_tree import DraftConfig
 from workers.bench import replay
-from workers.proposer import ProposerSettings
+from workers.generator.proposer import ProposerSettings
 
 TOLERANCE = 0.10
 

@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from history_store.store import HistoryStore
+from history_store.durable.store import HistoryStore
 from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
 from pipeline.schemas import TrajectoryRecord
 from pipeline.synthetic import SyntheticShape, synthetic_record
 from pipeline.topics import admin_client, ensure_topics
 from pipeline.wire import decode, encode_record, measure_encoding
-from workers.indexer import Indexer
+from workers.replica.service import Indexer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from workers import proposer as proposer_module
 from workers.bench.replay import CostModel, load_traces, trace_max_tokens
-from workers.proposer import DasProposer
+from workers.generator import proposer as proposer_module
+from workers.generator.proposer import DasProposer
 
 BATCHES = (1, 64, 256)
 TARGET_US_PER_REQUEST = {1: 15.0, 64: 4.0, 256: 2.5}  # batch 1: the whole step, not per request

@@ -8,8 +8,8 @@ each steady step (no request started or finished) is compared with its
 partner: a burst from another tenant falls on both alike. The drafts of the two sides are compared every
 step, so the run also says whether the change left the drafts as they were.
 
-Only the native step differs between the sides. REV's `history_store/_kernels.py`, `workers/budget.py`,
-`workers/step_book.py` and `workers/step_kernels.py` are imported as a temporary package (`das_rev_kernels`,
+Only the native step differs between the sides. REV's `history_store/automaton/kernels.py`, `workers/budget/policy.py`,
+`workers/generator/step_book.py` and `workers/generator/step.py` are imported as a temporary package (`das_rev_kernels`,
 its imports of each other rewritten to it), while the proposer, index and policy around them are this
 checkout's on both sides. REV must therefore keep the step's contract with them (`pack_tables`' groups,
 the arena's layout); a revision that does not fails in numba's typing, with numba's message.
@@ -29,21 +29,24 @@ from typing import Any
 
 import numpy as np
 
-from workers import proposer as proposer_module
 from workers.bench.proposer import decoding
 from workers.bench.proposer_ab import REPO, existing_trace, resolve_revision
 from workers.bench.replay import load_traces
+from workers.generator import proposer as proposer_module
 
 PACKAGE = "das_rev_kernels"
 # The step's kernel modules, by the name they are imported under in the package.
 KERNEL_FILES = {
-    "_kernels": "history_store/_kernels.py",
-    "budget": "workers/budget.py",
-    "step_book": "workers/step_book.py",
-    "step_kernels": "workers/step_kernels.py",
+    "_kernels": "history_store/automaton/kernels.py",
+    "budget": "workers/budget/policy.py",
+    "step_book": "workers/generator/step_book.py",
+    "step_kernels": "workers/generator/step.py",
 }
 _IMPORTS = (
-    (re.compile(r"^from history_store import _kernels\b", re.M), f"from {PACKAGE} import _kernels"),
+    (
+        re.compile(r"^from history_store.automaton import kernels as _kernels\b", re.M),
+        f"from {PACKAGE} import _kernels",
+    ),
     (re.compile(r"^from workers\.(budget|step_book) import", re.M), rf"from {PACKAGE}.\1 import"),
 )
 

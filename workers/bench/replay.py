@@ -19,7 +19,7 @@ Strategies:
   request's own context, raw count ratios, min_token_prob 0.1, max_spec_factor 1;
 - suffix-problem: the same rules on per-problem history trees with the request's own context;
 - das-unbudgeted: DAS's composed drafter (problem history, in-flight siblings, global tree) at K;
-- das: the same drafter with the budget policy of workers/budget.py, as the engine runs it;
+- das: the same drafter with the budget policy of workers/budget/policy.py, as the engine runs it;
 - oracle: perfect foresight on das's own drafts: each draft cut to the tokens that will be accepted.
 """
 
@@ -37,10 +37,10 @@ import numpy as np
 from numba import njit
 from pydantic import ValidationError
 
-from history_store.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
-from history_store.suffix_tree import DraftConfig
+from history_store.automaton.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
+from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
-from workers.budget import BudgetConfig, BudgetPolicy
+from workers.budget.policy import BudgetConfig, BudgetPolicy
 
 STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgeted", "das", "oracle")
 # Strategies whose steps do not depend on the cost model.
@@ -154,7 +154,7 @@ def _index_for(strategy: str, config: DraftConfig, window: int) -> ProblemIndex 
         return ProblemIndex(window_epochs=window, config=config)
     if strategy in ("das", "oracle"):
         # The budget (or foresight) decides where a draft ends, not the tree's raw probability floor: as in
-        # the engine (workers/proposer.py) with the budget on.
+        # the engine (workers/generator/proposer.py) with the budget on.
         return ProblemIndex(window_epochs=window, config=dataclasses.replace(config, min_token_prob=0.0))
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 

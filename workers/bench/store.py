@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from history_store.checkpoints import create_checkpoint, restore_checkpoint
-from history_store.indexed import load_index
-from history_store.problem_index import ProblemIndex
-from history_store.store import HistoryStore
-from history_store.suffix_tree import SuffixTree
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.automaton.suffix_tree import SuffixTree
+from history_store.durable.checkpoints import create_checkpoint, restore_checkpoint
+from history_store.durable.store import HistoryStore
+from history_store.indexed_history import load_index
 
 VOCAB = 32_000
 PROMPT_TOKENS = 256

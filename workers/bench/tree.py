@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from history_store.problem_index import ProblemIndex
-from history_store.suffix_tree import DraftConfig, SuffixTree
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.automaton.suffix_tree import DraftConfig, SuffixTree
 
 VOCAB = 4096
 SEQS_PER_PROBLEM = 16

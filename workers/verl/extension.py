@@ -4,7 +4,7 @@ verl passes its own `vLLMColocateWorkerExtension` as `worker_extension_cls` (wei
 FP8); a config that named DAS's extension instead would lose those. This class is both: verl's extension first
 (its `__new__` applies verl's patches), then `DasWorkerExtension`'s RPCs (`das_stats`, `das_add_trajectories`,
 `das_evict`, `das_reset_stats`), and `das_write_stats` for `workers.verl.stats`. The proposer finds the model
-runner by itself on its first step (see `workers.proposer`), so no RPC has to run before rollouts: verl's
+runner by itself on its first step (see `workers.generator.proposer`), so no RPC has to run before rollouts: verl's
 server never calls one.
 
     actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=workers.verl.extension.DasVerlWorkerExtension
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-from workers.proposer import DasWorkerExtension
+from workers.generator.proposer import DasWorkerExtension
 from workers.verl.stats import write_rank_stats
 
 

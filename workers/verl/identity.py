@@ -249,7 +249,7 @@ def history_epochs(history_dir: str | os.PathLike[str]) -> dict[str, int]:
     running); {} when the folder does not exist."""
     import tempfile
 
-    from history_store.store import HistoryStore
+    from history_store.durable.store import HistoryStore
 
     path = Path(history_dir)
     if not path.exists():

@@ -1,0 +1,539 @@
+"""The per-problem drafting index: what DAS drafts from.
+
+Each request drafts from up to three trees, all in one arena, and the best-scoring draft wins:
+  1. its problem's history tree: that problem's rollouts of the last `window_epochs` epochs;
+  2. its live tree: its own prompt and output, and those of its in-flight siblings (same problem;
+     `live_scope` can widen this to every in-flight request or narrow it to the request alone);
+  3. the global tree: recent responses of all problems, capped at `global_tokens` (FIFO). On real
+     rollouts of a small model problems share phrasing and early epochs have thin history, so a
+     per-problem-only drafter lost to one global tree; composing them keeps both strengths.
+A request without a problem id drafts from its own context (and the global tree).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from history_store.automaton import kernels as K
+from history_store.automaton.draft_threads import usable_draft_threads
+from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
+
+SOURCE_NONE, SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL = 0, 1, 2, 3
+# A live tree is rebuilt from its active requests once finished ones hold this many times their tokens. Each
+# rebuild re-inserts the active tokens, so its cost per finished request falls as 1/DEAD_PER_LIVE; the
+# finished ones mostly sit in their problem's history too. Going from 1 to 4 moved every makespan in the
+# committed replay JSONs (`das bench replay`, three traces, three cost models) by at most 0.2%.
+DEAD_PER_LIVE = 4
+
+
+def eviction_bounds(keys: Iterable[tuple[str, int, int]]) -> dict[str, int]:
+    """The store evicts whole epochs from the bottom of a problem's window: for evicted keys (problem, epoch,
+    sample), the first epoch each problem keeps (its newest evicted epoch + 1)."""
+    bounds: dict[str, int] = {}
+    for problem_id, epoch, _sample in keys:
+        bounds[problem_id] = max(bounds.get(problem_id, 0), epoch + 1)
+    return bounds
+
+
+@dataclass(frozen=True)
+class BatchDrafts:
+    """Drafts for a batch, row-aligned with the request keys. `probs` are path probabilities; `support` is
+    the occurrence count behind each draft token (how much evidence the tree had for it). The arrays are
+    views of the index's step buffers: valid until its next draft."""
+
+    tokens: np.ndarray  # int32 (n, K)
+    lengths: np.ndarray  # int32 (n,)
+    probs: np.ndarray  # float32 (n, K)
+    support: np.ndarray  # int32 (n, K)
+    match_lens: np.ndarray  # int32 (n,)
+    scores: np.ndarray  # float64 (n,)
+    sources: np.ndarray  # int32 (n,): SOURCE_*
+    agreement: np.ndarray  # int32 (n, 2): draft tokens each other tree's likeliest path repeats
+
+    def draft(self, row: int) -> list[int]:
+        return self.tokens[row, : self.lengths[row]].tolist()
+
+
+class _StepBuffers:
+    """Per-batch arrays of the step kernel, allocated once for the largest batch seen and reused; the views
+    of the last batch size are kept too (a view costs about as much as a small numpy operation)."""
+
+    def __init__(self, rows: int, k: int) -> None:
+        self.tokens = np.zeros((rows, k), np.int32)
+        self.probs = np.zeros((rows, k), np.float32)
+        self.support = np.zeros((rows, k), np.int32)
+        self.info = np.zeros((rows, K.INFO_FIELDS), np.int32)
+        self.scores = np.zeros(rows, np.float64)
+        self._n = -1
+        self._views: tuple[BatchDrafts, tuple[np.ndarray, ...]] | None = None
+
+    def views(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
+        """The drafts of a batch of n rows, and the kernel's output arrays they view."""
+        if n != self._n or self._views is None:
+            out = (self.tokens[:n], self.probs[:n], self.support[:n], self.info[:n], self.scores[:n])
+            info = out[3]
+            drafts = BatchDrafts(
+                tokens=out[0],
+                lengths=info[:, K.I_LEN],
+                probs=out[1],
+                support=out[2],
+                match_lens=info[:, K.I_MATCH],
+                scores=out[4],
+                sources=info[:, K.I_SOURCE],
+                agreement=info[:, K.I_AGREE : K.I_AGREE + 2],
+            )
+            self._n, self._views = n, (drafts, out)
+        return self._views
+
+
+@dataclass
+class _Problem:
+    tree: SuffixTree
+    seq_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (epoch, sample) -> seq id
+    lengths: dict[tuple[int, int], int] = field(default_factory=dict)  # response lengths in the window
+    newest_epoch: int = -1
+    next_seq: int = 0
+
+
+@dataclass
+class _Live:
+    """In-flight requests of one problem (or one request without a problem)."""
+
+    tree: SuffixTree
+    active: set[int] = field(default_factory=set)
+    dead_tokens: int = 0
+    next_seq: int = 0
+
+
+@dataclass
+class _Request:
+    slot: int
+    seq_id: int
+    live_key: str
+    problem_id: str | None
+
+
+class ProblemIndex:
+    """Per-problem history trees over a sliding window of epochs, live sibling overlays and a global tree."""
+
+    def __init__(
+        self,
+        window_epochs: int = 3,
+        config: DraftConfig | None = None,
+        global_tokens: int = 2_000_000,
+        use_history: bool = True,
+        use_global: bool = True,
+        live_scope: str = "problem",
+        draft_threads: int = 1,
+    ) -> None:
+        """draft_threads: threads a step's drafting may use, as granted by `usable_draft_threads` (the drafts
+        are the same on any number)."""
+        if window_epochs < 1:
+            raise ValueError(f"window_epochs must be >= 1, got {window_epochs}")
+        self.window_epochs = window_epochs
+        self.config = config or DraftConfig()
+        self.draft_threads = usable_draft_threads(draft_threads)
+        self.global_tokens = global_tokens
+        if live_scope not in ("problem", "request", "all"):
+            raise ValueError(f"live_scope must be 'problem', 'request' or 'all', got {live_scope!r}")
+        self.use_history = use_history
+        self.live_scope = live_scope
+        self.forest = SuffixForest()
+        self._problems: dict[str, _Problem] = {}
+        self._global = SuffixTree(self.config, self.forest) if use_global and global_tokens > 0 else None
+        self._global_seq: dict[tuple[str, int, int], int] = {}  # trajectory key -> seq id
+        self._global_fifo: deque[tuple[tuple[str, int, int], int]] = deque()  # (key, tokens), arrival order
+        self._global_next = 0
+        self._global_newest = -1
+        self._live: dict[str, _Live] = {}
+        self._requests: dict[str, _Request] = {}
+        self._free_slots: list[int] = []
+        self.slots = np.zeros((0, K.SLOT_FIELDS), np.int64)  # the kernel's per-request table (see _kernels)
+        self._buffers = _StepBuffers(0, self.config.max_spec_tokens)
+
+    # ---- history -------------------------------------------------------------------------------------
+
+    def window_start(self, problem_id: str, newest_epoch: int) -> int:
+        """First epoch kept for a problem whose newest epoch is `newest_epoch`."""
+        return max(0, newest_epoch - self.window_epochs + 1)
+
+    def add_trajectory(
+        self,
+        problem_id: str,
+        epoch: int,
+        sample: int,
+        prompt_ids: Sequence[int] | np.ndarray,
+        response_ids: Sequence[int] | np.ndarray,
+    ) -> bool:
+        """Indexes a finished rollout. Returns False (and changes nothing) if it is already indexed or older
+        than the problem's window. A newer epoch slides the window and evicts what falls out of it."""
+        return self._add(problem_id, epoch, sample, prompt_ids, response_ids, to_global=True)
+
+    def add_trajectories(
+        self, records: Iterable[tuple[str, int, int, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]]
+    ) -> int:
+        """Bulk-loads rollouts (problem_id, epoch, sample, prompt_ids, response_ids) in arrival order, as at
+        start-up; returns how many were indexed. The same as adding them one by one, except that the global
+        tree receives only the newest rollouts that fit its window and cap, instead of being filled, trimmed
+        and rebuilt over and over."""
+        records = list(records)
+        to_global = [False] * len(records)
+        if self._global is not None and records:
+            newest = max(self._global_newest, max(r[1] for r in records))
+            start = max(0, newest - self.window_epochs + 1)
+            self._global_newest = newest
+            self._drop_global(k for k in self._global_seq if k[1] < start)
+            room = self.global_tokens - self._global.num_tokens
+            for i in range(len(records) - 1, -1, -1):
+                _, epoch, _, prompt, response = records[i]
+                size = min(len(prompt), self.config.max_depth) + len(response)
+                if epoch >= start and size <= room:
+                    to_global[i] = True
+                    room -= size
+        return sum(
+            self._add(*record, to_global=flag) for record, flag in zip(records, to_global, strict=True)
+        )
+
+    def _add(
+        self,
+        problem_id: str,
+        epoch: int,
+        sample: int,
+        prompt_ids: Sequence[int] | np.ndarray,
+        response_ids: Sequence[int] | np.ndarray,
+        to_global: bool,
+    ) -> bool:
+        if not isinstance(problem_id, str) or not problem_id:
+            raise ValueError(f"problem_id must be a non-empty string, got {problem_id!r}")
+        if epoch < 0 or sample < 0:
+            raise ValueError(f"epoch and sample must be >= 0, got {epoch}, {sample}")
+        prompt = as_tokens(prompt_ids, "prompt_ids")
+        response = as_tokens(response_ids, "response_ids")
+        problem = self._problems.get(problem_id)
+        if problem is None:
+            problem = self._problems[problem_id] = _Problem(SuffixTree(self.config, self.forest))
+            if self.use_history:
+                for req in self._requests.values():  # live requests of a problem that had no history yet
+                    if req.problem_id == problem_id:
+                        self.slots[req.slot, K.R_CAND] = problem.tree.tid
+        if (epoch, sample) in problem.seq_of or epoch < self.window_start(problem_id, problem.newest_epoch):
+            return False
+        if self._global is not None and epoch > self._global_newest:
+            # Slide the global tree's window first: one rebuild per epoch, not one per problem.
+            self._global_newest = epoch
+            self._drop_global(k for k in self._global_seq if k[1] < self.window_start(problem_id, epoch))
+        if epoch > problem.newest_epoch:
+            problem.newest_epoch = epoch
+            self.evict_epochs_before(problem_id, self.window_start(problem_id, epoch))
+        # The prompt's tail lets drafting start at the first response token; more prompt adds nothing.
+        tokens = np.concatenate([prompt[-self.config.max_depth :], response])
+        seq_id = problem.next_seq
+        problem.next_seq += 1
+        if self.use_history:
+            problem.tree.extend(seq_id, tokens)
+            problem.tree.invalidate_matches()
+        problem.seq_of[(epoch, sample)] = seq_id
+        problem.lengths[(epoch, sample)] = int(response.shape[0])
+        if (
+            to_global
+            and self._global is not None
+            and epoch >= self.window_start(problem_id, self._global_newest)
+        ):
+            self._add_global((problem_id, epoch, sample), tokens)
+        return True
+
+    def evict_epochs_before(self, problem_id: str, min_epoch: int) -> list[tuple[int, int]]:
+        """Removes a problem's rollouts of epochs < min_epoch from its tree; returns their (epoch, sample)."""
+        problem = self._problems.get(problem_id)
+        if problem is None:
+            return []
+        gone = sorted(key for key in problem.seq_of if key[0] < min_epoch)
+        if gone:
+            seq_ids = [problem.seq_of.pop(key) for key in gone]
+            for key in gone:
+                del problem.lengths[key]
+            if self.use_history:
+                problem.tree.remove_many(seq_ids)
+            # An evicted rollout must never be drafted again, from the global tree either.
+            self._drop_global((problem_id, e, s) for e, s in gone)
+        return gone
+
+    def evict_keys(self, keys: Iterable[tuple[str, int, int]]) -> dict[str, int]:
+        """Follows a store's evictions: drops every epoch up to the newest evicted one of each problem.
+        Returns the bounds applied (see `eviction_bounds`)."""
+        bounds = eviction_bounds(keys)
+        for problem_id, min_epoch in bounds.items():
+            self.evict_epochs_before(problem_id, min_epoch)
+        return bounds
+
+    def remove_trajectory(self, problem_id: str, epoch: int, sample: int) -> bool:
+        """Drops one rollout (a store quarantined it) from its problem's tree and the global tree; the rest
+        of its epoch stays. Returns False when it was not indexed."""
+        problem = self._problems.get(problem_id)
+        if problem is None or (epoch, sample) not in problem.seq_of:
+            return False
+        seq_id = problem.seq_of.pop((epoch, sample))
+        del problem.lengths[(epoch, sample)]
+        if self.use_history:
+            problem.tree.remove(seq_id)
+        self._drop_global([(problem_id, epoch, sample)])
+        return True
+
+    def clear_history(self) -> None:
+        """Forgets every rollout (problem and global trees), keeping live requests: before reloading a store
+        whose change log a reader can no longer follow."""
+        for problem in self._problems.values():
+            if self.use_history:
+                problem.tree.remove_many(list(problem.tree.seq_ids))
+            problem.seq_of.clear()
+            problem.lengths.clear()
+            problem.newest_epoch = -1
+        if self._global is not None:
+            self._global.remove_many(list(self._global.seq_ids))
+        self._global_seq.clear()
+        self._global_fifo.clear()
+        self._global_newest = -1
+
+    def global_keys(self) -> list[tuple[str, int, int]]:
+        """Trajectory keys in the global tree, oldest first (the order its token cap drops them in)."""
+        return [key for key, _ in self._global_fifo if key in self._global_seq]
+
+    def _add_global(self, key: tuple[str, int, int], tokens: np.ndarray) -> None:
+        seq_id = self._global_next
+        self._global_next += 1
+        # No re-match for requests drafting from the global tree: every finished rollout lands here, so a
+        # re-match would cost every row of the batch a full re-match whenever any request finishes, and on
+        # real rollouts it found nothing the request's held match and its live tree did not (replay, same
+        # figures). Additions never invalidate a held match (see advance_match); only rebuilds do.
+        self._global.extend(seq_id, tokens)
+        self._global_seq[key] = seq_id
+        self._global_fifo.append((key, tokens.shape[0]))
+        if self._global.num_tokens > self.global_tokens:
+            # Drop the oldest down to 3/4 of the cap: one rebuild pays for many insertions.
+            drop = []
+            kept = self._global.num_tokens
+            while self._global_fifo and kept > 0.75 * self.global_tokens:
+                old, n = self._global_fifo.popleft()
+                if old in self._global_seq:
+                    drop.append(old)
+                    kept -= n
+            self._drop_global(drop)
+
+    def _drop_global(self, keys: Iterable[tuple[str, int, int]]) -> None:
+        seq_ids = [self._global_seq.pop(k) for k in list(keys) if k in self._global_seq]
+        if seq_ids and self._global is not None:
+            self._global.remove_many(seq_ids)
+        # Rollouts arrive in epoch order, so those the window dropped sit at the FIFO's front: prune them
+        # there, or a long run would keep an entry per rollout ever seen.
+        while self._global_fifo and self._global_fifo[0][0] not in self._global_seq:
+            self._global_fifo.popleft()
+
+    def problem_ids(self) -> list[str]:
+        return list(self._problems)
+
+    def problem_stats(self, problem_id: str) -> dict:
+        """Epochs, samples, tokens, tree bytes and response lengths of a problem's window.
+        Raises KeyError for an unknown problem."""
+        problem = self._problems[problem_id]
+        return {
+            "epochs": sorted({e for e, _ in problem.seq_of}),
+            "samples": len(problem.seq_of),
+            "tokens": problem.tree.num_tokens,
+            "tree_bytes": problem.tree.memory_bytes,
+            "response_lengths": list(problem.lengths.values()),
+        }
+
+    # ---- live requests -------------------------------------------------------------------------------
+
+    def start_request(
+        self,
+        request_key: str,
+        problem_id: str | None,
+        prompt_ids: Sequence[int] | np.ndarray,
+        expected_tokens: int | None = None,
+    ) -> int:
+        """Registers an in-flight request with its prompt; returns its slot (a dense id for `step`).
+        `expected_tokens` (prompt and output, e.g. prompt + max_tokens) sizes its token segment once, so a
+        step rarely stops to move it. Raises ValueError if the key is already live."""
+        if request_key in self._requests:
+            raise ValueError(f"request {request_key!r} is already live")
+        prompt = as_tokens(prompt_ids, "prompt_ids")
+        # Who shares a live tree: siblings of one problem (DAS), every in-flight request (SuffixDecoding's
+        # global tree of active responses), or nobody (prompt lookup).
+        if self.live_scope == "all":
+            live_key = "all"
+        elif self.live_scope == "problem" and problem_id is not None:
+            live_key = f"p:{problem_id}"
+        else:
+            live_key = f"r:{request_key}"
+        live = self._live.get(live_key)
+        if live is None:
+            live = self._live[live_key] = _Live(SuffixTree(self.config, self.forest))
+        seq_id = live.next_seq
+        live.next_seq += 1
+        live.active.add(seq_id)
+        # Room for what the request may commit (by default the prompt and as much output again): a request
+        # that outgrows its segment is moved, and the step that finds it stops and resumes around the move.
+        capacity = max(256, 2 * prompt.shape[0]) if expected_tokens is None else expected_tokens
+        q = live.tree.add_seq(seq_id, max(capacity, prompt.shape[0], 16))
+        live.tree.extend(seq_id, prompt)
+        slot = self._take_slot()
+        self._requests[request_key] = _Request(slot, seq_id, live_key, problem_id)
+        row = self.slots[slot]
+        row[:] = 0
+        row[K.R_SEQ] = q
+        row[K.R_LIVE] = live.tree.tid
+        problem = self._problems.get(problem_id) if problem_id is not None else None
+        row[K.R_CAND] = problem.tree.tid if problem is not None and self.use_history else -1
+        row[K.R_CAND + 1] = live.tree.tid
+        row[K.R_CAND + 2] = self._global.tid if self._global is not None else -1
+        return slot
+
+    def slot(self, request_key: str) -> int:
+        """The slot of a live request. Raises KeyError for an unknown key."""
+        return self._requests[request_key].slot
+
+    def committed(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens (prompt and output) each slot's request has committed so far."""
+        return K.committed(self.forest.seqs, self.slots, slots)
+
+    def request_tokens(self, request_key: str) -> np.ndarray:
+        """A copy of the prompt and output a live request committed. Raises KeyError for an unknown request."""
+        req = self._requests[request_key]
+        return self.forest.seq_tokens(self._live[req.live_key].tree.seq_row(req.seq_id)).copy()
+
+    def append_request(self, request_key: str, tokens: Sequence[int] | np.ndarray) -> None:
+        """Adds tokens committed this step to a live request. Raises KeyError for an unknown request."""
+        self.append_batch([request_key], [tokens])
+
+    def append_batch(self, request_keys: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
+        """Adds each request's tokens committed this step, for a whole decode batch in one native call.
+        Raises KeyError for an unknown request and ValueError/TypeError for bad tokens (nothing appended)."""
+        slots = self._slots_of(request_keys)
+        if len(tokens) != slots.shape[0]:
+            raise ValueError(f"{slots.shape[0]} request keys but {len(tokens)} token lists")
+        lengths = np.fromiter((len(t) for t in tokens), np.int64, slots.shape[0])
+        parts = [np.asarray(t) for t in tokens]
+        flat = as_tokens(np.concatenate(parts) if parts else [])
+        have = self.committed(slots)
+        start = np.zeros(slots.shape[0], np.int64)
+        np.cumsum(lengths[:-1], out=start[1:])
+        # Token j of row i's request sits at flat[base + j] for the new ones: base = where they start - have.
+        self._run(slots, flat, start - have, have + lengths, np.zeros_like(slots), draft=False)
+
+    def finish_request(self, request_key: str) -> None:
+        """Ends a request. Its tokens stay draftable for siblings until finished requests outweigh the live
+        ones DEAD_PER_LIVE to one."""
+        req = self._requests.pop(request_key, None)
+        if req is None:
+            return
+        self._free_slots.append(req.slot)
+        live = self._live[req.live_key]
+        live.active.discard(req.seq_id)
+        live.dead_tokens += int(self.forest.seqs[live.tree.seq_row(req.seq_id), K.Q_LEN])
+        if not live.active:
+            live.tree.close()
+            del self._live[req.live_key]
+        elif live.dead_tokens > DEAD_PER_LIVE * (live.tree.num_tokens - live.dead_tokens):
+            live.tree.remove_many([s for s in live.tree.seq_ids if s not in live.active])
+            live.dead_tokens = 0
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            size = self.slots.shape[0]
+            grow = max(64, size)
+            self.slots = np.concatenate([self.slots, np.zeros((grow, K.SLOT_FIELDS), np.int64)])
+            self._free_slots.extend(range(size + grow - 1, size - 1, -1))
+        return self._free_slots.pop()
+
+    def _slots_of(self, request_keys: Sequence[str]) -> np.ndarray:
+        requests = self._requests
+        slots = np.fromiter((requests[key].slot for key in request_keys), np.int64, len(request_keys))
+        if np.unique(slots).shape[0] != slots.shape[0]:
+            raise ValueError("a request key appears twice in one batch")
+        return slots
+
+    # ---- drafting ------------------------------------------------------------------------------------
+
+    def draft_batch(self, request_keys: Sequence[str], budgets: np.ndarray | Sequence[int]) -> BatchDrafts:
+        """Drafts for every listed live request in one native call; budgets[i] caps row i's draft.
+        Raises KeyError for an unknown request key."""
+        slots = self._slots_of(request_keys)
+        return self.step(slots, np.empty(0, np.int32), np.zeros_like(slots), self.committed(slots), budgets)
+
+    def step(
+        self,
+        slots: np.ndarray,
+        src: np.ndarray,
+        base: np.ndarray,
+        end: np.ndarray,
+        budgets: np.ndarray | Sequence[int],
+    ) -> BatchDrafts:
+        """A decode step in one native call: commits each row's new tokens and drafts for every row.
+
+        Row i is the request in slots[i] (distinct live slots); after this step it holds end[i] tokens, and
+        its token j is src[base[i] + j] (so the new ones are src[base[i] + committed : base[i] + end[i]]);
+        budgets[i] caps its draft. src is int32 token ids (vLLM's token_ids_cpu, flattened, fits as is).
+        Raises ValueError for a negative token id (nothing of that row or later rows is committed).
+        """
+        return self._run(slots, src, base, end, budgets, draft=True)
+
+    def _run(
+        self,
+        slots: np.ndarray,
+        src: np.ndarray,
+        base: np.ndarray,
+        end: np.ndarray,
+        budgets: np.ndarray | Sequence[int],
+        draft: bool,
+    ) -> BatchDrafts:
+        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = self.step_buffers(slots.shape[0])
+        budgets = np.asarray(budgets)
+        f, cfg = self.forest, self.config
+        row = 0
+        while True:
+            row, status = K.step_rows(
+                *f.tables(),
+                self.slots,
+                slots,
+                base,
+                end,
+                budgets,
+                src,
+                row,
+                draft,
+                *cfg.kernel_args(),
+                out_tok,
+                out_prob,
+                out_sup,
+                out_info,
+                out_score,
+                self.draft_threads,
+            )
+            if status == K.DONE:
+                return drafts
+            self.make_room(status, slots, row, end)
+
+    def step_buffers(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
+        """The drafts of a batch of n rows and the step kernel's output arrays they view (tokens, probs,
+        support, info, scores): reused buffers, valid until the next step."""
+        buf = self._buffers
+        if buf.tokens.shape[0] < n:
+            buf = self._buffers = _StepBuffers(max(n, 2 * buf.tokens.shape[0]), self.config.max_spec_tokens)
+        return buf.views(n)
+
+    def make_room(self, status: int, slots: np.ndarray, row: int, end: np.ndarray) -> None:
+        """Grows what the step kernel stopped for (`status` at `row`: K.NEED_POOL or K.NEED_ARENA), so that it
+        can resume there. Raises ValueError when it stopped at a negative token id."""
+        f = self.forest
+        q = int(self.slots[slots[row], K.R_SEQ])
+        if status == K.NEED_POOL:
+            f.make_room(q, int(end[row]))
+        elif status == K.NEED_ARENA:
+            f.grow_for(int(self.slots[slots[row], K.R_LIVE]), q)
+        else:
+            raise ValueError(f"row {row} commits a negative token id")

@@ -1,0 +1,501 @@
+"""Suffix trees for drafting: many trees in one native arena, so one call drafts for a whole decode batch.
+
+A `SuffixTree` indexes a set of token sequences (a problem's recent rollouts, a request's own context, ...)
+and drafts the likeliest continuation of a context. Sequences grow incrementally (`extend`) and leave whole
+(`remove`, for epoch eviction). The native structure is a generalized suffix automaton (see `_kernels`),
+which has the occurrence counts of a depth-bounded suffix tree with amortized O(1) insertion.
+
+Inputs are validated here, once, at the boundary: token ids are integers in [0, 2**31 - 1].
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from history_store.automaton import kernels as K
+
+MAX_TOKEN_ID = 2**31 - 1
+_SERIAL_MAGIC = b"DAST"
+_SERIAL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Drafting parameters (SuffixDecoding's, with its defaults where they fit RL rollouts).
+
+    max_depth: longest context suffix matched; 64 covers repeated reasoning phrases without tying drafts to
+        whole paragraphs (SuffixDecoding uses 24-64).
+    max_spec_tokens: hard cap on draft length per step (the engine's K).
+    max_spec_factor, max_spec_offset: draft at most factor * match_len + offset tokens, so short, weak
+        matches draft little (SuffixDecoding's rule; 1.0 and 0 are its defaults).
+    min_token_prob: stop when the path probability of the next draft token falls below this (0.1 as in
+        SuffixDecoding).
+    escape: pseudo-count of "a continuation not seen yet" in each probability, count / (total + escape).
+        Raw count ratios are overconfident on thin history (one sighting reads as certainty); 1.0 is PPM's
+        method-A escape estimate. 0.0 gives SuffixDecoding's raw ratios.
+    all_matches: draft from every match length along the suffix links and keep the best-scoring draft
+        (SuffixDecoding's rule); False drafts from the longest match that has a continuation only.
+    """
+
+    max_depth: int = 64
+    max_spec_tokens: int = 16
+    max_spec_factor: float = 1.0
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1
+    escape: float = 1.0
+    all_matches: bool = True
+
+    def kernel_args(self) -> tuple[int, float, float, float, float, bool]:
+        """The drafting parameters in the order the step kernels take them."""
+        return (
+            self.max_depth,
+            self.max_spec_factor,
+            self.max_spec_offset,
+            self.min_token_prob,
+            self.escape,
+            self.all_matches,
+        )
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1 or self.max_spec_tokens < 0:
+            raise ValueError(f"max_depth must be >= 1 and max_spec_tokens >= 0, got {self}")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.escape < 0.0:
+            raise ValueError(f"escape must be >= 0, got {self.escape}")
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens, the path probability and support (occurrence count) of each, the matched context length
+    and the score (sum of probs)."""
+
+    tokens: np.ndarray
+    probs: np.ndarray
+    support: np.ndarray
+    match_len: int
+    score: float
+
+
+def as_tokens(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.ndarray:
+    """Validates token ids and returns them as a contiguous 1-D int32 array.
+
+    Raises TypeError for non-integer input and ValueError for other shapes or ids outside [0, 2**31 - 1].
+    """
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return np.empty(0, np.int32)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{what} must be integer token ids, got dtype {arr.dtype}")
+    if arr.dtype != np.int32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            raise ValueError(f"{what} must be in [0, {MAX_TOKEN_ID}], got values in [{lo}, {hi}]")
+        arr = arr.astype(np.int32)
+    elif arr.min() < 0:
+        raise ValueError(f"{what} must be non-negative token ids, got {int(arr.min())}")
+    return np.ascontiguousarray(arr)
+
+
+class Arena(NamedTuple):
+    """The automaton arrays every kernel takes first, in this order (see `_kernels`)."""
+
+    states: np.ndarray
+    edges: np.ndarray
+    hashes: np.ndarray
+    meta: np.ndarray
+
+
+class SuffixForest:
+    """The arena: growable tables holding the automata of many trees and the tokens of their sequences.
+
+    Trees never free states one by one; a tree that drops sequences is rebuilt into fresh states and its old
+    states become garbage, which `compact()` reclaims once it outweighs the live part. Sequence tokens live
+    in one pool (each sequence a segment with room to grow), so a kernel can read and extend any of them.
+    """
+
+    def __init__(self, capacity_tokens: int = 4096) -> None:
+        self._allocate(capacity_tokens)
+        self.trees = np.zeros((16, K.TREE_FIELDS), np.int64)
+        self._free_trees: list[int] = list(range(15, -1, -1))
+        self.live_trees: dict[int, SuffixTree] = {}
+        self.seqs = np.zeros((64, K.SEQ_FIELDS), np.int64)
+        self._free_seqs: list[int] = list(range(63, -1, -1))
+        self.pool = np.zeros(max(64, int(capacity_tokens)), np.int32)
+        self._pool_used = 0
+        self._pool_garbage = 0
+        self._version = 0
+
+    def _allocate(self, capacity_tokens: int) -> None:
+        n = max(64, int(capacity_tokens))
+        self.states = np.zeros((2 * n, K.STATE_FIELDS), np.int32)
+        self.edges = np.zeros((3 * n, 3), np.int32)
+        self.hashes = np.full((_pow2(2 * n), 3), -1, np.int32)  # only high-degree states' edges are hashed
+        self.meta = np.zeros(3, np.int64)
+        self.garbage_states = 0
+
+    @property
+    def arena(self) -> Arena:
+        return Arena(self.states, self.edges, self.hashes, self.meta)
+
+    def tables(self) -> tuple[np.ndarray, ...]:
+        """The arena and its bookkeeping tables in the order the step kernels take them first: states, edges,
+        hashes, meta, trees, seqs, pool (read again after any growth: growing replaces arrays)."""
+        return (self.states, self.edges, self.hashes, self.meta, self.trees, self.seqs, self.pool)
+
+    def next_version(self) -> int:
+        self._version += 1
+        return self._version
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the arena, its tables and the token pool have allocated."""
+        return sum(a.nbytes for a in (*self.arena, self.trees, self.seqs, self.pool))
+
+    # ---- trees and sequences -------------------------------------------------------------------------
+
+    def new_tree(self, tree: SuffixTree) -> int:
+        """A row in the tree table for `tree`, with a fresh root; returns its id."""
+        if not self._free_trees:
+            size = self.trees.shape[0]
+            self.trees = _resized(self.trees, 2 * size)
+            self._free_trees.extend(range(2 * size - 1, size - 1, -1))
+        tid = self._free_trees.pop()
+        self.live_trees[tid] = tree
+        self.trees[tid] = 0
+        self._new_root(tid)
+        return tid
+
+    def _new_root(self, tid: int) -> None:
+        self.grow(states=1, edges=0)
+        root = K.new_state(self.states, self.meta, 0, -1, 0, -1)
+        version = self.next_version()
+        self.trees[tid, [K.ROOT, K.VERSION, K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS]] = (
+            root,
+            version,
+            1,
+            0,
+            0,
+            0,
+        )
+
+    def free_tree(self, tid: int) -> None:
+        self.garbage_states += int(self.trees[tid, K.T_STATES])
+        del self.live_trees[tid]
+        self._free_trees.append(tid)
+
+    def new_seq(self, capacity: int) -> int:
+        """A sequence row with room for `capacity` pooled tokens; returns its id."""
+        if not self._free_seqs:
+            size = self.seqs.shape[0]
+            self.seqs = _resized(self.seqs, 2 * size)
+            self._free_seqs.extend(range(2 * size - 1, size - 1, -1))
+        q = self._free_seqs.pop()
+        self.seqs[q] = 0
+        self.seqs[q, K.Q_OFF] = self._reserve(capacity)
+        self.seqs[q, K.Q_CAP] = capacity
+        return q
+
+    def free_seq(self, q: int) -> None:
+        self._pool_garbage += int(self.seqs[q, K.Q_CAP])
+        self._free_seqs.append(q)
+
+    def seq_tokens(self, q: int) -> np.ndarray:
+        off, length = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
+        return self.pool[off : off + length]
+
+    def make_room(self, q: int, length: int) -> None:
+        """Moves sequence q to a segment that holds `length` tokens (doubling, so appends stay O(1))."""
+        cap = int(self.seqs[q, K.Q_CAP])
+        if length <= cap:
+            return
+        new_cap = max(length, 2 * cap, 16)
+        off = self._reserve(new_cap)  # may compact the pool: read the old offset after it
+        old, used = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
+        self.pool[off : off + used] = self.pool[old : old + used]
+        self.seqs[q, K.Q_OFF] = off
+        self.seqs[q, K.Q_CAP] = new_cap
+        self._pool_garbage += cap
+
+    def _reserve(self, size: int) -> int:
+        if self._pool_used + size > self.pool.shape[0]:
+            if self._pool_garbage > max(self._pool_used - self._pool_garbage, 1 << 16):
+                self._compact_pool()
+            if self._pool_used + size > self.pool.shape[0]:
+                self.pool = _resized(self.pool, _grown(self.pool.shape[0], self._pool_used + size))
+        off = self._pool_used
+        self._pool_used += size
+        return off
+
+    def _compact_pool(self) -> None:
+        live = sorted(
+            (int(self.seqs[q, K.Q_OFF]), q) for tree in self.live_trees.values() for q in tree._seqs.values()
+        )
+        pos = 0
+        for off, q in live:  # ascending offsets: every move goes left, over data already moved
+            cap = int(self.seqs[q, K.Q_CAP])
+            used = int(self.seqs[q, K.Q_LEN])
+            self.pool[pos : pos + used] = self.pool[off : off + used]
+            self.seqs[q, K.Q_OFF] = pos
+            pos += cap
+        self._pool_used = pos
+        self._pool_garbage = 0
+
+    # ---- the automaton -------------------------------------------------------------------------------
+
+    def extend_tree(self, tid: int, qs: Sequence[int]) -> None:
+        """Feeds the pooled tokens of sequences qs not yet in tree `tid` into it, growing the arena as needed."""
+        arr = np.asarray(qs, np.int64)
+        i = 0
+        while i < arr.shape[0]:
+            i, status = K.extend_seqs(*self.arena, self.trees, self.seqs, self.pool, tid, arr, i)
+            if status != K.DONE:
+                self.grow_for(tid, int(arr[i]))
+
+    def grow_for(self, tid: int, q: int) -> None:
+        """Grows the arena for the rest of sequence q's tokens going into tree tid."""
+        left = int(self.seqs[q, K.Q_LEN] - self.seqs[q, K.Q_EXT])
+        last, root = int(self.seqs[q, K.Q_LAST]), int(self.trees[tid, K.ROOT])
+        need = int(self.states[last, K.LEN]) + 2 + int(self.states[root, K.COUNT])
+        self.grow(states=2 * left + 2, edges=need + 3 * left)
+
+    def grow(self, states: int, edges: int) -> None:
+        n_states, n_edges, n_hash = (int(x) for x in self.meta)
+        if n_states + states > self.states.shape[0]:
+            self.states = _resized(self.states, _grown(self.states.shape[0], n_states + states))
+        if n_edges + edges > self.edges.shape[0]:
+            self.edges = _resized(self.edges, _grown(self.edges.shape[0], n_edges + edges))
+        if 2 * (n_hash + edges) > self.hashes.shape[0]:
+            hashes = np.empty((_pow2(4 * (n_hash + edges)), 3), np.int32)
+            K.rehash(hashes, self.states, self.edges, n_states)
+            self.hashes = hashes
+
+    def rebuild(self, tid: int, count_garbage: bool) -> None:
+        """Rebuilds tree tid from its sequences' pooled tokens into fresh states (a new version)."""
+        if count_garbage:
+            self.garbage_states += int(self.trees[tid, K.T_STATES])
+        self._new_root(tid)
+        qs = list(self.live_trees[tid]._seqs.values())
+        self.seqs[qs, K.Q_LAST] = self.trees[tid, K.ROOT]
+        self.seqs[qs, K.Q_EXT] = 0
+        self.extend_tree(tid, qs)
+        if count_garbage:
+            self.maybe_compact()
+
+    def maybe_compact(self) -> None:
+        """Rebuilds every live tree into fresh arrays when garbage outweighs live states."""
+        live = int(self.meta[0]) - self.garbage_states
+        if self.garbage_states > max(live, 1 << 16):
+            self.compact()
+
+    def compact(self) -> None:
+        """Rebuilds every live tree into freshly allocated arrays, dropping all garbage."""
+        self._allocate(int(self.trees[list(self.live_trees), K.T_TOKENS].sum()) if self.live_trees else 0)
+        for tid in list(self.live_trees):
+            self.rebuild(tid, count_garbage=False)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(6, (int(n) - 1).bit_length())
+
+
+def _grown(current: int, needed: int) -> int:
+    return max(needed, 2 * current)
+
+
+def _resized(arr: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros((size, *arr.shape[1:]), arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
+
+
+class SuffixTree:
+    """A set of token sequences indexed for drafting.
+
+    extend(seq_id, tokens) appends to a sequence (created on first use); remove(seq_id) drops it whole;
+    speculate(context) drafts the likeliest continuation of the context's best-scoring matching suffix.
+    Trees built on the same `SuffixForest` can be drafted from in one batched native call.
+    """
+
+    def __init__(self, config: DraftConfig | None = None, forest: SuffixForest | None = None) -> None:
+        self.config = config or DraftConfig()
+        self.forest = forest if forest is not None else SuffixForest()
+        self._seqs: dict[int, int] = {}  # seq_id -> the forest's sequence row
+        self.tid = self.forest.new_tree(self)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    @property
+    def root(self) -> int:
+        return int(self.forest.trees[self.tid, K.ROOT])
+
+    @property
+    def version(self) -> int:
+        return int(self.forest.trees[self.tid, K.VERSION])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.forest.trees[self.tid, K.T_TOKENS])
+
+    @property
+    def num_states(self) -> int:
+        return int(self.forest.trees[self.tid, K.T_STATES])
+
+    @property
+    def memory_bytes(self) -> int:
+        """Arena bytes this tree uses (a row of `states`, `edges` or `hashes` per state, edge and hashed edge)
+        plus its stored tokens."""
+        f = self.forest
+        row = f.trees[self.tid]
+        return int(
+            f.states.strides[0] * row[K.T_STATES]
+            + f.edges.strides[0] * row[K.T_EDGES]
+            + f.hashes.strides[0] * row[K.T_HASHED]
+            + f.pool.itemsize * row[K.T_TOKENS]
+        )
+
+    def seq_row(self, seq_id: int) -> int:
+        """The forest's sequence row of `seq_id` (a kernel's handle on it). Raises KeyError if unknown."""
+        return self._seqs[seq_id]
+
+    def add_seq(self, seq_id: int, capacity: int) -> int:
+        """Creates an empty sequence with room for `capacity` tokens; returns its row."""
+        if not isinstance(seq_id, int | np.integer):
+            raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__}")
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        q = self.forest.new_seq(capacity)
+        self.forest.seqs[q, K.Q_LAST] = self.root
+        self._seqs[seq_id] = q
+        return q
+
+    def extend(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> None:
+        """Appends tokens to sequence `seq_id` (creating it). Raises ValueError/TypeError on bad tokens."""
+        toks = as_tokens(tokens)
+        q = self._seqs.get(seq_id)
+        if q is None:
+            q = self.add_seq(seq_id, toks.shape[0])
+        if toks.shape[0] == 0:
+            return
+        f = self.forest
+        length = int(f.seqs[q, K.Q_LEN])
+        f.make_room(q, length + toks.shape[0])
+        off = int(f.seqs[q, K.Q_OFF])
+        f.pool[off + length : off + length + toks.shape[0]] = toks
+        f.seqs[q, K.Q_LEN] = length + toks.shape[0]
+        f.extend_tree(self.tid, [q])
+
+    def invalidate_matches(self) -> None:
+        """Makes requests re-match against this tree (new sequences may offer longer matches)."""
+        self.forest.trees[self.tid, K.VERSION] = self.forest.next_version()
+
+    def remove(self, seq_id: int) -> None:
+        """Drops a whole sequence. Raises KeyError for an unknown seq_id."""
+        self.remove_many([seq_id])
+
+    def remove_many(self, seq_ids: Iterable[int]) -> None:
+        """Drops several sequences with one rebuild. Raises KeyError (and removes nothing) on an unknown id."""
+        ids = list(seq_ids)
+        missing = [s for s in ids if s not in self._seqs]
+        if missing:
+            raise KeyError(f"unknown seq_id(s) {missing[:5]}")
+        if not ids:
+            return
+        for s in ids:
+            self.forest.free_seq(self._seqs.pop(s))
+        self.forest.rebuild(self.tid, count_garbage=True)
+
+    def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int | None = None) -> Draft:
+        """Drafts a continuation of `context` (its last max_depth tokens are matched).
+
+        Returns a Draft; an empty one when no suffix of the context has a continuation in the tree.
+        """
+        cfg = self.config
+        budget = max(cfg.max_spec_tokens if max_tokens is None else int(max_tokens), 0)
+        ctx = as_tokens(context, "context")[-cfg.max_depth :]
+        f = self.forest
+        root = self.root
+        state, length = K.advance_match(
+            f.states, f.edges, f.hashes, root, root, 0, ctx, 0, ctx.shape[0], cfg.max_depth
+        )
+        out_tok, tmp_tok = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
+        out_prob, tmp_prob = np.empty((1, budget), np.float32), np.empty(budget, np.float32)
+        out_sup, tmp_sup = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
+        n, match_len, score = K.draft_best(
+            f.states,
+            root,
+            state,
+            length,
+            budget,
+            cfg.max_spec_factor,
+            cfg.max_spec_offset,
+            cfg.min_token_prob,
+            cfg.escape,
+            cfg.all_matches,
+            0.0,
+            out_tok,
+            out_prob,
+            out_sup,
+            0,
+            tmp_tok,
+            tmp_prob,
+            tmp_sup,
+        )
+        return Draft(
+            out_tok[0, :n].copy(), out_prob[0, :n].copy(), out_sup[0, :n].copy(), int(match_len), float(score)
+        )
+
+    def to_bytes(self) -> bytes:
+        """Compact serialized form: the sequences (the automaton is rebuilt on load)."""
+        parts = [_SERIAL_MAGIC, struct.pack("<HI", _SERIAL_VERSION, len(self._seqs))]
+        for seq_id, q in self._seqs.items():
+            toks = self.forest.seq_tokens(q)
+            parts.append(struct.pack("<qI", seq_id, toks.shape[0]))
+            parts.append(toks.astype("<i4", copy=False).tobytes())
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(
+        cls, data: bytes, config: DraftConfig | None = None, forest: SuffixForest | None = None
+    ) -> SuffixTree:
+        """Rebuilds a tree from `to_bytes()` output. Raises ValueError on a malformed or truncated buffer."""
+        view = memoryview(data)
+        if len(view) < 10 or bytes(view[:4]) != _SERIAL_MAGIC:
+            raise ValueError("not a serialized suffix tree (bad magic)")
+        version, n_seqs = struct.unpack_from("<HI", view, 4)
+        if version != _SERIAL_VERSION:
+            raise ValueError(f"unsupported suffix tree serialization version {version}")
+        tree = cls(config, forest)
+        pos = 10
+        for _ in range(n_seqs):
+            if pos + 12 > len(view):
+                raise ValueError("truncated suffix tree buffer")
+            seq_id, n = struct.unpack_from("<qI", view, pos)
+            pos += 12
+            if pos + 4 * n > len(view):
+                raise ValueError("truncated suffix tree buffer")
+            tree.extend(seq_id, np.frombuffer(view[pos : pos + 4 * n], "<i4").astype(np.int32))
+            pos += 4 * n
+        if pos != len(view):
+            raise ValueError("trailing bytes after serialized suffix tree")
+        return tree
+
+    def close(self) -> None:
+        """Releases the tree's place in the arena (its states and tokens become garbage)."""
+        for q in self._seqs.values():
+            self.forest.free_seq(q)
+        self._seqs.clear()
+        self.forest.free_tree(self.tid)
+        self.forest.maybe_compact()

@@ -1,0 +1,208 @@
+"""The history store and the per-problem drafting index kept in step: what the history replica runs.
+
+`IndexedHistory.open` brings the trees back at start by rebuilding them from the stored trajectories.
+Loading serialized trees was measured against it (`das bench store`, "tree_load"): the suffix tree's
+serialized form is its token sequences and `from_bytes` re-extends them, so loading costs the same tree
+work plus keeping a second copy of every token consistent with the store; rebuilding reads the tokens once.
+
+`follow` keeps a reader's index (the generator's proposer, on a secondary instance) in step with the writer
+from the store's sequence log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.automaton.suffix_tree import DraftConfig
+from history_store.durable.checkpoints import Checkpointer
+from history_store.durable.store import (
+    ApplyResult,
+    CatchUp,
+    HistoryReader,
+    HistoryStore,
+    TrajectoryKey,
+    TrajectoryLike,
+    _StoreReader,
+)
+from monitoring.metrics import RESTORE_DURATION, STORE_TOKENS
+
+log = logging.getLogger(__name__)
+
+# Prometheus scrapes every 15 s by default; refreshing the tree-size gauge more often than that is wasted work.
+_GAUGE_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What a start-up load brought back and how long it took."""
+
+    trajectories: int
+    tokens: int
+    seconds: float
+
+
+def _in_apply_order(store: _StoreReader) -> list[TrajectoryKey]:
+    # The global tree keeps the most recent responses (FIFO): rebuilding in apply order (sequence numbers)
+    # rather than key order gives the same tree as the live process had.
+    keyed = [(t.sequence, t.key) for t in store.iter_trajectories()]
+    keyed.sort()
+    return [key for _, key in keyed]
+
+
+def load_index(store: _StoreReader, index: ProblemIndex) -> LoadReport:
+    """Adds every stored trajectory to `index`, in apply order. Records already indexed are skipped."""
+    started = time.perf_counter()
+    records = [r for r in (store.get(*key) for key in _in_apply_order(store)) if r is not None]
+    count = index.add_trajectories(
+        (r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids) for r in records
+    )
+    tokens = sum(r.response_ids.size for r in records)
+    seconds = time.perf_counter() - started
+    RESTORE_DURATION.set(seconds)
+    return LoadReport(count, tokens, seconds)
+
+
+def _index_tokens(index: ProblemIndex) -> int:
+    return sum(index.problem_stats(p)["tokens"] for p in index.problem_ids())
+
+
+class IndexedHistory:
+    """A HistoryStore (durable) and a ProblemIndex (the trees) changed together, store first.
+
+    Records enter the trees only after their batch is durable, and leave the trees when the store evicts
+    them, so the trees always equal a rebuild from the store. With a `checkpointer`, every apply ends with
+    `maybe_checkpoint` (timer or epoch boundary); a failed checkpoint is logged and ingest goes on (the
+    last-checkpoint age metric and its alert report it).
+    """
+
+    def __init__(
+        self,
+        store: HistoryStore,
+        index: ProblemIndex,
+        load: LoadReport,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.load = load
+        self.checkpointer = checkpointer
+        self._next_gauge_update = 0.0
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        window_epochs: int | None = None,
+        config: DraftConfig | None = None,
+        global_tokens: int = 2_000_000,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every_s: float = 600.0,
+        checkpoint_keep: int = 3,
+        **store_options: object,
+    ) -> IndexedHistory:
+        """Opens (or creates) the store and rebuilds the trees from it; `load` says how long that took.
+        `window_epochs` None keeps the stored window. With `checkpoint_dir`, checkpoints are written there
+        automatically every `checkpoint_every_s` seconds and when a new epoch starts, keeping the last
+        `checkpoint_keep`.
+
+        Raises what HistoryStore raises (StoreLockedError, StoreOpenError).
+        """
+        store = HistoryStore(path, window_epochs, **store_options)  # type: ignore[arg-type]
+        try:
+            index = ProblemIndex(
+                window_epochs=store.window_epochs, config=config, global_tokens=global_tokens
+            )
+            report = load_index(store, index)
+            checkpointer = (
+                Checkpointer(store, checkpoint_dir, checkpoint_every_s, checkpoint_keep)
+                if checkpoint_dir is not None
+                else None
+            )
+        except BaseException:
+            store.close()
+            raise
+        log.info(
+            "history store %s: %d trajectories (%d response tokens) back in the trees in %.2f s",
+            store.path,
+            report.trajectories,
+            report.tokens,
+            report.seconds,
+        )
+        return cls(store, index, report, checkpointer)
+
+    def apply(
+        self, records: Sequence[TrajectoryLike], offsets: Mapping[tuple[str, int], int] | None = None
+    ) -> ApplyResult:
+        """HistoryStore.apply, then the same records into the trees. Raises what HistoryStore.apply raises;
+        on error the trees are unchanged."""
+        result = self.store.apply(records, offsets)
+        applied = set(result.applied)
+        for record in records:
+            key = (record.problem_id, record.epoch, record.sample)
+            if key in applied:
+                applied.discard(key)  # a key repeated in the batch was applied once
+                self.index.add_trajectory(*key, record.prompt_ids, record.response_ids)
+        self.index.evict_keys(result.evicted)
+        now = time.monotonic()
+        if now >= self._next_gauge_update:
+            # Summing over every problem costs O(problems): refresh the gauge on a timer, not per batch.
+            self._next_gauge_update = now + _GAUGE_INTERVAL_S
+            STORE_TOKENS.set(_index_tokens(self.index))
+        if self.checkpointer is not None:
+            self.checkpointer.after_apply(result.applied)
+        return result
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> IndexedHistory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Followed:
+    """What `follow` changed in the index: rollouts added (key, response length), the first epoch each
+    problem now keeps after evictions, rollouts quarantined by the writer, and whether the reader fell
+    behind the trimmed change log so the index was reloaded from the store (then the other fields are empty
+    and the index equals a fresh `load_index`)."""
+
+    added: list[tuple[TrajectoryKey, int]]
+    evicted: dict[str, int]
+    quarantined: list[TrajectoryKey]
+    reloaded: bool
+
+
+def follow(reader: HistoryReader, index: ProblemIndex, catch_up: CatchUp | None = None) -> Followed:
+    """Brings `index` in step with what `reader` caught up on (calls `reader.catch_up()` unless given), in
+    the order the writer applied the changes."""
+    catch_up = reader.catch_up() if catch_up is None else catch_up
+    if catch_up.reset:
+        index.clear_history()
+        load_index(reader, index)
+        return Followed([], {}, [], reloaded=True)
+    added: list[tuple[TrajectoryKey, int]] = []
+    evicted: dict[str, int] = {}
+    quarantined: list[TrajectoryKey] = []
+    for change in catch_up.changes:
+        problem_id, epoch, sample = change.key
+        if change.op == "added":
+            record = reader.get(problem_id, epoch, sample)
+            if record is not None and index.add_trajectory(  # None: evicted or quarantined since
+                problem_id, epoch, sample, record.prompt_ids, record.response_ids
+            ):
+                added.append((change.key, int(record.response_ids.size)))
+        elif change.op == "removed":
+            for problem, bound in index.evict_keys([change.key]).items():
+                evicted[problem] = max(evicted.get(problem, 0), bound)
+        else:  # quarantined: that record alone failed its checks; the rest of its epoch stays
+            index.remove_trajectory(problem_id, epoch, sample)
+            quarantined.append(change.key)
+    return Followed(added, evicted, quarantined, reloaded=False)

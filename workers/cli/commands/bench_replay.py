@@ -1,0 +1,89 @@
+"""`das bench replay TRACES.jsonl`: replay recorded rollouts with each drafting strategy and cost model."""
+
+from __future__ import annotations
+
+import argparse
+
+from workers.cli.types import POSITIVE, number
+
+
+def register(cli) -> None:
+    parser = cli.command(
+        "bench",
+        "replay",
+        help="Replay recorded rollouts token by token and compare drafting strategies.",
+        run=run,
+    )
+    parser.add_argument(
+        "traces",
+        help="JSON Lines of trajectory records (problem_id, epoch, sample, prompt_ids, response_ids)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--strategies", default=None, help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--cost-models",
+        default="default,memory-bound,compute-bound",
+        help="comma-separated: default (the --c-* flags), memory-bound (c_tok 0.01 ms), "
+        "compute-bound (c_tok 0.1 ms, c_seq 0.3 ms)",
+    )
+    parser.add_argument("--max-draft", type=POSITIVE, default=16, help="maximum draft tokens per step (K)")
+    parser.add_argument("--window", type=POSITIVE, default=3, help="epochs of history per problem (das)")
+    parser.add_argument("--depth", type=POSITIVE, default=64, help="longest context suffix matched")
+    parser.add_argument(
+        "--min-token-prob",
+        type=number(0, 1),
+        default=0.1,
+        help="tree probability floor of das-unbudgeted (suffix-* keep SuffixDecoding's 0.1; das and oracle "
+        "let the budget decide)",
+    )
+    parser.add_argument(
+        "--max-spec-factor", type=number(0), default=1.0, help="draft <= factor x match length"
+    )
+    parser.add_argument("--max-spec-offset", type=number(), default=0.0)
+    parser.add_argument(
+        "--escape", type=number(0), default=1.0, help="pseudo-count of unseen continuations (das)"
+    )
+    parser.add_argument(
+        "--longest-match",
+        action="store_true",
+        help="draft from the longest matching suffix only, not the best of every match length",
+    )
+    parser.add_argument("--c-base", type=number(0), default=8e-3, help="verifier step cost, seconds")
+    parser.add_argument(
+        "--c-seq", type=number(0), default=1e-4, help="verifier cost per active request, seconds"
+    )
+    parser.add_argument(
+        "--c-tok", type=number(0), default=3.5e-5, help="verifier cost per verified token, seconds"
+    )
+    parser.add_argument(
+        "--progress", action="store_true", help="print a line per strategy and epoch to stderr"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from history_store.automaton.suffix_tree import DraftConfig
+    from workers.bench import replay
+
+    strategies = [s.strip() for s in (args.strategies or ",".join(replay.STRATEGIES)).split(",") if s.strip()]
+    presets = replay.cost_models(replay.CostModel(args.c_base, args.c_seq, args.c_tok))
+    names = [s.strip() for s in args.cost_models.split(",") if s.strip()]
+    unknown = [n for n in names if n not in presets]
+    if unknown or not names:
+        raise ValueError(f"unknown cost models {unknown}; choose from {', '.join(presets)}")
+    config = DraftConfig(
+        max_depth=args.depth,
+        max_spec_tokens=args.max_draft,
+        max_spec_factor=args.max_spec_factor,
+        max_spec_offset=args.max_spec_offset,
+        min_token_prob=args.min_token_prob,
+        escape=args.escape,
+        all_matches=not args.longest_match,
+    )
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
+    result = replay.run(
+        args.traces, strategies, config, args.window, {n: presets[n] for n in names}, progress=progress
+    )
+    print(replay.dumps(result) if args.json else replay.main_table(result))
+    return 0

@@ -1,0 +1,234 @@
+"""`das kafka init|load|dlq`: create the bus topics (idempotent), publish synthetic load, read dead letters.
+
+The bus URL comes from `--bus kafka://host:port[,host:port][?key=value&...]` or the environment variable DAS_BUS.
+TLS and SASL come from URL parameters, DAS_KAFKA_* variables (`pipeline.kafka_config`) or
+`--kafka-setting key=value` (kafka-python names, e.g. `security_protocol=SASL_SSL`, `ssl_cafile=/etc/ca.pem`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from workers.cli.types import NON_NEGATIVE, POSITIVE, SECONDS, integer, number
+
+BUS_ENV = "DAS_BUS"
+
+
+def add_bus_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """Adds `--bus` (default: $DAS_BUS, else `default`) and repeatable `--kafka-setting key=value`."""
+    parser.add_argument(
+        "--bus",
+        default=os.environ.get(BUS_ENV, default),
+        help=f"bus URL: kafka://host:port[,host:port]{' or embedded' if default == 'embedded' else ''} "
+        f"(default: ${BUS_ENV}{f', else {default}' if default else ''})",
+    )
+    parser.add_argument(
+        "--kafka-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="kafka-python client setting passed through (TLS/SASL), repeatable",
+    )
+
+
+def kafka_settings(pairs: list[str]) -> dict[str, object]:
+    """`key=value` strings as client settings; integers and true/false become numbers and booleans.
+
+    Raises ValueError on an entry without '='.
+    """
+    settings: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--kafka-setting takes key=value, got {pair!r}")
+        value: object = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        elif raw.lstrip("-").isdigit():
+            value = int(raw)
+        settings[key.strip()] = value
+    return settings
+
+
+def kafka_client(args: argparse.Namespace) -> tuple[list[str], dict[str, object]]:
+    """Broker addresses and client settings from `--bus` (URL parameters) and `--kafka-setting` (stronger).
+
+    Raises ValueError if the bus is missing or not a kafka:// URL, or a setting is malformed.
+    """
+    from pipeline.kafka_config import parse_bus_url
+
+    if not args.bus:
+        raise ValueError(f"no bus given: pass --bus kafka://host:port or set {BUS_ENV}")
+    servers, settings = parse_bus_url(args.bus)
+    return servers, {**settings, **kafka_settings(args.kafka_setting)}
+
+
+def register(cli: Any) -> None:
+    p = cli.command(
+        "kafka",
+        "init",
+        help="Create the trajectory and dead-letter topics (idempotent): compaction, sizes, and RF 3 with "
+        "min.insync.replicas 2 on three or more brokers.",
+        run=init,
+    )
+    add_bus_arguments(p)
+    p.add_argument("--topic", default="das.trajectories", help="trajectory topic")
+    p.add_argument("--dlq-topic", default="das.trajectories.dlq", help="dead-letter topic")
+    p.add_argument("--partitions", type=POSITIVE, default=6, help="partitions of both topics (default 6)")
+    p.add_argument(
+        "--replication-factor",
+        type=POSITIVE,
+        default=None,
+        help="replicas per partition (default: 3 on three or more brokers, else 1)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = cli.command(
+        "kafka",
+        "dlq",
+        help="Summarise the dead-letter topic: rejected messages by reason, and the last few with origin and detail.",
+        run=dlq,
+    )
+    add_bus_arguments(p)
+    p.add_argument("--dlq-topic", default="das.trajectories.dlq", help="dead-letter topic")
+    p.add_argument("--last", type=NON_NEGATIVE, default=10, help="dead letters to show in full")
+    p.add_argument(
+        "--idle-s", type=SECONDS, default=1.0, help="stop reading after this long without a message"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = cli.command(
+        "kafka",
+        "load",
+        help="Publish synthetic trajectories (load generation, smoke tests); prints a JSON summary.",
+        run=load,
+    )
+    add_bus_arguments(p)
+    p.add_argument("--topic", default="das.trajectories", help="trajectory topic")
+    p.add_argument("--count", type=NON_NEGATIVE, required=True, help="records to publish")
+    p.add_argument(
+        "--worker",
+        type=integer(0, 999),
+        default=0,
+        help="worker number 0..999 (keys never collide across workers)",
+    )
+    p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the synthetic content")
+    p.add_argument("--rate", type=number(0), default=0.0, help="records per second (0: as fast as possible)")
+    p.add_argument("--problems", type=POSITIVE, default=64, help="distinct problems")
+    p.add_argument("--epochs", type=POSITIVE, default=3, help="epochs the records spread over, in order")
+    p.add_argument("--prompt-tokens", type=POSITIVE, default=200, help="mean prompt length")
+    p.add_argument(
+        "--response-tokens", type=POSITIVE, default=1000, help="median response length (log-normal)"
+    )
+    p.add_argument(
+        "--publish-timeout-s",
+        type=number(0),
+        default=60.0,
+        help="how long a publish waits for room while the brokers are away before the load stops (default 60)",
+    )
+    p.add_argument(
+        "--close-timeout-s",
+        type=number(0),
+        default=60.0,
+        help="how long the end waits for acknowledgements; unconfirmed records are counted unknown (default 60)",
+    )
+
+
+def dlq(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from pipeline.consumer import read_dead_letters
+
+    servers, settings = kafka_client(args)
+    letters = read_dead_letters(servers, args.dlq_topic, idle_s=args.idle_s, **settings)
+    # Two replicas can dead-letter the same message; compaction merges them later, the summary at once.
+    unique = {(d.topic, d.partition, d.offset): d for d in letters}
+    reasons = Counter(d.reason for d in unique.values())
+    recent = [dataclasses.asdict(d) | {"key": d.key.decode("utf-8", "replace") if d.key else None}
+              for d in list(unique.values())[-args.last :]]  # fmt: skip
+    if args.json:
+        print(json.dumps({"dead_letters": len(unique), "by_reason": dict(reasons), "last": recent}))
+    else:
+        print(
+            f"{len(unique)} dead letters in {args.dlq_topic}: "
+            + ", ".join(f"{r} {n}" for r, n in reasons.most_common())
+        )
+        for d in recent:
+            print(f"  {d['topic']}/{d['partition']}/{d['offset']} {d['reason']}: {d['detail'][:160]}")
+    return 0
+
+
+def init(args: argparse.Namespace) -> int:
+    from pipeline.topics import ensure_topics
+
+    servers, settings = kafka_client(args)
+    states = ensure_topics(
+        servers,
+        topic=args.topic,
+        dead_letter_topic=args.dlq_topic,
+        partitions=args.partitions,
+        replication_factor=args.replication_factor,
+        **settings,
+    )
+    if args.json:
+        print(json.dumps({"topics": [dataclasses.asdict(s) for s in states]}))
+    else:
+        for s in states:
+            print(
+                f"{s.name}: {s.action} ({s.partitions} partitions, replication factor {s.replication_factor})"
+            )
+    return 0
+
+
+def load(args: argparse.Namespace) -> int:
+    """Publishes, then prints one JSON summary whose counts are exact: acknowledged + refused + unknown equals
+    published, and `not_taken` counts the record refused by backpressure (publishing stops there)."""
+    from pipeline.bus import BusBackpressureError, BusDeliveryError
+    from pipeline.producer import KafkaBus
+    from pipeline.synthetic import SyntheticShape, synthetic_records
+
+    shape = SyntheticShape(
+        problems=args.problems,
+        epochs=args.epochs,
+        prompt_tokens=args.prompt_tokens,
+        response_tokens_median=args.response_tokens,
+    )
+    # The bus says when brokers stop answering and when they are back; kafka-python itself stays quiet.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    servers, settings = kafka_client(args)
+    bus = KafkaBus(servers, topic=args.topic, publish_timeout_s=args.publish_timeout_s, **settings)
+    error: Exception | None = None
+    not_taken = 0
+    started = time.perf_counter()
+    try:
+        for n, record in enumerate(synthetic_records(args.worker, args.count, shape, args.seed)):
+            if args.rate > 0:
+                delay = started + n / args.rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            bus.publish(record)
+    except BusBackpressureError as exc:
+        error, not_taken = exc, 1
+    try:
+        report = bus.close(args.close_timeout_s)
+    except BusDeliveryError as exc:
+        error, report = error or exc, exc.report
+    seconds = time.perf_counter() - started
+    summary = {
+        **report.to_json(),
+        "not_taken": not_taken,
+        "seconds": round(seconds, 3),
+        "records_per_s": round(report.published / seconds, 1),
+        "wire_bytes": bus.wire_bytes,
+    }
+    print(json.dumps(summary), flush=True)
+    if error is not None:
+        raise error
+    return 0

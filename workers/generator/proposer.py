@@ -1,0 +1,753 @@
+"""The DAS proposer for vLLM's `custom_class` speculative method, and the worker extension that feeds it.
+
+Engine arguments::
+
+    speculative_config={"method": "custom_class", "model": "workers.generator.proposer.DasProposer",
+                        "num_speculative_tokens": K}
+    worker_extension_cls="workers.generator.proposer.DasWorkerExtension"
+
+Each decode step vLLM calls `propose` once for the whole batch. The proposer keeps one `ProblemIndex` (history
+trees per problem, a global tree of recent responses, a live overlay per request that also serves in-flight
+siblings of the same problem), registers requests that joined the batch, and then works in one native call
+for the whole batch (`workers.generator.step.decode_step`): it learns from the previous step's verification,
+asks the budget policy how many tokens each row may draft, appends the tokens the rows committed, drafts and
+counts. Its tables travel as one packed value (`StepTables`), packed again only after something outside the
+call may have replaced an array.
+
+Request identity: row i of the batch is `runner.input_batch.req_ids[i]`; `runner.requests[id]` holds the
+prompt and `SamplingParams.extra_args` (`das_problem_id`, optional `das_epoch`, `das_sample`). vLLM builds the
+proposer inside the model runner's constructor and then calls `propose` from a runner method, so the runner is
+found once, on the first call, up the calling stack: the first `self` that has an input batch and whose
+`drafter` is this proposer, or a wrapper holding it as `user_proposer` (some vLLM versions wrap custom
+proposers in `CustomClassProposer`). No engine argument or RPC is needed, so servers that never call
+`collective_rpc` (verl's) work unchanged; `collective_rpc("das_attach")` attaches explicitly.
+
+The step itself (`DasProposer.step`) needs no engine: request ids, token counts, the token matrix and the
+requests' descriptions, and a clock (`clock`: the verifier's step is the interval between a return and the
+next call). It registers joiners, finishes leavers, learns from the previous step's verification
+(`before_draft`), then budgets, commits every row's new tokens, drafts, applies the pay-off rule and counts
+(`draft_step`), both inside `decode_step`; metrics reach Prometheus as running totals a few times a second.
+
+History freshness:
+- embedded: the rollout driver pushes finished trajectories with `collective_rpc("das_add_trajectories")`;
+  a request carrying `das_epoch` and `das_sample` is also added to its problem's history by the proposer itself
+  when it finishes (adding is idempotent by key, so the later push changes nothing).
+- distributed: with `DAS_HISTORY_DIR` set, the proposer opens the node's history replica (RocksDB) as a
+  secondary instance, loads it at start and catches up between steps (at most every
+  `DAS_CATCH_UP_INTERVAL_S`), extending and evicting its trees incrementally.
+
+Nothing a request carries can crash the engine: malformed `extra_args` give one warning and own-context
+drafting; an unexpected error in drafting is logged, counted, and that step drafts nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise, repeat
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from history_store.automaton.kernels import DONE
+from history_store.automaton.problem_index import ProblemIndex
+from history_store.automaton.suffix_tree import DraftConfig
+from history_store.indexed_history import follow, load_index
+from workers.budget.policy import BudgetConfig, BudgetPolicy
+from workers.generator.step import DirectCall, StepTables, pack_tables
+from workers.generator.step import decode_step as _decode_step_dispatcher
+from workers.generator.step import draft_step as _draft_step_dispatcher
+from workers.generator.step_book import END, MetricsFlush, StepBook
+
+# The step's kernels, called past numba's dispatcher while the tables keep their type (`DirectCall`).
+decode_step = DirectCall(_decode_step_dispatcher)
+draft_step = DirectCall(_draft_step_dispatcher)
+
+logger = logging.getLogger(__name__)
+
+MAX_PROBLEM_ID_LEN = 512
+# Frames searched above `propose` for the model runner: vLLM calls it from the runner's draft method, two or
+# three frames up depending on the version and wrapper.
+_RUNNER_SEARCH_DEPTH = 8
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def _env_threads(name: str) -> int:
+    raw = os.environ.get(name, "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r} is not a positive whole number")
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """Proposer configuration. Worker processes are spawned by vLLM, so it comes from the environment.
+
+    budget: use the length-aware budget policy (off: every row may draft up to K, cut only by the tree's
+        min_token_prob, SuffixDecoding's rule).
+    history_dir: the node's history replica (distributed mode); None in embedded mode.
+    """
+
+    budget: bool = True
+    window_epochs: int = 3
+    # SuffixDecoding's defaults except depth: 64 lets long reasoning repeats match deep (see DraftConfig).
+    max_depth: int = 64
+    min_token_prob: float = 0.1
+    max_spec_factor: float = 1.0
+    max_spec_offset: float = 0.0
+    history_dir: str | None = None
+    # Secondary catch-up costs a RocksDB manifest read (~1 ms): a few per second keep history fresher than the
+    # one-second freshness target without taxing every step.
+    catch_up_interval_s: float = 0.2
+    # Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the drafts do not
+    # depend on it. One unless asked: more helped only on a machine measured here, and hurt in vLLM's CPU engine.
+    draft_threads: int = 1
+
+    @classmethod
+    def from_env(cls) -> ProposerSettings:
+        """Settings from `DAS_*` variables; raises ValueError naming the variable that does not parse."""
+        budget = os.environ.get("DAS_BUDGET", "on").lower()
+        if budget not in ("on", "off"):
+            raise ValueError(f"DAS_BUDGET must be 'on' or 'off', got {budget!r}")
+        return cls(
+            budget=budget == "on",
+            window_epochs=int(_env_float("DAS_WINDOW_EPOCHS", 3)),
+            max_depth=int(_env_float("DAS_MAX_DEPTH", 64)),
+            # With the budget on, its calibrated pay-off rule decides where a draft ends: a fixed floor on the
+            # tree's raw probabilities would cut first (one trajectory of history halves them per token).
+            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", 0.0 if budget == "on" else 0.1),
+            max_spec_factor=_env_float("DAS_MAX_SPEC_FACTOR", 1.0),
+            max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", 0.0),
+            history_dir=os.environ.get("DAS_HISTORY_DIR") or None,
+            catch_up_interval_s=_env_float("DAS_CATCH_UP_INTERVAL_S", 0.2),
+            draft_threads=_env_threads("DAS_DRAFT_THREADS"),
+        )
+
+
+@dataclass
+class _Live:
+    """A request the proposer has registered in the index."""
+
+    slot: int
+    problem_id: str | None
+    epoch: int | None
+    sample: int | None
+    prompt_len: int
+    max_tokens: int | None
+    stop_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+
+
+def parse_extra_args(extra_args: Any) -> tuple[str | None, int | None, int | None, str | None]:
+    """(problem_id, epoch, sample, problem) from `SamplingParams.extra_args`; the last item is a warning text
+    when they are malformed (then everything is None and the request drafts from its own context)."""
+    if extra_args is None:
+        return None, None, None, None
+    if not isinstance(extra_args, dict):
+        return None, None, None, f"extra_args is {type(extra_args).__name__}, not a dict"
+    problem_id = extra_args.get("das_problem_id")
+    if problem_id is None:
+        return None, None, None, None
+    if not isinstance(problem_id, str) or not 0 < len(problem_id) <= MAX_PROBLEM_ID_LEN:
+        return (
+            None,
+            None,
+            None,
+            f"das_problem_id must be a non-empty str of at most {MAX_PROBLEM_ID_LEN} chars",
+        )
+    numbers = []
+    for name in ("das_epoch", "das_sample"):
+        value = extra_args.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return None, None, None, f"{name} must be a non-negative int, got {value!r}"
+        numbers.append(value)
+    return problem_id, numbers[0], numbers[1], None
+
+
+def _is_output_rank() -> bool:
+    """True on the tensor-parallel rank whose drafts vLLM's executor uses (rank 0; also outside a
+    distributed setup)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().rank_in_group == 0
+    except (ImportError, AssertionError):  # no vLLM, or no process group (a proposer built outside an engine)
+        return True
+
+
+def _natural_end(live: _Live, tokens: np.ndarray) -> int | None:
+    """The response length vLLM returned if the request ended by itself: through its first stop token at or
+    after min_tokens (accepted drafts may have run past it in the runner), or at max_tokens. None when it ended
+    otherwise (aborted, or a stop string). `tokens` is the request's prompt and committed output."""
+    fed = tokens.shape[0] - live.prompt_len
+    if live.stop_ids:
+        response = tokens[live.prompt_len :]
+        stops = np.flatnonzero(np.isin(response[live.min_tokens :], list(live.stop_ids)))
+        if stops.size:
+            end = live.min_tokens + int(stops[0]) + 1
+            return end if live.max_tokens is None else min(end, live.max_tokens)
+    if live.max_tokens is not None and fed >= live.max_tokens:
+        return live.max_tokens
+    return None
+
+
+class DasProposer:
+    """vLLM `custom_class` proposer: per-problem history drafts with a length-aware budget."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.settings = ProposerSettings.from_env()
+        # With tensor parallelism every rank builds a proposer, but vLLM's executor takes drafts only from the
+        # first rank of the last pipeline stage and sends them to every rank with the next schedule; the other
+        # ranks neither draft nor load the history (asynchronous scheduling, which would use local drafts, is
+        # off for custom_class).
+        self.drafting = _is_output_rank()
+        # `pause_drafting`: the engine keeps its speculative path but gets no drafts (the cost of that path
+        # alone, for benchmarks).
+        self.paused = False
+        self.draft_config = DraftConfig(
+            max_depth=self.settings.max_depth,
+            max_spec_tokens=self.k,
+            max_spec_factor=self.settings.max_spec_factor,
+            max_spec_offset=self.settings.max_spec_offset,
+            min_token_prob=self.settings.min_token_prob,
+        )
+        self.index = ProblemIndex(
+            window_epochs=self.settings.window_epochs,
+            config=self.draft_config,
+            draft_threads=self.settings.draft_threads,
+        )
+        self.runner: Any = None
+        # Where step times come from: the verifier's step is the interval from one return to the next call.
+        # A benchmark outside vLLM sets the clock of the engine it models.
+        self.clock: Callable[[], float] = time.perf_counter
+        self._live: dict[str, _Live] = {}
+        self._slot_of: dict[str, int] = {}
+        # The last step's request ids and their slots: vLLM's rows stay the same between most steps.
+        self._rows_seen: list[str] | None = None
+        self._rows_slots = np.zeros(0, np.int64)
+        self._row_base = np.zeros(0, np.int64)
+        self._row_width = 0
+        self._warned: set[str] = set()
+        self._replica: Any = None
+        self._next_catch_up = 0.0
+        if self.drafting:  # the other tensor-parallel ranks never draft: nothing to compile there
+            self._new_step_state(publish=False)
+            self._warm_up()
+        self._new_step_state(publish=True)
+
+    def _new_step_state(self, publish: bool) -> None:
+        """Fresh budget policy, bookkeeping and counters; `publish`: whether the counts reach Prometheus."""
+        self.policy = BudgetPolicy(BudgetConfig(max_tokens=self.k))
+        self._book = StepBook(64, self.k)
+        self._step_tables: StepTables | None = None
+        self._tables_rows = -1
+        # The kept drafts as the kernel packs them (`_pack_reply`): tokens, and where each row's start.
+        self._reply = (np.zeros(0, np.int32), np.zeros(0, np.int64))
+        # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
+        self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
+        self._step_no = 0
+        self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
+        self._last_tokens = 0
+        self._last_ended_at: float | None = None
+        self._verify_seconds: float | None = None
+        self.reset_stats()
+
+    def _warm_up(self) -> None:
+        """Compiles the step's native kernels now (numba caches them on disk, but a cold cache costs seconds),
+        so that vLLM's first decode step is not the one that waits: two steps of a throwaway request, typed as
+        vLLM's runner types its arrays (int32 token counts and matrix). The caller then starts afresh."""
+        key = "__das_warmup__"
+        tokens = np.tile(np.arange(1, 9, dtype=np.int32), (1, 4))  # repeats: the second step has a draft
+        request = SimpleNamespace(
+            num_prompt_tokens=8, sampling_params=SimpleNamespace(extra_args=None, max_tokens=16)
+        )
+        for end in (9, 10):
+            self.step([key], np.array([end], np.int32), tokens, {key: request})
+        self._finish(key)
+
+    @classmethod
+    def standalone(cls, k: int, max_model_len: int) -> DasProposer:
+        """A proposer outside vLLM (benchmarks, tests): the same object the engine builds from its config."""
+        return cls(
+            SimpleNamespace(
+                speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                model_config=SimpleNamespace(max_model_len=max_model_len),
+            )
+        )
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
+        if self.settings.history_dir and self.drafting:
+            self._open_replica(Path(self.settings.history_dir))
+
+    def pause_drafting(self, paused: bool) -> None:
+        """Stops (or resumes) drafting while the engine keeps its speculative path: every step gets no drafts.
+        Requests that join or finish meanwhile are registered or reaped at the first step after resuming."""
+        self.paused = paused
+
+    # ------------------------------------------------------------------ statistics
+    def reset_stats(self) -> None:
+        """Zeroes the counters `stats` reports (not the Prometheus metrics, which only grow)."""
+        self._base = self._book.snapshot()
+        self._errors = 0
+        self._malformed = 0
+        self._draft_seconds = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the last reset, the live request count, and the budget policy's state."""
+        self._metrics.flush()
+        out = self._book.since(self._base)
+        out["draft_seconds"] = self._draft_seconds
+        out["errors"] = self._errors
+        out["malformed_requests"] = self._malformed
+        out["live_requests"] = len(self._live)
+        out["budget_enabled"] = self.settings.budget
+        out["draft_threads"] = self.index.draft_threads
+        out["drafting_rank"] = self.drafting
+        out["policy"] = self.policy.snapshot()
+        out["history_problems"] = len(self.index.problem_ids())
+        return out
+
+    # ------------------------------------------------------------------ history
+    def add_trajectories(self, records: list[dict[str, Any]]) -> int:
+        """Adds finished trajectories (TrajectoryRecord fields) to the history; returns how many were new.
+
+        Raises:
+            ValueError: a record misses a field or has the wrong types (checked by TrajectoryRecord).
+        """
+        from pipeline.schemas import TrajectoryRecord
+
+        if self.runner is not None:
+            self._reap(self.runner.requests)
+        added = 0
+        for raw in records:
+            record = raw if isinstance(raw, TrajectoryRecord) else TrajectoryRecord.model_validate(raw)
+            added += self._add(
+                record.problem_id, record.epoch, record.sample, record.prompt_ids, record.response_ids
+            )
+        return added
+
+    def _add(self, problem_id: str, epoch: int, sample: int, prompt_ids: Any, response_ids: Any) -> int:
+        self._stale()
+        new = self.index.add_trajectory(problem_id, epoch, sample, prompt_ids, response_ids)
+        if new:
+            self.policy.lengths.observe(problem_id, len(response_ids))
+        return int(new)
+
+    def evict(self, problem_id: str, min_epoch: int) -> int:
+        """Drops a problem's history epochs below `min_epoch`; returns how many trajectories left."""
+        self._stale()
+        evicted = self.index.evict_epochs_before(problem_id, min_epoch)
+        if evicted:
+            self.policy.lengths.forget(problem_id)
+        return len(evicted)
+
+    def _open_replica(self, path: Path) -> None:
+        from history_store.durable.store import HistoryStore
+
+        secondary = Path(
+            os.environ.get("DAS_SECONDARY_DIR") or path.parent / f".{path.name}.secondary-{os.getpid()}"
+        )
+        self._replica = HistoryStore.open_secondary(path, secondary)
+        self._stale()
+        load_index(self._replica, self.index)
+        self._relearn_lengths()
+
+    def _relearn_lengths(self) -> None:
+        """The budget's length predictions from what the index holds (after a load from the replica)."""
+        for problem_id in self.index.problem_ids():
+            self.policy.lengths.forget(problem_id)
+            for length in self.index.problem_stats(problem_id)["response_lengths"]:
+                self.policy.lengths.observe(problem_id, length)
+
+    def catch_up(self) -> None:
+        """Brings the trees in step with the node's replica (the step does this every catch_up_interval_s)."""
+        self._next_catch_up = self.clock() + self.settings.catch_up_interval_s
+        self._stale()
+        followed = follow(self._replica, self.index)
+        if followed.reloaded:
+            self._relearn_lengths()
+            return
+        for (problem_id, _, _), length in followed.added:
+            self.policy.lengths.observe(problem_id, length)
+        for problem_id in followed.evicted:
+            self.policy.lengths.forget(problem_id)
+
+    # ------------------------------------------------------------------ the decode step
+    def _find_runner(self) -> Any:
+        # vLLM calls propose from a model runner method; walk up to the first `self` that looks like a runner
+        # and drafts with this proposer (directly, or wrapped as `user_proposer`).
+        frame = sys._getframe(1)
+        for _ in range(_RUNNER_SEARCH_DEPTH):
+            frame = frame.f_back
+            if frame is None:
+                break
+            caller = frame.f_locals.get("self")
+            if hasattr(caller, "input_batch") and unwrap_proposer(getattr(caller, "drafter", None)) is self:
+                self.runner = caller
+                break
+        return self.runner
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        """Draft tokens per batch row (each at most K and within max_model_len), or [] where none."""
+        n = len(sampled_token_ids)
+        if not self.drafting or self.paused:
+            return [[] for _ in range(n)]
+        if self.runner is None and self._find_runner() is None:
+            self._warn_once("runner", "DasProposer could not find the model runner: drafting disabled")
+            return [[] for _ in range(n)]
+        runner = self.runner
+        return self.step(runner.input_batch.req_ids[:n], num_tokens_no_spec, token_ids_cpu, runner.requests)
+
+    def step(
+        self,
+        req_ids: Sequence[str],
+        num_tokens: np.ndarray,
+        token_ids: np.ndarray,
+        requests: Mapping[str, Any],
+    ) -> list[list[int]]:
+        """One decode step for a batch, without an engine: row i is request req_ids[i], whose prompt and
+        output are token_ids[i, :num_tokens[i]] (int32); `requests` maps every unfinished request id to its
+        description (num_prompt_tokens, sampling_params with extra_args and max_tokens), as vLLM's runner
+        does. Requests missing from it finished. Returns each row's draft (at most K, within max_model_len).
+
+        Never raises: an unexpected error is logged and counted, and that step drafts nothing.
+        """
+        started = self.clock()
+        n = len(req_ids)
+        try:
+            drafts = self._step(req_ids, num_tokens, token_ids, requests, started)
+        except Exception:
+            # The engine must survive whatever a request or the history holds; the error is logged and counted
+            # (tests assert none happen) and this step simply drafts nothing.
+            self._errors += 1
+            logger.exception("DAS drafting failed; this step drafts nothing")
+            self._last_rows = 0
+            self._last_ended_at = self.clock()
+            return [[] for _ in range(n)]
+        ended = self.clock()
+        self._draft_seconds += ended - started
+        self._metrics.step_done(ended - started, self._verify_seconds, ended)
+        self._last_ended_at = ended
+        return drafts
+
+    def _step(
+        self,
+        req_ids: Sequence[str],
+        num_tokens: np.ndarray,
+        token_ids: np.ndarray,
+        requests: Mapping[str, Any],
+        started: float,
+    ) -> list[list[int]]:
+        n = len(req_ids)
+        self._reap(requests)
+        if req_ids == self._rows_seen:  # the last step's rows, and no request started or finished since
+            slots, joined = self._rows_slots, False
+        else:
+            slots, joined = self._slots_of_rows(req_ids, requests, token_ids)
+        if (
+            type(num_tokens) is not np.ndarray
+            or num_tokens.dtype != np.int32
+            or not num_tokens.flags.c_contiguous
+        ):
+            # The step kernel is called past numba's dispatcher (`DirectCall`): its argument types must stay.
+            num_tokens = np.ascontiguousarray(num_tokens, np.int32)
+        if self._replica is not None and started >= self._next_catch_up:
+            self.catch_up()
+        # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
+        width = token_ids.shape[1]
+        if self._row_base.shape[0] < n or self._row_width != width:
+            self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
+            self._row_width = width
+        src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
+        total = self._native_step(slots, num_tokens, joined, started, src)
+        self._last_rows = n
+        self._step_no += 1
+        # A fresh list per row (vLLM's scheduler may extend a draft in place), sliced from the packed tokens.
+        packed, bounds = self._reply
+        tokens, b = packed[:total].tolist(), bounds.tolist()
+        return [tokens[start:end] for start, end in pairwise(b)]
+
+    def _slots_of_rows(
+        self, req_ids: Sequence[str], requests: Mapping[str, Any], token_ids: np.ndarray
+    ) -> tuple[np.ndarray, bool]:
+        """Each row's slot, registering the requests that joined; and whether any did. Kept for the next
+        step with a copy of the rows (vLLM rewrites its list of request ids in place)."""
+        n, slot_of = len(req_ids), self._slot_of
+        try:
+            slots = np.fromiter(map(slot_of.__getitem__, req_ids), np.int64, n)
+            joined = False
+        except KeyError:  # requests joined the batch (rare next to steps): register them
+            slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1, n)), np.int64, n)
+            for i in np.flatnonzero(slots < 0).tolist():
+                key = req_ids[i]
+                slots[i] = self._start(key, requests[key], token_ids[i])
+            joined = True
+        self._rows_seen, self._rows_slots = list(req_ids), slots
+        return slots, joined
+
+    def _tables(self, n: int) -> StepTables:
+        """The step kernels' tables for a batch of n rows: packed again only when the batch size changed or
+        something outside the kernels may have replaced an array since (`_stale` says so)."""
+        if self._step_tables is None or self._tables_rows != n:
+            self._step_tables = pack_tables(*self._table_sources(n))
+            self._tables_rows = n
+        return self._step_tables
+
+    def _table_sources(self, n: int) -> tuple[Any, ...]:
+        """`pack_tables`' arguments for n rows (the per-batch buffers, reused while n stays, included)."""
+        policy, book, index = self.policy, self._book, self.index
+        config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
+        _, outputs = index.step_buffers(n)
+        self._buffers = policy.step_buffers(n)
+        scratch = policy.tail_scratch(n)
+        if self._reply[1].shape[0] != n + 1:
+            self._reply = (np.zeros(n * self.k, np.int32), np.zeros(n + 1, np.int64))
+        return (
+            index.forest.tables(),
+            index.slots,
+            outputs,
+            (*self.draft_config.kernel_args(), index.draft_threads),
+            (
+                book.drafted_at,
+                book.length,
+                book.prompt_len,
+                book.rows,
+                book.accepted,
+                book.accepted_by_position,
+                book.drafted_by_position,
+                book.totals,
+                book.per_row(n),
+                book.bounds,
+                book.by_source,
+                book.by_bucket,
+                book.sum_by_class,
+            ),
+            (
+                policy.kept,
+                policy.features,
+                policy.model_p,
+                policy.path_p,
+                policy.first_past,
+                policy.slot_problem,
+                policy.request_outcomes,
+                policy.problem_outcomes,
+                policy.problem_stamp,
+                policy.token_outcomes,
+                policy.drafted_bucket,
+                policy.accepted_rate,
+                policy.outlived,
+                policy.max_length,
+                policy.BINS,
+                config.max_tokens,
+                config.request_decay,
+                config.problem_decay,
+                config.token_decay,
+                config.rate_decay,
+            ),
+            (*self._buffers, *scratch),
+            self._reply,
+            (lengths.count, lengths.quantiles, lengths.stats),
+            (
+                acceptance.recalibration,
+                acceptance.path_recalibration,
+                acceptance.gradient,
+                acceptance.curvature,
+                acceptance.state,
+                acceptance.MIN_TRIALS,
+                acceptance.forgetting,
+                acceptance.ridge,
+                acceptance.accumulated,
+                acceptance.weights,
+            ),
+            policy.cost.kernel_state(),
+            self.k,
+            self.max_model_len,
+        )
+
+    def _stale(self) -> None:
+        """Something outside the step kernels ran (a request joined or finished, the history or the index
+        changed): it may have replaced arrays the packed tables hold, so the next step packs them again."""
+        self._step_tables = None
+
+    def _native_step(
+        self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float, src: np.ndarray
+    ) -> int:
+        """The step's native work, in one call unless the index must grow mid-step: what the verification of
+        the previous step's drafts teaches the budget (the tokens each verified row accepted, and the step's
+        cost), then budgets, commit, drafts, the pay-off rule and counting. The interval from the previous
+        return to this call is the verification step of the previous drafts; it counts only for a clean step
+        (no joiner: an idle engine between batches always resumes with joining requests). Returns the number
+        of kept draft tokens; they are packed in `self._reply`."""
+        n = slots.shape[0]
+        policy, budget_on = self.policy, self.settings.budget
+        tables = self._tables(n)
+        bases = self._row_base[:n]
+        verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
+        m, clean, status, row, promoted, tokens = decode_step(
+            tables,
+            slots,
+            num_tokens,
+            self._step_no,
+            policy.observe_step_no + 1,
+            joined,
+            verify_seconds,
+            self._last_rows,
+            self._last_tokens,
+            budget_on,
+            bases,
+            src,
+        )
+        if m:
+            policy.observe_step_no += 1
+        self._verify_seconds = verify_seconds if clean else None
+        while True:
+            if promoted:
+                policy.count_promotions(promoted)
+            if status == DONE:
+                break
+            self.index.make_room(status, slots, row, self._book.per_row(n)[END])
+            self._stale()  # growing replaced arrays
+            status, row, promoted, tokens = draft_step(
+                self._tables(n), budget_on, True, row, slots, bases, src, self._step_no
+            )
+        self._last_tokens = tokens
+        _, value, classes, _, predicted, _ = self._buffers
+        policy.drafted(slots, value, classes, predicted)
+        return tokens
+
+    def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
+        self._stale()
+        sampling = request.sampling_params
+        problem_id, epoch, sample, problem = parse_extra_args(getattr(sampling, "extra_args", None))
+        if problem is not None:
+            self._malformed += 1
+            self._warn_once(f"malformed:{key}", f"request {key}: {problem}; drafting from its own context")
+        prompt_len = int(request.num_prompt_tokens)
+        max_tokens = getattr(sampling, "max_tokens", None)
+        # What it may commit: a step that meets a request outgrowing its token segment stops to move it.
+        expected = min(prompt_len + int(max_tokens or self.max_model_len), self.max_model_len)
+        slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len], expected)
+        self.policy.start(slot, problem_id, expected - prompt_len)
+        self._live[key] = _Live(
+            slot,
+            problem_id,
+            epoch,
+            sample,
+            prompt_len,
+            max_tokens,
+            # vLLM keeps EOS among all_stop_token_ids under ignore_eos; such a request stops only on its own.
+            frozenset(
+                (getattr(sampling, "stop_token_ids", None) or ())
+                if getattr(sampling, "ignore_eos", False)
+                else (getattr(sampling, "all_stop_token_ids", None) or ())
+            ),
+            int(getattr(sampling, "min_tokens", 0) or 0),
+        )
+        self._slot_of[key] = slot
+        self._rows_seen = None
+        self._book.start(slot, prompt_len)
+        return slot
+
+    def _finish(self, key: str) -> None:
+        self._stale()
+        live = self._live.pop(key)
+        del self._slot_of[key]
+        self._rows_seen = None
+        tokens = self.index.request_tokens(key)
+        response_len = _natural_end(live, tokens) if live.problem_id is not None else None
+        self.index.finish_request(key)
+        # Aborted requests (verl's partial rollouts, a client gone) and stop strings (matched in vLLM's front
+        # end, which then aborts the request here) end early for reasons the runner does not show: they must
+        # neither feed short lengths to the budget nor enter the history under a real key.
+        self.policy.finish(live.slot)
+        if response_len is not None and (live.epoch is None or live.sample is None):
+            # A sibling that ended by itself tells how long this epoch runs: the budget learns it now (a
+            # request naming its epoch and sample teaches it through the history, just below).
+            self.policy.lengths.observe(live.problem_id, response_len)
+        if response_len is not None and live.epoch is not None and live.sample is not None:
+            prompt, response = (
+                tokens[: live.prompt_len],
+                tokens[live.prompt_len : live.prompt_len + response_len],
+            )
+            self._add(live.problem_id, live.epoch, live.sample, prompt, response)
+
+    def _reap(self, requests: Mapping[str, Any]) -> None:
+        """Finishes requests that left the engine (gone from `requests`; preempted ones stay there)."""
+        for key in self._live.keys() - requests.keys():
+            self._finish(key)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+
+def unwrap_proposer(drafter: Any) -> DasProposer | None:
+    """The DasProposer a runner drafts with: its drafter itself, or the user proposer a vLLM
+    `CustomClassProposer` wraps; None when it runs something else."""
+    for candidate in (drafter, getattr(drafter, "user_proposer", None)):
+        if isinstance(candidate, DasProposer):
+            return candidate
+    return None
+
+
+class DasWorkerExtension:
+    """Methods mixed into vLLM's worker (`worker_extension_cls`), reachable with `collective_rpc(name)`."""
+
+    def _das(self) -> DasProposer:
+        proposer = unwrap_proposer(getattr(self.model_runner, "drafter", None))  # type: ignore[attr-defined]
+        if proposer is None:
+            raise RuntimeError(
+                "the engine does not run DasProposer: pass speculative_config="
+                '{"method": "custom_class", "model": "workers.generator.proposer.DasProposer", ...}'
+            )
+        return proposer
+
+    def das_attach(self) -> None:
+        """Hands the model runner to the proposer explicitly (it is otherwise found on the first step)."""
+        self._das().runner = self.model_runner  # type: ignore[attr-defined]
+
+    def das_add_trajectories(self, records: list[dict[str, Any]]) -> int:
+        """Adds finished trajectories to the proposer's history; returns how many were new."""
+        return self._das().add_trajectories(records)
+
+    def das_evict(self, problem_id: str, min_epoch: int) -> int:
+        """Evicts a problem's history epochs below `min_epoch`; returns how many trajectories left."""
+        return self._das().evict(problem_id, min_epoch)
+
+    def das_stats(self) -> dict[str, Any]:
+        """The proposer's counters and budget policy state."""
+        return self._das().stats()
+
+    def das_pause_drafting(self, paused: bool) -> None:
+        """`DasProposer.pause_drafting` on this worker."""
+        self._das().pause_drafting(paused)
+
+    def das_reset_stats(self) -> None:
+        """Zeroes the proposer's counters (e.g. between benchmark epochs)."""
+        self._das().reset_stats()

@@ -1,0 +1,1 @@
+"""The history replica service: the bus consumed into a node's history store."""

@@ -1,0 +1,1 @@
+"""Rollout workers: epochs of a problem set through vLLM, trajectories handed to the bus."""
