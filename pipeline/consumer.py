@@ -22,7 +22,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from pipeline.bus import BusError, BusMessage, BusUnavailableError
+from pipeline.bus import BusMessage
+from pipeline.errors import BusError, BusUnavailableError
 from pipeline.kafka_config import UNREACHABLE, client_settings
 from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, shared_settings
 from pipeline.wire import partition_for, record_key

@@ -39,7 +39,7 @@ from kafka.errors import (
 )
 
 from monitoring.metrics import PRODUCER_QUEUE_DEPTH, PRODUCER_SEND_ERRORS, RECORDS_PUBLISHED
-from pipeline.bus import (
+from pipeline.errors import (
     DEFAULT_QUEUE_RECORDS,
     BusBackpressureError,
     BusDeliveryError,

@@ -23,7 +23,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from pipeline.bus import BusError
+from pipeline.errors import BusError
 from pipeline.kafka_config import UNREACHABLE, client_settings
 
 TRAJECTORY_TOPIC = "das.trajectories"

@@ -27,6 +27,7 @@ import numpy as np
 
 from history_store.durable.store import HistoryStore
 from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
+from pipeline.errors import BusError
 from pipeline.schemas import TrajectoryRecord
 from pipeline.synthetic import SyntheticShape, synthetic_record
 from pipeline.topics import admin_client, ensure_topics
@@ -117,10 +118,10 @@ def _ingest(
             try:
                 while consumed < total:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"replica applied {consumed} of {total} records in 600 s")
+                        raise BusError(f"replica applied {consumed} of {total} records in 600 s")
                     failed = [p for p in producers if p.poll() not in (None, 0)]
                     if failed:
-                        raise RuntimeError(
+                        raise BusError(
                             f"producer failed: {failed[0].stderr.read() if failed[0].stderr else ''}"
                         )
                     report = indexer.step()

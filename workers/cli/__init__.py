@@ -1,8 +1,9 @@
 """The `das` command. Subcommands live in `workers.cli.commands`, one module per area, discovered at start.
 
-Errors reach the user in one place, `main`: a bad flag or variable is refused by the parser (exit 2), and a
-StoreError, BusError, ValueError or OSError raised by a command becomes one line `das <command>: <message>`
-with exit code 1. `--debug` shows the traceback instead.
+Errors reach the user in one place, `main`, always as one line `das <command>: <message>`: a bad flag or
+variable is refused by the parser, and a command raises `UsageError` for arguments only it can check (exit 2);
+a StoreError, BusError, ValueError or OSError raised by a command is a failure (exit 1). Commands never print
+their own errors. `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from history_store.errors import StoreError
-from pipeline.bus import BusError
+from pipeline.errors import BusError
 from workers.cli import commands
+from workers.cli.types import UsageError
 
 # What a command may raise for a user to read; anything else is a bug and keeps its traceback.
 USER_ERRORS = (StoreError, BusError, ValueError, OSError)
@@ -81,9 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_cli().parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
+    except UsageError as exc:
+        if args.debug:
+            raise
+        print(f"{args._prog}: {describe(exc)} (see `{args._prog} --help`)", file=sys.stderr)
+        return 2
     except USER_ERRORS as exc:
         if args.debug:
             raise
         print(f"{args._prog}: {describe(exc)}", file=sys.stderr)
         return 1
-

@@ -20,6 +20,11 @@ from monitoring.server import DEFAULT_HOST, HOST_ENV, PORT_ENV
 NO_METRICS_SERVER = -1
 
 
+class UsageError(ValueError):
+    """Arguments the parser cannot check alone (a combination of flags, a missing file they name): `das` prints
+    it like a parser error, as one line, with exit code 2."""
+
+
 class EnvValue(str):
     """A default read from an environment variable; errors about it name the variable."""
 

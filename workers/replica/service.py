@@ -35,8 +35,9 @@ from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable.checkpoints import Checkpointer
 from history_store.durable.store import HistoryStore, TrajectoryLike
 from monitoring.metrics import CONSUMER_LAG, CONSUMER_UP, DEAD_LETTERED, FRESHNESS, STALE_RECORDS
-from pipeline.bus import EMBEDDED_TOPIC, BusMessage, BusUnavailableError, TrajectorySource
+from pipeline.bus import EMBEDDED_TOPIC, BusMessage, TrajectorySource
 from pipeline.consumer import ReplicaPublisher
+from pipeline.errors import BusUnavailableError
 from pipeline.wire import (
     DEFAULT_MAX_EPOCH,
     DEFAULT_MAX_EPOCHS_AHEAD,

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any
 
 from workers.cli.commands.kafka import BUS_ENV
-from workers.cli.types import POSITIVE, SECONDS
+from workers.cli.types import POSITIVE, SECONDS, UsageError
 
 SINGLE_BROKER_ENV = "DAS_KAFKA_BOOTSTRAP"
 
@@ -39,32 +38,25 @@ def register(cli: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.bus import BusError
     from pipeline.kafka_config import parse_bus_url
     from pipeline.synthetic import SyntheticShape
     from workers.bench import pipeline
 
     if not args.bus:
-        print(
-            f"das bench pipeline: no broker: pass --bus kafka://host:port or set {BUS_ENV} or {SINGLE_BROKER_ENV} "
-            "(bash scripts/kafka.sh up && source .kafka/env.sh starts a local one)",
-            file=sys.stderr,
+        raise UsageError(
+            f"no broker: pass --bus kafka://host:port or set {BUS_ENV} or {SINGLE_BROKER_ENV} "
+            "(bash scripts/kafka.sh up && source .kafka/env.sh starts a local one)"
         )
-        return 2
     if args.records < args.producers:
-        raise ValueError(f"--records ({args.records}) must be at least --producers ({args.producers})")
-    try:
-        result = pipeline.run(
-            parse_bus_url(args.bus)[0],
-            producers=args.producers,
-            records=args.records,
-            freshness_rate=args.rate,
-            freshness_seconds=args.seconds,
-            shape=SyntheticShape(response_tokens_median=args.response_tokens),
-        )
-    except (BusError, RuntimeError, ValueError) as exc:
-        print(f"das bench pipeline: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(f"--records ({args.records}) must be at least --producers ({args.producers})")
+    result = pipeline.run(
+        parse_bus_url(args.bus)[0],
+        producers=args.producers,
+        records=args.records,
+        freshness_rate=args.rate,
+        freshness_seconds=args.seconds,
+        shape=SyntheticShape(response_tokens_median=args.response_tokens),
+    )
     if args.json:
         print(json.dumps(result))
     else:

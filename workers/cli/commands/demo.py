@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from workers.cli.types import NON_NEGATIVE, POSITIVE, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, number
 
 
 def _run(args: argparse.Namespace) -> int:
-    from history_store.errors import StoreLockedError
     from workers.demo.run import DemoConfig, run_demo
-    from workers.generator.model import ModelError
 
     try:
         config = DemoConfig(
@@ -33,8 +30,7 @@ def _run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except ValueError as exc:
-        print(f"das demo: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
 
     def metrics_server() -> str | None:
         from monitoring.server import start_from_args
@@ -44,11 +40,7 @@ def _run(args: argparse.Namespace) -> int:
             return None
         return f"http://{args.metrics_host}:{server.server_port}/metrics"
 
-    try:
-        run_demo(config, metrics_server=metrics_server)
-    except (ModelError, StoreLockedError) as exc:
-        print(f"das demo: {exc}", file=sys.stderr)
-        return 1
+    run_demo(config, metrics_server=metrics_server)  # a ModelError or StoreLockedError: cli.main prints it
     return 0
 
 

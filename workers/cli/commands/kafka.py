@@ -189,7 +189,7 @@ def init(args: argparse.Namespace) -> int:
 def load(args: argparse.Namespace) -> int:
     """Publishes, then prints one JSON summary whose counts are exact: acknowledged + refused + unknown equals
     published, and `not_taken` counts the record refused by backpressure (publishing stops there)."""
-    from pipeline.bus import BusBackpressureError, BusDeliveryError
+    from pipeline.errors import BusBackpressureError, BusDeliveryError
     from pipeline.producer import KafkaBus
     from pipeline.synthetic import SyntheticShape, synthetic_records
 

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from workers.generator.model import ModelError, default_model_dir, is_prepared, prepare_model
+    from workers.generator.model import default_model_dir, is_prepared, prepare_model
 
     target = Path(args.cache_dir) if args.cache_dir else default_model_dir()
     was_ready = is_prepared(target)
     start = time.perf_counter()
-    try:
-        path = prepare_model(target, dtype=args.dtype)
-    except ModelError as exc:
-        print(f"das model prepare: {exc}", file=sys.stderr)
-        return 1
+    path = prepare_model(target, dtype=args.dtype)  # a ModelError is a ValueError: cli.main prints it
     state = "already prepared" if was_ready else f"prepared in {time.perf_counter() - start:.1f} s"
     print(f"{path} ({state})")
     return 0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.cli.types import NON_NEGATIVE, POSITIVE, integer, number, temperature_schedule
+from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, integer, number, temperature_schedule
 from workers.rollout.worker import DTYPES, KV_CACHE_DTYPES
 
 
@@ -104,16 +104,16 @@ def shard(raw: str) -> tuple[int, int]:
 def _check(args: argparse.Namespace) -> None:
     for name in ("epochs", "samples", "max_tokens", "k"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0 or args.first_epoch < 0:
-        raise ValueError("--temperature and --first-epoch must be >= 0")
+        raise UsageError("--temperature and --first-epoch must be >= 0")
     if args.num_problems is not None and args.num_problems < 1:
-        raise ValueError("--num-problems must be >= 1")
+        raise UsageError("--num-problems must be >= 1")
     # Before the engine is built: a missing file must not cost a model load (and a restart loop of them).
     if args.problems is not None and not args.problems.is_file():
-        raise ValueError(f"--problems {args.problems}: no such file")
+        raise UsageError(f"--problems {args.problems}: no such file")
     if args.temperatures is not None and len(args.temperatures) != args.epochs:
-        raise ValueError(f"--temperatures gives {len(args.temperatures)} values for {args.epochs} epochs")
+        raise UsageError(f"--temperatures gives {len(args.temperatures)} values for {args.epochs} epochs")
 
 
 def epoch_temperature(args: argparse.Namespace, index: int) -> float:
@@ -214,11 +214,7 @@ def _rollout(args: argparse.Namespace) -> int:
     from pipeline.bus import open_bus
     from workers.rollout.worker import EmbeddedReplica
 
-    try:
-        _check(args)
-    except ValueError as exc:
-        print(f"das rollout: {exc}", file=sys.stderr)
-        return 2
+    _check(args)
     problems = _problems(args)
     # The proposer's metrics come from vLLM's engine process: they reach this server when
     # PROMETHEUS_MULTIPROC_DIR is set before `das` starts (as docker-compose.yml does).
@@ -264,11 +260,7 @@ def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> d
 
 
 def _traces(args: argparse.Namespace) -> int:
-    try:
-        _check(args)
-    except ValueError as exc:
-        print(f"das traces generate: {exc}", file=sys.stderr)
-        return 2
+    _check(args)
     problems = _problems(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
