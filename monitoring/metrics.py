@@ -30,7 +30,8 @@ from monitoring.server import multiprocess_dir
 LENGTH_CLASSES = ("short", "medium", "long")
 COST_COEFFICIENTS = ("c_base", "c_seq", "c_tok")
 # Why a message was dead-lettered (pipeline.wire.REASONS; a test keeps the two equal) and why a stored record was
-# quarantined (history_store's CorruptRecordError codes, plus "window" for a corrupt epoch window).
+# quarantined (history_store's CorruptRecordError codes, "window" for a corrupt epoch window, "epoch_outlier" for
+# records a replica set aside when the records that followed outvoted their epoch).
 DEAD_LETTER_REASONS = (
     "encoding",
     "truncated",
@@ -39,10 +40,12 @@ DEAD_LETTER_REASONS = (
     "oversize",
     "key_mismatch",
     "epoch_ahead",
+    "epoch_jump",
+    "stale",
     "sample_range",
     "epoch_range",
 )
-QUARANTINE_REASONS = ("checksum", "header", "size", "window")
+QUARANTINE_REASONS = ("checksum", "header", "size", "window", "epoch_outlier")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the
 # most a dashboard panel can show legibly.
 MAX_POSITION_LABEL = 16
@@ -144,6 +147,11 @@ DEAD_LETTERED = Counter(
     "Records sent to the dead-letter topic, by reason (a short fixed code, never record content).",
     ["reason"],
 )
+UNDELIVERED_DEAD_LETTERS = Counter(
+    "das_undelivered_dead_letters_total",
+    "Rejected messages whose dead letter the dead-letter topic refused for good: skipped, their coordinates kept "
+    "in the store (das history stats).",
+)
 QUARANTINED = Counter(
     "das_quarantined_records_total",
     "Stored records found corrupt and skipped (quarantined) by the history store, by reason (fixed code).",
@@ -227,6 +235,7 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     PRODUCER_QUEUE_DEPTH,
     PRODUCER_SEND_ERRORS,
     DEAD_LETTERED,
+    UNDELIVERED_DEAD_LETTERS,
     QUARANTINED,
     RECORDS_INGESTED,
     BYTES_INGESTED,

@@ -6,12 +6,15 @@ not Kafka, decides where reading resumes. Offsets are committed to Kafka only as
 after the store has them.
 
 `ReplicaPublisher` writes what a replica sends back: rejected messages to the dead-letter topic (original
-bytes, reason and origin in headers), and tombstones for records its store evicted. `read_dead_letters`
-reads the dead letters back (`das kafka dlq`).
+bytes, reason and origin in headers), and tombstones for records its store evicted or dropped as stale. A
+dead letter the topic refuses for good is not an error: `flush` hands it back as an `UndeliveredLetter`, and
+the replica keeps its coordinates in the store instead, so no message can stop a replica. `read_dead_letters`
+reads the dead letters back (`das kafka dlq`), whatever headers a forged one carries.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -49,9 +52,14 @@ H_PARTITION = "das-dlq-partition"
 H_OFFSET = "das-dlq-offset"
 H_TIMESTAMP = "das-dlq-timestamp-ms"
 H_KEY = "das-dlq-key"
+H_KEY_BYTES = "das-dlq-key-bytes"
+H_KEY_SHA256 = "das-dlq-key-sha256"
 H_REPLICA = "das-dlq-replica"
 H_TRUNCATED = "das-dlq-truncated-from-bytes"
 _MAX_DETAIL = 1000
+# The key header copies bytes an unauthenticated producer chose (20 MiB keys compress to almost nothing on the
+# wire): longer keys keep their first KiB, with their length and SHA-256 beside it to tell them apart.
+_MAX_KEY_HEADER = 1024
 # Room for our headers and the batch overhead under the dead-letter topic's max.message.bytes.
 _MAX_DEAD_LETTER_VALUE = MAX_MESSAGE_BYTES - 64 * 1024
 
@@ -60,6 +68,18 @@ def _bus_error(message: str, exc: BaseException) -> BusError:
     """A BusUnavailableError for what waiting cures (no broker answers, a leader moves), else a BusError."""
     kind = BusUnavailableError if getattr(exc, "retriable", False) else BusError
     return kind(f"{message}: {type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class UndeliveredLetter:
+    """A dead letter the dead-letter topic refused for good (too large, not authorised): where the rejected
+    message is, why it was rejected, and the error that kept it out of the topic."""
+
+    topic: str
+    partition: int
+    offset: int
+    reason: str
+    error: str
 
 
 class KafkaTrajectorySource:
@@ -210,6 +230,7 @@ class ReplicaPublisher:
         except KafkaError as exc:
             raise _bus_error(f"cannot reach {self._where}: {UNREACHABLE}", exc) from exc
         self._failures: list[BaseException] = []
+        self._undelivered: deque[UndeliveredLetter] = deque()
         # Tombstones whose send failed for a transient reason (an outage): the store has already evicted their
         # records and stored the offsets past them, so nothing would send them again; each flush does, until
         # the brokers take them (else compaction keeps evicted records in the topic for good).
@@ -218,7 +239,10 @@ class ReplicaPublisher:
     def dead_letter(self, message: BusMessage, reason: str, detail: str) -> None:
         """Sends the original message bytes to the dead-letter topic with reason and origin headers.
 
-        Keyed by origin (topic/partition/offset): replicas rejecting the same message compact to one copy.
+        Keyed by origin (topic/partition/offset): replicas rejecting the same message compact to one copy. Every
+        header is bounded (the key cut to its first KiB plus its length and SHA-256, the detail to 1000
+        characters) and the value to the topic's limit less 64 KiB, so a hostile message fits; if the topic still
+        refuses the letter, `flush` returns it instead of failing.
         """
         headers = [
             (H_REASON, reason.encode()),
@@ -230,7 +254,10 @@ class ReplicaPublisher:
             (H_REPLICA, self.replica.encode()),
         ]
         if message.key is not None:
-            headers.append((H_KEY, message.key))
+            headers.append((H_KEY, message.key[:_MAX_KEY_HEADER]))
+            if len(message.key) > _MAX_KEY_HEADER:
+                headers.append((H_KEY_BYTES, str(len(message.key)).encode()))
+                headers.append((H_KEY_SHA256, hashlib.sha256(message.key).hexdigest().encode()))
         value = message.value
         if value is not None and len(value) > _MAX_DEAD_LETTER_VALUE:
             # The dead-letter topic has the same size limit as the source: keep a prefix rather than fail the
@@ -238,7 +265,26 @@ class ReplicaPublisher:
             headers.append((H_TRUNCATED, str(len(value)).encode()))
             value = value[:_MAX_DEAD_LETTER_VALUE]
         origin = f"{message.topic}/{message.partition}/{message.offset}".encode()
-        self._send(self.dead_letter_topic, origin, value, None, headers)
+        letter = UndeliveredLetter(message.topic, message.partition, message.offset, reason, "")
+        try:
+            future = self._producer.send(self.dead_letter_topic, key=origin, value=value, headers=headers)
+        except KafkaError as exc:
+            if getattr(exc, "retriable", False):
+                raise _bus_error(f"cannot send to {self.dead_letter_topic} on {self._where}", exc) from exc
+            self._letter_failed(letter, exc)
+            return
+        future.add_errback(self._letter_failed, letter)
+
+    def _letter_failed(self, letter: UndeliveredLetter, exc: BaseException) -> None:
+        if getattr(exc, "retriable", False):
+            self._failures.append(exc)  # an outage: the replica applies nothing and reads the batch again
+        else:
+            # deque.append: safe from kafka-python's IO thread
+            self._undelivered.append(
+                UndeliveredLetter(
+                    letter.topic, letter.partition, letter.offset, letter.reason, _error_text(exc)
+                )
+            )
 
     def tombstones(self, topic: str, partitions: int, keys: Iterable[tuple[str, int, int]]) -> None:
         """Publishes a tombstone (null value) for each evicted record, in its problem's partition, so
@@ -249,10 +295,11 @@ class ReplicaPublisher:
                 (topic, record_key(problem_id, epoch, sample), partition_for(problem_id, partitions))
             )
 
-    def flush(self, timeout_s: float = 30) -> None:
-        """Sends again the tombstones an outage held back, then waits until everything sent is acknowledged.
-        Raises BusUnavailableError if sends timed out or no broker answered (transient; the tombstones are kept
-        for the next flush), BusError if a send was refused."""
+    def flush(self, timeout_s: float = 30) -> list[UndeliveredLetter]:
+        """Sends again the tombstones an outage held back, waits until everything sent is acknowledged, and
+        returns the dead letters the topic refused for good since the last flush (the caller keeps their
+        coordinates). Raises BusUnavailableError if sends timed out or no broker answered (transient; the
+        tombstones are kept for the next flush), BusError if a tombstone was refused."""
         self._resend_tombstones()
         try:
             self._producer.flush(timeout=timeout_s)
@@ -266,6 +313,10 @@ class ReplicaPublisher:
             raise BusUnavailableError(
                 f"{len(self._unsent_tombstones)} tombstones not acknowledged by {self._where}; kept for the next flush"
             )
+        undelivered = list(self._undelivered)
+        for _ in undelivered:
+            self._undelivered.popleft()
+        return undelivered
 
     @property
     def unsent_tombstones(self) -> int:
@@ -296,30 +347,21 @@ class ReplicaPublisher:
     def close(self) -> None:
         self._producer.close(timeout=10)
 
-    def _send(
-        self,
-        topic: str,
-        key: bytes,
-        value: bytes | None,
-        partition: int | None,
-        headers: list[tuple[str, bytes]],
-    ) -> None:
-        try:
-            future = self._producer.send(topic, key=key, value=value, partition=partition, headers=headers)
-        except KafkaError as exc:
-            raise _bus_error(f"cannot send to {topic} on {self._where}", exc) from exc
-        future.add_errback(self._failures.append)
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:_MAX_DETAIL]
 
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """One rejected message as the dead-letter topic keeps it."""
+    """One rejected message as the dead-letter topic keeps it. `partition` and `offset` are None when its
+    headers do not say (anyone who may write to the topic can forge a letter)."""
 
     reason: str
     detail: str
     topic: str
-    partition: int
-    offset: int
+    partition: int | None
+    offset: int | None
     replica: str
     key: bytes | None
     value_bytes: int
@@ -357,8 +399,8 @@ def read_dead_letters(
                     reason=h.get(H_REASON, "?"),
                     detail=h.get(H_DETAIL, ""),
                     topic=h.get(H_TOPIC, "?"),
-                    partition=int(h.get(H_PARTITION, -1)),
-                    offset=int(h.get(H_OFFSET, -1)),
+                    partition=_whole_number(h.get(H_PARTITION)),
+                    offset=_whole_number(h.get(H_OFFSET)),
                     replica=h.get(H_REPLICA, "?"),
                     key=dict(m.headers or ()).get(H_KEY),
                     value_bytes=len(m.value or b""),
@@ -367,3 +409,7 @@ def read_dead_letters(
         return letters
     finally:
         consumer.close()
+
+
+def _whole_number(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isascii() and text.isdigit() else None

@@ -45,14 +45,17 @@ REASON_SCHEMA_VERSION = "schema_version"  # a version this build does not read
 REASON_INVALID = "invalid"  # decoded, but the model rejects it (types, token id range, required fields)
 REASON_OVERSIZE = "oversize"  # more tokens than the replica accepts
 REASON_KEY_MISMATCH = "key_mismatch"  # the message key is not the record's identity
-REASON_EPOCH_AHEAD = "epoch_ahead"  # an epoch too far beyond the newest the replica holds (it would evict)
+REASON_EPOCH_AHEAD = "epoch_ahead"  # an epoch too far beyond the epoch recent records agree on
+REASON_EPOCH_JUMP = "epoch_jump"  # would evict its problem's whole window, ahead of the recent records' epoch
+REASON_STALE = "stale"  # its epoch is already below its problem's window (a late or reordered record)
 REASON_SAMPLE_RANGE = "sample_range"  # a sample id beyond the replica's limit
 REASON_EPOCH_RANGE = "epoch_range"  # an epoch beyond any training run's (the empty replica's guard)
-# Limits a replica checks against its own state (workers.replica.service). Training moves one epoch at a time; a
-# record this far beyond the newest stored epoch would evict the history of the problem it names, so it is
-# dead-lettered. A replica that was down for more epochs than this rebuilds from the topic (an empty folder)
-# or runs with a larger --max-epochs-ahead.
-DEFAULT_MAX_EPOCHS_AHEAD = 8
+# Limits a replica checks against its own state (workers.replica.service). Training moves one epoch at a time,
+# so the epoch most recent records carry (their median) is where the run is; a record more than this beyond it
+# is dead-lettered, whatever its problem. Two, not one: asynchronous rollouts may run an epoch ahead of the
+# records still arriving from the last one. Below the default window (3), so no accepted record can evict
+# a problem's whole window unless the run is there too.
+DEFAULT_MAX_EPOCHS_AHEAD = 2
 # An empty replica has no newest epoch to measure "ahead" against, so one hostile record (epoch 2**32 - 1) as
 # its first would set the reference and poison its problem for good; an absolute ceiling far above any RL run's
 # epoch count (passes over the problem set) closes that gap.
@@ -68,6 +71,8 @@ REASONS = (
     REASON_OVERSIZE,
     REASON_KEY_MISMATCH,
     REASON_EPOCH_AHEAD,
+    REASON_EPOCH_JUMP,
+    REASON_STALE,
     REASON_SAMPLE_RANGE,
     REASON_EPOCH_RANGE,
 )

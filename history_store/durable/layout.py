@@ -28,6 +28,9 @@ SEQUENCE_HINT_FILE = "DAS_SEQUENCE_HINT"
 META_LAYOUT_VERSION = b"layout_version"
 META_WINDOW_EPOCHS = b"window_epochs"
 META_NEXT_SEQUENCE = b"next_sequence"
+# + offset_key + u64 offset -> JSON {reason, error, at}: a message the replica rejected whose dead letter the
+# dead-letter topic refused for good; its coordinates are all that is left of it.
+META_UNDELIVERED = b"undelivered\x00"
 
 MAX_EPOCH = 2**32 - 1
 MAX_SAMPLE = 2**32 - 1

@@ -156,6 +156,22 @@ class QuarantinedRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class UndeliveredMessage:
+    """A bus message the replica rejected and could not dead-letter (the dead-letter topic refused it for
+    good): its coordinates, why it was rejected, what refused the dead letter, and when (unix seconds)."""
+
+    topic: str
+    partition: int
+    offset: int
+    reason: str
+    error: str
+    at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStats:
     """Totals over the whole store (from the per-problem window entries, no token reads)."""
 
@@ -164,6 +180,7 @@ class StoreStats:
     prompt_tokens: int
     response_tokens: int
     quarantined: int
+    undelivered: int
     window_epochs: int
     next_sequence: int
     max_epoch: int
@@ -476,6 +493,20 @@ class _StoreReader:
             )
         return out
 
+    def undelivered(self) -> list[UndeliveredMessage]:
+        """Messages rejected without a dead letter (the topic refused it), oldest coordinates first."""
+        start = layout.META_UNDELIVERED
+        out = []
+        for key, raw in self._items(layout.CF_META, start, start[:-1] + b"\x01"):
+            topic, partition = layout.decode_offset_key(key[len(start) : -8])
+            info = json.loads(raw)
+            out.append(
+                UndeliveredMessage(
+                    topic, partition, layout.decode_u64(key[-8:]), info["reason"], info["error"], info["at"]
+                )
+            )
+        return out
+
     def verify(self) -> VerifyReport:
         """Reads every entry of every column family with checksums verified, then every record the windows
         list, one by one, so a damaged block is reported with exactly the records it held. Never repairs."""
@@ -556,6 +587,7 @@ class _StoreReader:
             prompt_tokens=prompt_tokens,
             response_tokens=response_tokens,
             quarantined=sum(1 for _ in self._keys(layout.CF_QUARANTINE)),
+            undelivered=len(self.undelivered()),
             window_epochs=self.window_epochs,
             next_sequence=self.next_sequence,
             max_epoch=max_epoch,
@@ -815,6 +847,66 @@ class HistoryStore(_StoreReader):
         EVICTIONS.inc(len(result.evicted))
         STORE_APPLY_DURATION.observe(time.perf_counter() - started)
         return result
+
+    def set_aside(self, keys: Sequence[TrajectoryKey], reason: str, code: str) -> list[TrajectoryKey]:
+        """Moves stored records out of their windows into the quarantine family (kept, with `reason`), in one
+        batch; readers learn it from the sequence log as for a corrupt record. Returns the keys that were
+        stored. Raises StoreWriteError if RocksDB fails to write (nothing moved)."""
+        batch = WriteBatch(raw_mode=True)
+        info = json.dumps({"reason": reason, "code": code, "detected_at": time.time()}).encode() + b"\n"
+        windows: dict[bytes, _PendingWindow] = {}
+        sequence = self._next_sequence
+        moved = []
+        for problem_id, epoch, sample in keys:
+            key = layout.trajectory_key(problem_id, epoch, sample)
+            raw = self._get(layout.CF_TRAJECTORIES, key)
+            if raw is None:
+                continue
+            prefix = layout.problem_prefix(problem_id)
+            pending = windows.get(prefix)
+            if pending is None:
+                pending = windows[prefix] = _PendingWindow(self._window_entries(prefix))
+            pending.remove(epoch, sample)
+            batch.put(key, info + raw, self._handles[layout.CF_QUARANTINE])
+            batch.delete(key, self._handles[layout.CF_TRAJECTORIES])
+            batch.put(
+                layout.encode_u64(sequence), layout.OP_QUARANTINED + key, self._handles[layout.CF_SEQUENCE]
+            )
+            sequence += 1
+            moved.append((problem_id, epoch, sample))
+        if not moved:
+            return moved
+        for prefix, pending in windows.items():
+            entries = pending.entries()
+            if len(entries):
+                batch.put(prefix, encode_window(entries), self._handles[layout.CF_WINDOWS])
+            else:
+                batch.delete(prefix, self._handles[layout.CF_WINDOWS])
+        batch.put(layout.META_NEXT_SEQUENCE, str(sequence).encode(), self._handles[layout.CF_META])
+        self._write(batch, f"setting aside {len(moved)} records ({code})")
+        self._next_sequence = sequence
+        self._publish_hint()
+        self._response_tokens -= sum(p.evicted_tokens for p in windows.values())
+        self._publish_size()
+        QUARANTINED.labels(reason=code).inc(len(moved))
+        return moved
+
+    def keep_undelivered(self, messages: Sequence[UndeliveredMessage]) -> None:
+        """Keeps the coordinates of rejected messages whose dead letter could not be written (read them back with
+        `undelivered`, `das history stats`). Keyed by coordinates: keeping one twice changes nothing.
+        Raises StoreWriteError if RocksDB fails to write."""
+        batch = WriteBatch(raw_mode=True)
+        handle = self._handles[layout.CF_META]
+        for m in messages:
+            key = (
+                layout.META_UNDELIVERED
+                + layout.offset_key(m.topic, m.partition)
+                + layout.encode_u64(m.offset)
+            )
+            info = {"reason": m.reason, "error": m.error, "at": m.at or time.time()}
+            batch.put(key, json.dumps(info).encode(), handle)
+        if not batch.is_empty():
+            self._write(batch, f"keeping {len(messages)} undelivered dead letters")
 
     def _change_window(self, window: int) -> None:
         """Stores the new window size and, in the same batch, evicts every problem's epochs outside it."""

@@ -2,17 +2,18 @@
 
 One loop, one batch at a time:
 1. poll up to `batch_records` messages from every partition (`TrajectorySource`);
-2. decode and validate each through the record model and against the replica's state (an epoch more than
-   `max_epochs_ahead` beyond the newest one stored would evict whole problems' history; a sample id beyond
-   `max_sample`); a message that fails goes to the dead-letter topic with its reason, and the dead letters
-   are flushed (acknowledged by Kafka) before step 3, so a crash can repeat a dead letter but never lose one;
+2. decode and validate each through the record model and against the replica's state, per problem (see
+   `Indexer._judge`); a message that fails goes to the dead-letter topic with its reason, and the dead letters
+   are flushed (acknowledged by Kafka) before step 3, so a crash can repeat a dead letter but never lose one.
+   A dead letter the topic refuses for good is skipped, counted, logged and its coordinates kept in the store:
+   no message can stop the replica;
 3. `HistoryStore.apply(records, offsets)`: records, length statistics, eviction and the next offsets in one
    RocksDB WriteBatch; the store, not Kafka, decides where a restart resumes, so nothing is lost or applied
    twice across a crash;
 4. listeners (e.g. an in-memory ProblemIndex in embedded mode) learn the applied and evicted keys; records
    are draftable from here, which is where freshness is measured;
-5. tombstones for evicted records go to the topic (compaction then drops them), and the offsets are copied
-   to Kafka's committed offsets for lag monitoring.
+5. tombstones for evicted and stale records go to the topic (compaction then drops them), and the offsets are
+   copied to Kafka's committed offsets for lag monitoring.
 A store write failure stops the service with the store's error and commits nothing. A broker outage does not:
 `run` keeps the store, reports `das_consumer_up 0`, backs off, and resumes from the stored offsets when the
 brokers answer again.
@@ -21,20 +22,28 @@ brokers answer again.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable.checkpoints import Checkpointer
-from history_store.durable.store import HistoryStore, TrajectoryLike
-from monitoring.metrics import CONSUMER_LAG, CONSUMER_UP, DEAD_LETTERED, FRESHNESS, STALE_RECORDS
+from history_store.durable.store import HistoryStore, TrajectoryLike, UndeliveredMessage
+from monitoring.metrics import (
+    CONSUMER_LAG,
+    CONSUMER_UP,
+    DEAD_LETTERED,
+    FRESHNESS,
+    STALE_RECORDS,
+    UNDELIVERED_DEAD_LETTERS,
+)
 from pipeline.bus import EMBEDDED_TOPIC, BusMessage, TrajectorySource
 from pipeline.consumer import ReplicaPublisher
 from pipeline.errors import BusUnavailableError
@@ -44,8 +53,10 @@ from pipeline.wire import (
     DEFAULT_MAX_RECORD_TOKENS,
     DEFAULT_MAX_SAMPLE,
     REASON_EPOCH_AHEAD,
+    REASON_EPOCH_JUMP,
     REASON_EPOCH_RANGE,
     REASON_SAMPLE_RANGE,
+    REASON_STALE,
     WireError,
     check_key,
     decode,
@@ -64,6 +75,10 @@ POLL_TIMEOUT_S = 0.2
 LAG_INTERVAL_S = 5.0
 # Waiting out an outage: first retry after this, doubling up to the maximum.
 OUTAGE_BACKOFF_S = (0.5, 10.0)
+# While its epoch moves on, a partition's consensus (the median of its problems' newest epochs) trails the
+# records of the new epoch by up to one: a record at most this far ahead of it may evict its problem's whole
+# window (that problem's own next record would evict the same).
+TRANSITION_EPOCHS = 1
 
 
 T = TypeVar("T")
@@ -78,6 +93,7 @@ def connect_waiting(connect: Callable[[], T], stop: threading.Event) -> T | None
             return connect()
         except BusUnavailableError as exc:
             CONSUMER_UP.set(0)
+            CONSUMER_LAG.set(math.nan)  # unknown, not 0: nothing says how far behind the replica is
             log.warning("brokers unreachable at start; waiting %.1f s: %s", backoff, exc)
             stop.wait(backoff)
             backoff = min(2 * backoff, OUTAGE_BACKOFF_S[1])
@@ -122,6 +138,38 @@ def rebuild_store(
         kept,
     )
     return kept
+
+
+class _PartitionEpochs:
+    """The newest epoch of each problem a replica has seen in one partition, and their median (the partition's
+    consensus: where its problems are)."""
+
+    __slots__ = ("newest", "_problems_at")
+
+    def __init__(self) -> None:
+        self.newest: dict[str, int] = {}
+        self._problems_at: Tally[int] = Tally()  # epoch -> problems whose newest epoch it is
+
+    def set(self, problem: str, epoch: int) -> None:
+        self.forget(problem)
+        self.newest[problem] = epoch
+        self._problems_at[epoch] += 1
+
+    def forget(self, problem: str) -> None:
+        old = self.newest.pop(problem, None)
+        if old is not None:
+            self._problems_at[old] -= 1
+            if not self._problems_at[old]:
+                del self._problems_at[old]
+
+    def consensus(self) -> int:
+        """The lower median of the problems' newest epochs (few distinct epochs: a short walk)."""
+        half, seen = (len(self.newest) + 1) // 2, 0
+        for epoch in sorted(self._problems_at):
+            seen += self._problems_at[epoch]
+            if seen >= half:
+                return epoch
+        raise ValueError("no problem seen in this partition")
 
 
 class ReplicaListener(Protocol):
@@ -201,7 +249,8 @@ class Indexer:
         self.max_epochs_ahead = max_epochs_ahead
         self.max_sample = max_sample
         self.max_epoch = max_epoch
-        self._newest_epoch = store.stats().max_epoch  # -1 for an empty store
+        self._window = store.window_epochs
+        self._partitions: dict[tuple[str, int], _PartitionEpochs] = {}
         self._next_lag = 0.0
 
     def start(self) -> None:
@@ -239,23 +288,18 @@ class Indexer:
                     report.dead_lettered[exc.reason] += 1
                     continue
             candidates.append((message, record))
-        # An empty replica has no newest epoch yet: the batch's lowest epoch stands in (a replica rebuilding a
-        # compacted topic starts at whatever epochs the topic still holds).
-        reference = self._newest_epoch
-        if reference < 0 and candidates:
-            reference = min(record.epoch for _, record in candidates)
-        for message, record in candidates:
-            try:
-                self._check_identity(record, reference)
-            except WireError as exc:
-                self._dead_letter(message, exc)
-                report.dead_lettered[exc.reason] += 1
+        stale: list[Key] = []
+        for message, record, error in self._judge(candidates):
+            if error is not None:
+                self._dead_letter(message, error)
+                report.dead_lettered[error.reason] += 1
+                if error.reason == REASON_STALE:
+                    stale.append((record.problem_id, record.epoch, record.sample))
                 continue
             records.append(record)
             published_ms.setdefault((record.problem_id, record.epoch, record.sample), message.timestamp_ms)
         if report.dead_lettered:
-            if self.publisher is not None:
-                self.publisher.flush()
+            self._flush_dead_letters()
             log.warning(
                 "dead-lettered %d messages: %s",
                 sum(report.dead_lettered.values()),
@@ -263,15 +307,13 @@ class Indexer:
             )
         result = self.store.apply(records, offsets)
         report.applied, report.duplicates = len(result.applied), result.duplicates
-        report.stale, report.evicted = len(result.stale), len(result.evicted)
-        if result.applied:
-            self._newest_epoch = max(self._newest_epoch, max(key[1] for key in result.applied))
-        if result.stale:
-            STALE_RECORDS.inc(len(result.stale))
+        report.stale, report.evicted = len(stale) + len(result.stale), len(result.evicted)
+        if report.stale:
+            STALE_RECORDS.inc(report.stale)
             log.info(
                 "dropped %d stale records (their epoch is below their problem's window), e.g. %s",
-                len(result.stale),
-                result.stale[0],
+                report.stale,
+                (stale or result.stale)[0],
             )
         if result.applied and self.listeners:
             pending = set(result.applied)
@@ -292,8 +334,11 @@ class Indexer:
             FRESHNESS.observe(seconds)
             report.freshness_s.append(seconds)
         if self.publish_tombstones and self.publisher is not None:
-            # Every batch, evictions or not: it also sends again the tombstones an outage held back.
-            self.publisher.tombstones(self.source.topic, self.source.partition_count(), result.evicted)
+            # Every batch, evictions or not: it also sends again the tombstones an outage held back. A stale
+            # record gets one too: no replica stores it, so the compacted topic should not keep it either.
+            self.publisher.tombstones(
+                self.source.topic, self.source.partition_count(), [*result.evicted, *stale]
+            )
         if offsets:
             self.source.commit(offsets)
         if self.checkpointer is not None:
@@ -353,13 +398,115 @@ class Indexer:
         """Flushes pending tombstones and releases the source and publisher (not the store)."""
         try:
             if self.publisher is not None:
-                self.publisher.flush()
+                self._flush_dead_letters()
                 self.publisher.close()
         finally:
             self.source.close()
 
-    def _check_identity(self, record: TrajectoryLike, reference_epoch: int) -> None:
-        """Raises WireError if the record's identity would harm the replica's history."""
+    def _judge(
+        self, candidates: Sequence[tuple[BusMessage, TrajectoryLike]]
+    ) -> Iterator[tuple[BusMessage, TrajectoryLike, WireError | None]]:
+        """Each decoded record with the reason it must not be stored (None: store it), in batch order.
+
+        A record is judged against its own problem's newest epoch and against its partition's consensus: the
+        median of the newest epochs of the problems this replica has seen in that partition (a problem's
+        records all share one partition, in order). So one record, or a few, cannot move the reference, and
+        problems other than its own cannot either. Refused are: an epoch more than `max_epochs_ahead` beyond
+        the consensus (`epoch_ahead`); one that would evict its problem's whole window while the consensus is
+        not there (`epoch_jump`); one already below its problem's window (`stale`). A problem new to the
+        replica counts with the lowest epoch its records in this batch carry, so an empty replica has a
+        consensus too (one hostile first record of a problem is outvoted by the problem's own later records
+        and by the other problems of its partition).
+        """
+        epochs: dict[str, list[int]] = {}
+        for _, record in candidates:
+            epochs.setdefault(record.problem_id, []).append(record.epoch)
+        provisional: dict[str, _PartitionEpochs] = {}
+        for message, record in candidates:
+            part = self._partitions.setdefault((message.topic, message.partition), _PartitionEpochs())
+            problem = record.problem_id
+            if problem not in part.newest:
+                self._reference(part, problem, epochs[problem], provisional)
+            newest = None if problem in provisional else part.newest[problem]
+            if newest is not None and record.epoch < newest - self._window + 1:
+                newest = self._outvote(part, problem, record.epoch, epochs[problem], provisional)
+            try:
+                self._check_identity(record, newest, part.consensus())
+            except WireError as exc:
+                yield message, record, exc
+                continue
+            provisional.pop(problem, None)
+            part.set(problem, record.epoch if newest is None else max(newest, record.epoch))
+            yield message, record, None
+        for problem, part in provisional.items():  # every record of it refused: it counts no more
+            part.forget(problem)
+
+    def _reference(
+        self,
+        part: _PartitionEpochs,
+        problem: str,
+        epochs: list[int],
+        provisional: dict[str, _PartitionEpochs],
+    ) -> None:
+        """Enters a problem into its partition's consensus: at its newest stored epoch, else (new to this
+        replica) provisionally at the lowest epoch its records in this batch carry."""
+        window = self.store.window(problem)
+        if len(window):
+            part.set(problem, int(window["epoch"].max()))
+        else:
+            part.set(problem, min(epochs))
+            provisional[problem] = part
+
+    def _outvote(
+        self,
+        part: _PartitionEpochs,
+        problem: str,
+        epoch: int,
+        epochs: list[int],
+        provisional: dict[str, _PartitionEpochs],
+    ) -> int | None:
+        """A record would be stale: unless its problem's own newest epoch is the outlier. That is what one
+        hostile record makes of itself when it is the first an empty replica reads (nothing to judge it against
+        yet). Its stored records beyond the partition's consensus (counting the problem at `epoch`) are set aside
+        (quarantined, kept) when this batch holds more records of the problem that agree with the consensus
+        than there are of them. Returns the problem's newest epoch after that (None: no stored record left)."""
+        newest = part.newest[problem]
+        part.set(problem, epoch)
+        consensus = part.consensus()
+        part.set(problem, newest)
+        limit = consensus + self.max_epochs_ahead
+        window = self.store.window(problem)
+        outliers = [
+            (problem, int(e), int(s))
+            for e, s in zip(window["epoch"], window["sample"], strict=True)
+            if e > limit
+        ]
+        agreeing = sum(1 for e in epochs if e <= limit)
+        if not outliers or len(outliers) >= agreeing or int(window["epoch"].max()) != newest:
+            return newest
+        moved = self.store.set_aside(
+            outliers,
+            f"outvoted: epoch beyond {limit}, where {agreeing} later records of its problem are",
+            "epoch_outlier",
+        )
+        for listener in self.listeners:
+            listener.on_evicted(moved)
+        log.warning(
+            "set aside %d records of problem %r at epochs %s (quarantined): %d later records of the problem are at "
+            "or below epoch %d, its partition's consensus plus --max-epochs-ahead",
+            len(moved),
+            problem,
+            sorted({k[1] for k in moved}),
+            agreeing,
+            limit,
+        )
+        part.forget(problem)
+        self._reference(part, problem, epochs, provisional)
+        return None if problem in provisional else part.newest[problem]
+
+    def _check_identity(self, record: TrajectoryLike, newest: int | None, consensus: int) -> None:
+        """Raises WireError if the record's identity would harm the replica's history; `newest` is its problem's
+        newest stored epoch (None: none yet), `consensus` its partition's (see `_judge`)."""
         if record.sample > self.max_sample:
             raise WireError(
                 REASON_SAMPLE_RANGE,
@@ -370,13 +517,51 @@ class Indexer:
                 REASON_EPOCH_RANGE,
                 f"epoch {record.epoch} is beyond this replica's limit {self.max_epoch} (--max-epoch)",
             )
-        if record.epoch > reference_epoch + self.max_epochs_ahead:
+        if record.epoch > consensus + self.max_epochs_ahead:
             raise WireError(
                 REASON_EPOCH_AHEAD,
-                f"epoch {record.epoch} is {record.epoch - reference_epoch} beyond the newest epoch "
-                f"{reference_epoch} of this replica (limit {self.max_epochs_ahead}, --max-epochs-ahead): "
-                "storing it would evict its problem's history",
+                f"epoch {record.epoch} is {record.epoch - consensus} beyond epoch {consensus}, where the problems "
+                f"of its partition are (limit {self.max_epochs_ahead}, --max-epochs-ahead): storing it would "
+                "evict its problem's history",
             )
+        if newest is None:
+            return
+        if record.epoch < newest - self._window + 1:
+            raise WireError(
+                REASON_STALE,
+                f"epoch {record.epoch} is below the window of its problem (newest epoch {newest}, "
+                f"{self._window} epochs kept): a late or reordered record",
+            )
+        if record.epoch - newest >= self._window and record.epoch > consensus + TRANSITION_EPOCHS:
+            raise WireError(
+                REASON_EPOCH_JUMP,
+                f"epoch {record.epoch} would evict every stored epoch of its problem (newest {newest}, window "
+                f"{self._window}) while the problems of its partition are at epoch {consensus}",
+            )
+
+    def _flush_dead_letters(self) -> None:
+        """Waits until the dead letters are acknowledged; those the topic refused for good are counted, logged
+        once each and their coordinates kept in the store (nothing else would remember them)."""
+        if self.publisher is None:
+            return
+        refused = self.publisher.flush()
+        if not refused:
+            return
+        UNDELIVERED_DEAD_LETTERS.inc(len(refused))
+        for letter in refused:
+            log.error(
+                "message %s/%d/%d (%s) is skipped without a dead letter: %s refused it (%s); its coordinates "
+                "are kept in the store (das history stats)",
+                letter.topic,
+                letter.partition,
+                letter.offset,
+                letter.reason,
+                self.publisher.dead_letter_topic,
+                letter.error,
+            )
+        self.store.keep_undelivered(
+            [UndeliveredMessage(x.topic, x.partition, x.offset, x.reason, x.error) for x in refused]
+        )
 
     def _dead_letter(self, message: BusMessage, error: WireError) -> None:
         DEAD_LETTERED.labels(reason=error.reason).inc()

@@ -147,8 +147,12 @@ def dlq(args: argparse.Namespace) -> int:
 
     servers, settings = kafka_client(args)
     letters = read_dead_letters(servers, args.dlq_topic, idle_s=args.idle_s, **settings)
-    # Two replicas can dead-letter the same message; compaction merges them later, the summary at once.
-    unique = {(d.topic, d.partition, d.offset): d for d in letters}
+    # Two replicas can dead-letter the same message; compaction merges them later, the summary at once. A letter
+    # that does not name its origin (forged) counts on its own.
+    unique = {
+        (d.topic, d.partition, d.offset) if None not in (d.partition, d.offset) else n: d
+        for n, d in enumerate(letters)
+    }
     reasons = Counter(d.reason for d in unique.values())
     recent = [dataclasses.asdict(d) | {"key": d.key.decode("utf-8", "replace") if d.key else None}
               for d in list(unique.values())[-args.last :]]  # fmt: skip
@@ -160,7 +164,8 @@ def dlq(args: argparse.Namespace) -> int:
             + ", ".join(f"{r} {n}" for r, n in reasons.most_common())
         )
         for d in recent:
-            print(f"  {d['topic']}/{d['partition']}/{d['offset']} {d['reason']}: {d['detail'][:160]}")
+            origin = "/".join("?" if d[k] is None else str(d[k]) for k in ("topic", "partition", "offset"))
+            print(f"  {origin} {d['reason']}: {d['detail'][:160]}")
     return 0
 
 
