@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from history_store.durable import layout
-from history_store.durable.store import HistoryStore
+from history_store.durable.store import HistoryStore, verify_store
 from history_store.errors import StoreCorruptionError, StoreError, StoreOpenError
 from monitoring.metrics import CHECKPOINT_DURATION, LAST_CHECKPOINT
 
@@ -176,41 +175,50 @@ def restore_checkpoint(checkpoint: str | Path, data_dir: str | Path) -> RestoreI
         raise CheckpointError(
             f"{data_dir} exists and is not an empty folder; restore never overwrites a store"
         )
+    # Everything happens in a sibling folder, renamed to `data_dir` only once the copy verifies: a failed
+    # restore leaves nothing behind (and a replica never opens a half-restored store).
     tmp = data_dir.with_name(f".{data_dir.name}.restoring")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    files = manifest.get("files")
-    if files is None:
-        for item in (source / "db").iterdir():
-            _link_or_copy(item, tmp / item.name)
-    else:
-        try:
+    try:
+        files = manifest.get("files")
+        if files is None:
+            for item in (source / "db").iterdir():
+                _link_or_copy(item, tmp / item.name)
+        else:
             _copy_verified(source / "db", tmp, files)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _check_restored(tmp, source, manifest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if data_dir.exists():
         data_dir.rmdir()
     os.replace(tmp, data_dir)
+    return RestoreInfo(data_dir, manifest, time.perf_counter() - started)
+
+
+def _check_restored(folder: Path, source: Path, manifest: dict[str, Any]) -> None:
+    """Raises CheckpointError unless the store in `folder` verifies (every file, every checksum) and holds what
+    the manifest of `source` says."""
     try:
-        with HistoryStore(data_dir, window_epochs=manifest["window_epochs"], create=False) as store:
-            stats = store.stats()
-            report = store.verify()
-    except (StoreOpenError, StoreCorruptionError) as exc:
-        raise CheckpointError(f"restored folder {data_dir} does not open: {exc}") from exc
+        report = verify_store(folder)
+        if report.ok:
+            with HistoryStore.open_read_only(folder) as reader:
+                stats = reader.stats()
+    except StoreOpenError as exc:
+        raise CheckpointError(f"the copy of {source} does not open: {exc}") from exc
     if not report.ok:
         raise CheckpointError(
-            f"restored {data_dir} from {source} is damaged (files {', '.join(report.files) or 'none named'}, "
+            f"{source} is damaged (files {', '.join(report.files) or 'none named'}, "
             f"{len(report.unreadable_records)} unreadable records): restore an older checkpoint or a backup"
         )
     expected = (manifest["trajectories"], manifest["next_sequence"], manifest["offsets"])
     restored = (stats.trajectories, stats.next_sequence, stats.to_json()["offsets"])
     if restored != expected:
         raise CheckpointError(
-            f"restored {data_dir} does not match the manifest of {source}: (trajectories, next sequence, "
-            f"offsets) {restored} != {expected}"
+            f"the copy of {source} does not match its manifest: (trajectories, next sequence, offsets) "
+            f"{restored} != {expected}"
         )
-    return RestoreInfo(data_dir, manifest, time.perf_counter() - started)
 
 
 def create_backup(source: HistoryStore | str | Path, root: str | Path, keep: int = 3) -> CheckpointInfo:
@@ -232,11 +240,7 @@ def create_backup(source: HistoryStore | str | Path, root: str | Path, keep: int
         checkpoint = resolve_checkpoint(source)
     try:
         manifest = read_manifest(checkpoint)
-        with (
-            tempfile.TemporaryDirectory(prefix="das-backup-secondary-") as secondary,
-            HistoryStore.open_secondary(checkpoint / "db", secondary) as reader,
-        ):
-            report = reader.verify()
+        report = verify_store(checkpoint / "db")  # the store's own files, when hard links of a live store
         if not report.ok:
             raise StoreCorruptionError(
                 f"{checkpoint} is damaged (files {', '.join(report.files) or 'none named'}, "

@@ -2,7 +2,8 @@
 
 One process writes (`HistoryStore`, the node's history replica); any number of others read through RocksDB
 secondary instances (`HistoryStore.open_secondary`, e.g. the generator's proposer), catching up with the
-writer between decode steps. `apply` writes a batch of records, the window statistics they change, the
+writer between decode steps. `verify_store` checks every file of a store, running or not, through a primary
+opened read-only: a secondary instance treats a table file it cannot open as absent, and so cannot verify. `apply` writes a batch of records, the window statistics they change, the
 eviction of epochs that left the window and the bus offsets in one WriteBatch: state and offsets advance
 together or not at all, so a consumer that resumes from `offsets()` neither loses nor repeats a record.
 
@@ -197,9 +198,11 @@ class StoreStats:
 
 @dataclass(frozen=True, slots=True)
 class DamagedRange:
-    """Part of a column family RocksDB cannot read: from after `after_key` (None: from the start), in `file`."""
+    """Part of a column family RocksDB cannot read: from after `after_key` (None: from the start), in `file`.
+    `family` is None when the damage keeps the store from opening at all (a table file's footer, index or
+    filter): RocksDB then names the file but not its column family."""
 
-    family: str
+    family: str | None
     after_key: str | None
     file: str | None
     error: str
@@ -507,9 +510,10 @@ class _StoreReader:
             )
         return out
 
-    def verify(self) -> VerifyReport:
+    def _verify(self) -> VerifyReport:
         """Reads every entry of every column family with checksums verified, then every record the windows
-        list, one by one, so a damaged block is reported with exactly the records it held. Never repairs."""
+        list, one by one, so a damaged block is reported with exactly the records it held. Never repairs.
+        Only as thorough as the open behind it: `verify_store` opens the store so that it is."""
         entries: dict[str, int] = {}
         damaged: list[DamagedRange] = []
         for name in layout.COLUMN_FAMILIES:
@@ -617,6 +621,48 @@ class _StoreReader:
         self.close()
 
 
+class _ReadOnlyStore(_StoreReader):
+    """A store opened as a read-only primary: it replays the WAL in memory and opens every table file of every
+    column family (footer, index and filter read and checksummed) before it answers, so what it cannot open is
+    an error, never an absent file. It takes no lock: it may open a store its writer holds."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._db = None
+        if not (self.path / "CURRENT").exists():
+            raise StoreOpenError(f"{self.path} is not a history store (no RocksDB CURRENT file)")
+        db_opts, families = _options(create=False)
+        db_opts.set_max_open_files(-1)  # every table file opened now, not at its first read
+        db_opts.set_paranoid_checks(True)
+        try:
+            self._db = Rdict(
+                str(self.path), db_opts, column_families=families, access_type=AccessType.read_only()
+            )
+        except Exception as exc:
+            raise _open_error(self.path, exc) from exc
+        self._bind_families()
+
+    def __enter__(self) -> _ReadOnlyStore:
+        return self
+
+
+def verify_store(path: str | Path) -> VerifyReport:
+    """Checks every file of the store at `path` (a running replica's too): opens it read-only as a primary,
+    which opens every table file, then reads every entry of every column family with its checksum verified
+    (`VerifyReport`). A store that does not open for damage is reported, not raised: its report names the file.
+    Raises StoreOpenError if `path` is not a store or cannot be opened for another reason."""
+    try:
+        reader = _ReadOnlyStore(path)
+    except StoreCorruptionError as exc:
+        cause = str(exc.__cause__ or exc)
+        found = _SST_FILE.search(cause)
+        return VerifyReport(
+            str(path), {}, [DamagedRange(None, None, found and found.group(0), cause)], [], [], []
+        )
+    with reader:
+        return reader._verify()
+
+
 class HistoryStore(_StoreReader):
     """The single writer of a history folder.
 
@@ -722,6 +768,12 @@ class HistoryStore(_StoreReader):
     def open_secondary(path: str | Path, secondary_dir: str | Path, max_idle_s: float = 5.0) -> HistoryReader:
         """A read-only view of a store another process writes; see HistoryReader."""
         return HistoryReader(path, secondary_dir, max_idle_s)
+
+    @staticmethod
+    def open_read_only(path: str | Path) -> _StoreReader:
+        """The store as of now, every file opened and checked (see `verify_store`); takes no lock. Raises
+        StoreCorruptionError if a file does not open, StoreOpenError if `path` is not a store."""
+        return _ReadOnlyStore(path)
 
     def _init_meta(self, window_epochs: int | None) -> None:
         version = self._meta_int(layout.META_LAYOUT_VERSION)

@@ -1,7 +1,8 @@
 """`das history checkpoint|backup|restore|stats|inspect|verify|compact`: operate a node's history store folder.
 
-Read-only commands (stats, inspect) open the folder as a RocksDB secondary, so they work while the history
-replica is running; checkpoint and compact need the write lock (the running replica checkpoints itself).
+Read-only commands (stats, inspect) open the folder as a RocksDB secondary and verify opens it as a read-only
+primary (which opens every file: a secondary skips one it cannot open), so they work while the history replica
+is running; checkpoint and compact need the write lock (the running replica checkpoints itself).
 The data folder comes from `--data` or the environment variable DAS_HISTORY_DIR.
 """
 
@@ -174,14 +175,21 @@ def inspect(args: argparse.Namespace) -> int:
 def verify(args: argparse.Namespace) -> int:
     if not args.data:
         raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
-    report = _read(args, lambda reader: reader.verify())
+    from history_store.durable.store import verify_store
+
+    report = verify_store(args.data)
     if args.json:
         print(json.dumps(report.to_json(), sort_keys=True))
     elif report.ok:
         print(f"{args.data}: ok ({sum(report.entries.values())} entries read, every checksum verified)")
     else:
         for damage in report.damaged:
-            print(f"damaged: {damage.family} after key {damage.after_key}: {damage.error}")
+            where = (
+                f"{damage.family} after key {damage.after_key}"
+                if damage.family
+                else "a file, the store does not open"
+            )
+            print(f"damaged: {where}: {damage.error}")
         for name, keys in (
             ("unreadable", report.unreadable_records),
             ("missing", report.missing_records),

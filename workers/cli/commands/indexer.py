@@ -159,13 +159,15 @@ def replicate(args: argparse.Namespace, connect: Any, limits: dict[str, Any], st
     """Opens and verifies the store, then replicates into it until `stop`. Raises StoreCorruptionError when the
     store is found damaged (at start or later), with the store closed."""
     from history_store.durable.checkpoints import Checkpointer
-    from history_store.durable.store import HistoryStore
+    from history_store.durable.store import HistoryStore, verify_store
     from history_store.errors import StoreCorruptionError
     from workers.replica.service import Indexer, connect_waiting
 
     log = logging.getLogger("das.indexer")
     with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
-        report = store.verify()  # every checksum, once per start: damage is found here, not mid-draft
+        report = verify_store(
+            store.path
+        )  # every file and checksum, once per start: found here, not mid-draft
         if not report.ok:
             raise StoreCorruptionError(
                 f"history store {args.data} is damaged: files {', '.join(report.files) or 'none named'}, "
