@@ -115,3 +115,43 @@ def test_a_damaged_sst_is_reported_rebuilt_from_kafka_and_restored_from_a_verifi
     err = capsys.readouterr().err.strip()
     assert "fails its checksum" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "restored-again").exists()
+
+
+def test_a_second_replica_started_mid_rebuild_is_refused_and_the_swap_keeps_the_store(
+    kafka_servers, kafka_topics, das_processes, tmp_path
+):
+    topic, dlq = kafka_topics
+    bus_url = f"kafka://{','.join(kafka_servers)}"
+    records = list(synthetic_records(1, COUNT, SHAPE))
+    bus = open_bus(bus_url, topic=topic)
+    for record in records:
+        bus.publish(record)
+    assert bus.close().acknowledged == COUNT
+    with HistoryStore(tmp_path / "reference") as reference:
+        reference.apply(records)
+        digest = reference.content_digest()
+    store = tmp_path / "replica"
+    _replicate(das_processes, "replica", bus_url, topic, dlq, store, kafka_servers)
+    assert das(["history", "compact", "--data", str(store)]) == 0
+    _flip_bytes(_largest_sst(store))
+    replica = ("indexer", "run", "--bus", bus_url, "--topic", topic, "--dlq-topic", dlq, "--data", str(store))
+    # One record per batch: the rebuild takes long enough for a second replica to start in the middle of it.
+    first = das_processes.start("first", *replica, "--replica", "first", "--batch-records", "1")
+    deadline = time.monotonic() + 120
+    while "rebuilding it from topic" not in das_processes.log("first"):
+        assert first.poll() is None and time.monotonic() < deadline, das_processes.log("first")
+        time.sleep(0.05)
+    second = das_processes.start("second", *replica, "--replica", "second")
+    assert second.wait(60) == 1
+    assert "swapped in" not in das_processes.log("first")  # refused while the rebuild was running
+    [refusal] = das_processes.log("second").strip().splitlines()
+    assert refusal.startswith("das indexer run: ") and "already open for writing" in refusal
+    while "replica first: " not in das_processes.log("first"):  # replicating into the rebuilt store
+        assert first.poll() is None and time.monotonic() < deadline + 240, das_processes.log("first")
+        time.sleep(0.1)
+    wait_caught_up(store, end_offsets(kafka_servers, topic), timeout_s=120, what="first")
+    first.send_signal(signal.SIGTERM)
+    das_processes.wait_ok(first, "first", timeout_s=60)
+    assert len(list(tmp_path.glob("replica.corrupt-*"))) == 1 and not (tmp_path / ".replica.rebuild").exists()
+    with HistoryStore(store) as rebuilt:
+        assert rebuilt.content_digest() == digest

@@ -15,6 +15,7 @@ the value encodings in `codec.py`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -621,6 +622,58 @@ class _StoreReader:
         self.close()
 
 
+class FolderLock:
+    """An exclusive flock on a store folder itself, besides RocksDB's LOCK file: an operator may delete LOCK (and
+    a second writer would then corrupt the store), but not the folder it lives in. It belongs to the folder (the
+    inode), whichever path names it: through a symlink, with a trailing slash, or after an exchange.
+
+    Raises StoreLockedError at once if another process or handle holds it, StoreOpenError if it cannot be taken.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreLockedError(
+                    f"history store {self.path} is already open for writing by another process or handle "
+                    "(it holds the folder's lock; a replica holds it through a rebuild too). Only one writer "
+                    "per folder: stop it, or read with HistoryStore.open_secondary"
+                ) from exc
+            raise StoreOpenError(f"cannot lock history store {self.path}: {exc.strerror}") from exc
+        self._fd = fd
+
+    def holds(self, path: str | Path) -> bool:
+        """Whether this is the lock of the folder `path` names now."""
+        mine, theirs = os.fstat(self._fd), os.stat(path)
+        return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+    def release(self) -> None:
+        """Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_folders(a: Path, b: Path) -> None:
+    """Swaps two folders in one step (renameat2 RENAME_EXCHANGE): at every instant each path names a folder,
+    so nobody can slip a new folder in between two renames. Raises OSError where the kernel or file system
+    cannot exchange."""
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd = -100  # AT_FDCWD
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot exchange {a} and {b}: {os.strerror(code)}", str(a))
+
+
 class _ReadOnlyStore(_StoreReader):
     """A store opened as a read-only primary: it replays the WAL in memory and opens every table file of every
     column family (footer, index and filter read and checksummed) before it answers, so what it cannot open is
@@ -669,7 +722,9 @@ class HistoryStore(_StoreReader):
     Raises StoreLockedError at once if another writer holds the folder, StoreOpenError if the folder is not a
     history store of this layout version (or does not exist and `create` is False).
     `window_epochs` None keeps the stored window (DEFAULT_WINDOW_EPOCHS for a new store); another value
-    changes it at open, and problems shrink to a smaller window at once.
+    changes it at open, and problems shrink to a smaller window at once. `lock`: the folder's lock, already
+    held by the caller (who keeps it past `close`, e.g. a replica across a rebuild); by default the store
+    takes the lock itself and releases it at `close`.
     """
 
     def __init__(
@@ -680,6 +735,7 @@ class HistoryStore(_StoreReader):
         *,
         sync: bool = False,
         sequence_retention: int = DEFAULT_SEQUENCE_RETENTION,
+        lock: FolderLock | None = None,
     ) -> None:
         if window_epochs is not None and (
             isinstance(window_epochs, bool) or not isinstance(window_epochs, int) or window_epochs < 1
@@ -690,12 +746,15 @@ class HistoryStore(_StoreReader):
         self.path = Path(path)
         self._db = None
         self._hint_fd = -1
-        self._lock_fd = -1
+        self._own_lock: FolderLock | None = None
         if not create and not (self.path / "CURRENT").exists():
             raise StoreOpenError(
                 f"{self.path} is not a history store (no RocksDB CURRENT file) and create=False"
             )
-        self._lock_folder()
+        if lock is None:
+            self._own_lock = FolderLock(self.path)
+        elif not lock.holds(self.path):
+            raise ValueError(f"the lock given for {self.path} is the lock of another folder")
         db_opts, families = _options(create)
         try:
             self._db = Rdict(str(self.path), db_opts, column_families=families)
@@ -736,33 +795,15 @@ class HistoryStore(_StoreReader):
             # Readers fall back to their periodic full catch-up; the write itself is already durable.
             log.warning("history store %s: sequence hint not updated: %s", self.path, exc)
 
-    def _lock_folder(self) -> None:
-        """Takes an exclusive flock on the store folder itself, besides RocksDB's LOCK file: an operator may
-        delete LOCK (and a second writer would then corrupt the store), but not the folder it lives in."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise StoreLockedError(
-                    f"history store {self.path} is already open for writing by another process or handle "
-                    "(it holds the folder's lock). Only one writer per folder: stop it, or read with "
-                    "HistoryStore.open_secondary"
-                ) from exc
-            raise StoreOpenError(f"cannot lock history store {self.path}: {exc.strerror}") from exc
-        self._lock_fd = fd
-
     def close(self) -> None:
         """Releases the folder. Idempotent; never raises (a RocksDB error on close is logged)."""
         if self._hint_fd >= 0:
             os.close(self._hint_fd)
             self._hint_fd = -1
         super().close()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # releases the flock, after RocksDB let go of the folder
-            self._lock_fd = -1
+        if self._own_lock is not None:
+            self._own_lock.release()  # after RocksDB let go of the folder
+            self._own_lock = None
 
     @staticmethod
     def open_secondary(path: str | Path, secondary_dir: str | Path, max_idle_s: float = 5.0) -> HistoryReader:

@@ -35,7 +35,13 @@ from typing import Protocol, TypeVar
 
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable.checkpoints import Checkpointer
-from history_store.durable.store import HistoryStore, TrajectoryLike, UndeliveredMessage
+from history_store.durable.store import (
+    FolderLock,
+    HistoryStore,
+    TrajectoryLike,
+    UndeliveredMessage,
+    exchange_folders,
+)
 from monitoring.metrics import (
     CONSUMER_LAG,
     CONSUMER_UP,
@@ -102,32 +108,45 @@ def connect_waiting(connect: Callable[[], T], stop: threading.Event) -> T | None
 
 def rebuild_store(
     path: Path,
+    lock: FolderLock,
     window_epochs: int | None,
     connect: Callable[[], tuple[TrajectorySource, ReplicaPublisher]],
     stop: threading.Event,
     **indexer_options: object,
-) -> Path | None:
-    """Rebuilds the (closed, damaged) store at `path` from the topic, which is the source of truth: replays it
-    from the beginning into a fresh sibling folder until caught up, then swaps that folder in. The damaged one
-    is kept beside it as `<name>.corrupt-<unix time>` for inspection. Returns the kept folder, or None if
-    `stop` came first (the damaged store is then left in place)."""
+) -> FolderLock | None:
+    """Rebuilds the (closed, damaged) store at `path`, whose folder lock the caller holds in `lock`, from the
+    topic, which is the source of truth: replays it from the beginning into a fresh sibling folder until caught
+    up, then exchanges the two folders in one step (`exchange_folders`). The damaged one is kept beside it as
+    `<name>.corrupt-<unix time>` for inspection.
+
+    Both folders stay locked throughout, so no second writer can open either, even mid-swap. Returns the lock of
+    the rebuilt store now at `path` (the damaged folder's lock is released), or None if `stop` came first (the
+    damaged store is then left in place, still locked by `lock`).
+    """
     fresh = path.with_name(f".{path.name}.rebuild")
-    shutil.rmtree(fresh, ignore_errors=True)
+    shutil.rmtree(fresh, ignore_errors=True)  # a crashed rebuild's leftover: only `lock`'s holder rebuilds
     clients = connect_waiting(connect, stop)
     if clients is None:
         return None
     source, publisher = clients
     started = time.monotonic()
-    with HistoryStore(fresh, window_epochs=window_epochs) as store:
-        # The topic's own tombstones already cover what this replay evicts: publish none.
-        indexer = Indexer(source, store, publisher=publisher, publish_tombstones=False, **indexer_options)  # type: ignore[arg-type]
-        indexer.run(stop, until_caught_up=True)
-        if stop.is_set():
-            return None
-        records = store.stats().trajectories
-    kept = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-    os.replace(path, kept)
-    os.replace(fresh, path)
+    fresh_lock = FolderLock(fresh)
+    try:
+        with HistoryStore(fresh, window_epochs=window_epochs, lock=fresh_lock) as store:
+            # The topic's own tombstones already cover what this replay evicts: publish none.
+            indexer = Indexer(source, store, publisher=publisher, publish_tombstones=False, **indexer_options)  # type: ignore[arg-type]
+            indexer.run(stop, until_caught_up=True)
+            if stop.is_set():
+                fresh_lock.release()
+                return None
+            records = store.stats().trajectories
+        kept = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        exchange_folders(fresh, path)
+        os.replace(fresh, kept)  # the damaged folder, now under the fresh one's name
+    except BaseException:
+        fresh_lock.release()
+        raise
+    lock.release()
     log.warning(
         "rebuilt history store %s from topic %s: %d records in %.1f s, swapped in; the damaged store is kept at "
         "%s (delete it once inspected)",
@@ -137,7 +156,7 @@ def rebuild_store(
         time.monotonic() - started,
         kept,
     )
-    return kept
+    return fresh_lock
 
 
 class _PartitionEpochs:

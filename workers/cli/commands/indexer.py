@@ -99,6 +99,7 @@ def _one_line_for_kafka_client_errors(record: logging.LogRecord) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from history_store.durable.store import FolderLock
     from history_store.errors import StoreCorruptionError
     from monitoring.server import start_from_args
     from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
@@ -143,28 +144,38 @@ def run(args: argparse.Namespace) -> int:
         "max_sample": args.max_sample,
         "max_epoch": args.max_epoch,
     }
-    while not stop.is_set():
-        try:
-            replicate(args, connect, limits, stop)
-            return 0
-        except StoreCorruptionError as exc:
-            # Kafka is the source of truth and the topic is compacted: replaying it rebuilds the store.
-            log.error("%s; rebuilding it from topic %s into a fresh folder", exc, args.topic)
-        if rebuild_store(Path(args.data), args.window_epochs, connect, stop, **limits) is None:
-            return 0  # stopped while rebuilding; the damaged store stays and is rebuilt at the next start
-    return 0
+    # The folder's lock is taken once and held until exit, through every rebuild and swap: no second replica
+    # gets in while this one repairs the store.
+    lock = FolderLock(Path(args.data))
+    try:
+        while not stop.is_set():
+            try:
+                replicate(args, lock, connect, limits, stop)
+                return 0
+            except StoreCorruptionError as exc:
+                # Kafka is the source of truth and the topic is compacted: replaying it rebuilds the store.
+                log.error("%s; rebuilding it from topic %s into a fresh folder", exc, args.topic)
+            rebuilt = rebuild_store(Path(args.data), lock, args.window_epochs, connect, stop, **limits)
+            if rebuilt is None:
+                return 0  # stopped while rebuilding; the damaged store stays and is rebuilt at the next start
+            lock = rebuilt
+        return 0
+    finally:
+        lock.release()
 
 
-def replicate(args: argparse.Namespace, connect: Any, limits: dict[str, Any], stop: threading.Event) -> None:
-    """Opens and verifies the store, then replicates into it until `stop`. Raises StoreCorruptionError when the
-    store is found damaged (at start or later), with the store closed."""
+def replicate(
+    args: argparse.Namespace, lock: Any, connect: Any, limits: dict[str, Any], stop: threading.Event
+) -> None:
+    """Opens the store under the caller's folder `lock` and verifies it, then replicates into it until `stop`.
+    Raises StoreCorruptionError when the store is found damaged (at start or later), with the store closed."""
     from history_store.durable.checkpoints import Checkpointer
     from history_store.durable.store import HistoryStore, verify_store
     from history_store.errors import StoreCorruptionError
     from workers.replica.service import Indexer, connect_waiting
 
     log = logging.getLogger("das.indexer")
-    with HistoryStore(args.data, window_epochs=args.window_epochs) as store:
+    with HistoryStore(args.data, window_epochs=args.window_epochs, lock=lock) as store:
         report = verify_store(
             store.path
         )  # every file and checksum, once per start: found here, not mid-draft
