@@ -71,6 +71,8 @@ _BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 _FRESHNESS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # Checkpoints are hard-link snapshots: tens of ms for hundreds of MB, seconds when the disk is slow.
 _CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Verifying reads the whole store: about a second per few hundred MB here, minutes for tens of GB.
+_VERIFY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
 # ---------------------------------------------------------------- generator (proposer, budget, rollout worker)
 DRAFTS = Counter("das_drafts_total", "Drafts proposed (one per request per verification step with a draft).")
@@ -210,6 +212,24 @@ LAST_CHECKPOINT = Gauge(
 # collector's `max` keeps the first value it reads, so a NaN from one process would hide another's timestamp.
 if multiprocess_dir() is None:
     LAST_CHECKPOINT.set(math.nan)
+STORE_DAMAGED = Gauge(
+    "das_store_damaged",
+    "1 when the last verification of the history store (at start, then every --verify-every seconds) found a "
+    "file or block that fails its checksum: the replica is rebuilding it from the topic.",
+    multiprocess_mode="livemax",
+)
+STORE_VERIFY_DURATION = Histogram(
+    "das_store_verify_duration_seconds",
+    "Time to verify every file and checksum of the history store.",
+    buckets=_VERIFY_BUCKETS,
+)
+LAST_VERIFY = Gauge(
+    "das_store_last_verify_timestamp_seconds",
+    "Unix time of the last completed verification of the history store; NaN until the first one.",
+    multiprocess_mode="max",
+)
+if multiprocess_dir() is None:  # as LAST_CHECKPOINT
+    LAST_VERIFY.set(math.nan)
 RESTORE_DURATION = Gauge(
     "das_restore_duration_seconds",
     "Time the last start took to restore the store and trees (from RocksDB or by replaying the topic).",
@@ -250,6 +270,9 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     STORE_WRITE_ERRORS,
     CHECKPOINT_DURATION,
     LAST_CHECKPOINT,
+    STORE_DAMAGED,
+    STORE_VERIFY_DURATION,
+    LAST_VERIFY,
     RESTORE_DURATION,
 )
 

@@ -87,6 +87,11 @@ def record_indexer_batch(rng: random.Random, stored_tokens: int) -> None:
     m.CHECKPOINT_DURATION.observe(rng.uniform(0.02, 0.3))
     m.LAST_CHECKPOINT.set(time.time())
     m.RESTORE_DURATION.set(1.5)
+    m.STORE_DAMAGED.set(0)
+    m.STORE_VERIFY_DURATION.observe(rng.uniform(0.5, 5.0))
+    m.LAST_VERIFY.set(time.time())
+    if rng.random() < 0.02:
+        m.UNDELIVERED_DEAD_LETTERS.inc()
 
 
 def run_child(role: str, seed: int, steps: int | None) -> None:

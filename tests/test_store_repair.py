@@ -155,3 +155,43 @@ def test_a_second_replica_started_mid_rebuild_is_refused_and_the_swap_keeps_the_
     assert len(list(tmp_path.glob("replica.corrupt-*"))) == 1 and not (tmp_path / ".replica.rebuild").exists()
     with HistoryStore(store) as rebuilt:
         assert rebuilt.content_digest() == digest
+
+
+def test_damage_to_a_running_store_is_noticed_by_the_background_verification_and_rebuilt(
+    kafka_servers, kafka_topics, das_processes, tmp_path
+):
+    topic, dlq = kafka_topics
+    bus_url = f"kafka://{','.join(kafka_servers)}"
+    records = list(synthetic_records(2, COUNT, SHAPE))
+    bus = open_bus(bus_url, topic=topic)
+    for record in records:
+        bus.publish(record)
+    assert bus.close().acknowledged == COUNT
+    with HistoryStore(tmp_path / "reference") as reference:
+        reference.apply(records)
+        digest = reference.content_digest()
+    store = tmp_path / "replica"
+    _replicate(das_processes, "replica", bus_url, topic, dlq, store, kafka_servers)
+    assert das(["history", "compact", "--data", str(store)]) == 0
+    running = das_processes.start(
+        "running", "indexer", "run", "--bus", bus_url, "--topic", topic, "--dlq-topic", dlq,
+        "--data", str(store), "--replica", "running", "--verify-every", "0.5",
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while "replica running: " not in das_processes.log("running"):  # the check at start passed
+        assert running.poll() is None and time.monotonic() < deadline, das_processes.log("running")
+        time.sleep(0.1)
+    damaged = _largest_sst(store)
+    _flip_bytes(damaged)  # behind the running writer's back: its own handles keep the blocks they read
+    while "swapped in" not in das_processes.log("running"):
+        assert running.poll() is None and time.monotonic() < deadline + 120, das_processes.log("running")
+        time.sleep(0.1)
+    log = das_processes.log("running")
+    assert "background verification" in log and damaged.name in log and "Traceback" not in log
+    wait_caught_up(store, end_offsets(kafka_servers, topic), timeout_s=120, what="running")
+    running.send_signal(signal.SIGTERM)
+    das_processes.wait_ok(running, "running", timeout_s=60)
+    [kept] = tmp_path.glob("replica.corrupt-*")
+    assert (kept / damaged.name).exists()
+    with HistoryStore(store) as rebuilt:
+        assert rebuilt.content_digest() == digest

@@ -40,14 +40,20 @@ from history_store.durable.store import (
     HistoryStore,
     TrajectoryLike,
     UndeliveredMessage,
+    VerifyReport,
     exchange_folders,
+    verify_store,
 )
+from history_store.errors import StoreCorruptionError, StoreError
 from monitoring.metrics import (
     CONSUMER_LAG,
     CONSUMER_UP,
     DEAD_LETTERED,
     FRESHNESS,
+    LAST_VERIFY,
     STALE_RECORDS,
+    STORE_DAMAGED,
+    STORE_VERIFY_DURATION,
     UNDELIVERED_DEAD_LETTERS,
 )
 from pipeline.bus import EMBEDDED_TOPIC, BusMessage, TrajectorySource
@@ -159,6 +165,65 @@ def rebuild_store(
     return fresh_lock
 
 
+class StoreVerifier:
+    """Checks every file and checksum of a running replica's store, at start and then every `every_s` seconds
+    in a background thread: the writer's own handles keep blocks they read long ago, so only a fresh read-only
+    open (`verify_store`) notices damage done since. Sets das_store_damaged and the last-verify time; the
+    replica's loop asks `damaged` after each batch and, on damage, goes down the rebuild path.
+
+    A verification that fails for another reason than damage (a file compaction deleted while it was being
+    opened) is logged and tried again at the next period. Damage is reported only when a second verification
+    right after the first agrees, so a race never costs a rebuild.
+    """
+
+    def __init__(self, path: Path, every_s: float) -> None:
+        if every_s <= 0:
+            raise ValueError(f"every_s must be > 0, got {every_s}")
+        self.path = path
+        self.every_s = every_s
+        self.damaged: VerifyReport | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="das-store-verifier", daemon=True)
+
+    def check(self) -> VerifyReport | None:
+        """One verification (two when the first finds damage); the report, or None if it could not run."""
+        for attempt in range(2):
+            started = time.perf_counter()
+            try:
+                report = verify_store(self.path)
+            except StoreError as exc:
+                log.warning(
+                    "verifying history store %s did not complete (tried again later): %s", self.path, exc
+                )
+                return None
+            STORE_VERIFY_DURATION.observe(time.perf_counter() - started)
+            LAST_VERIFY.set(time.time())
+            if report.ok or attempt:
+                break
+        STORE_DAMAGED.set(0 if report.ok else 1)
+        if not report.ok:
+            self.damaged = report
+        return report
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s) and self.damaged is None:
+            report = self.check()
+            if report is not None and not report.ok:
+                log.error(
+                    "background verification: history store %s is damaged (files %s); stopping to rebuild it",
+                    self.path,
+                    ", ".join(report.files) or "none named",
+                )
+
+
 class _PartitionEpochs:
     """The newest epoch of each problem a replica has seen in one partition, and their median (the partition's
     consensus: where its problems are)."""
@@ -248,6 +313,7 @@ class Indexer:
         max_epochs_ahead: int = DEFAULT_MAX_EPOCHS_AHEAD,
         max_sample: int = DEFAULT_MAX_SAMPLE,
         max_epoch: int = DEFAULT_MAX_EPOCH,
+        verifier: StoreVerifier | None = None,
     ) -> None:
         if batch_records < 1:
             raise ValueError(f"batch_records must be >= 1, got {batch_records}")
@@ -268,6 +334,7 @@ class Indexer:
         self.max_epochs_ahead = max_epochs_ahead
         self.max_sample = max_sample
         self.max_epoch = max_epoch
+        self.verifier = verifier
         self._window = store.window_epochs
         self._partitions: dict[tuple[str, int], _PartitionEpochs] = {}
         self._next_lag = 0.0
@@ -379,13 +446,21 @@ class Indexer:
         nothing more); always closes the source and publisher.
 
         While no broker answers, it keeps the store, sets `das_consumer_up` to 0, backs off, and then resumes
-        from the offsets stored with the data (a batch polled but not applied is read again).
+        from the offsets stored with the data (a batch polled but not applied is read again). Raises
+        StoreCorruptionError when its `verifier` found the store damaged.
         """
         try:
             self.start()
             CONSUMER_UP.set(1)
             backoff, down_since = OUTAGE_BACKOFF_S[0], None
             while not stop.is_set():
+                if self.verifier is not None and self.verifier.damaged is not None:
+                    report = self.verifier.damaged
+                    raise StoreCorruptionError(
+                        f"history store {self.store.path} was damaged while running: files "
+                        f"{', '.join(report.files) or 'none named'}, {len(report.unreadable_records)} unreadable "
+                        "records"
+                    )
                 try:
                     self.step()
                     if down_since is not None:
@@ -397,6 +472,7 @@ class Indexer:
                     if down_since is None:
                         down_since = time.monotonic()
                         CONSUMER_UP.set(0)
+                        CONSUMER_LAG.set(math.nan)  # unknown while no broker answers, not the last value
                         log.warning("brokers unreachable; keeping the store and waiting: %s", exc)
                     stop.wait(backoff)
                     backoff = min(2 * backoff, OUTAGE_BACKOFF_S[1])
@@ -600,5 +676,4 @@ class Indexer:
             return
         self._next_lag = now + LAG_INTERVAL_S
         lag = self.source.lag()
-        if lag is not None:
-            CONSUMER_LAG.set(lag)
+        CONSUMER_LAG.set(math.nan if lag is None else lag)

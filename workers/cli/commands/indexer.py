@@ -1,8 +1,9 @@
 """`das indexer run`: the node's history replica, consuming the Kafka bus into a RocksDB history store.
 
-Runs until SIGTERM or SIGINT, then finishes the batch in hand and exits 0. A store write failure or a dead
-letter Kafka refuses stops it with exit code 1 and a clear message; nothing past the last durable batch is
-committed, so a restart resumes exactly there. A broker outage, at start or later, is waited out
+Runs until SIGTERM or SIGINT, then finishes the batch in hand and exits 0. A store write failure stops it with
+exit code 1 and a clear message; nothing past the last durable batch is committed, so a restart resumes exactly
+there. A damaged store (found at start, or by the background verification every --verify-every seconds) is
+rebuilt from the topic while the replica keeps the folder locked. A broker outage, at start or later, is waited out
 (`das_consumer_up` 0 meanwhile). Serves /metrics with --metrics-port.
 """
 
@@ -72,8 +73,8 @@ def register(cli: Any) -> None:
         "--max-epochs-ahead",
         type=NON_NEGATIVE,
         default=DEFAULT_MAX_EPOCHS_AHEAD,
-        help="records more epochs than this beyond the newest stored epoch are dead-lettered (they would evict "
-        f"history) (default {DEFAULT_MAX_EPOCHS_AHEAD})",
+        help="records more epochs than this beyond the epoch of their partition's problems (the median of their "
+        f"newest epochs) are dead-lettered: they would evict history (default {DEFAULT_MAX_EPOCHS_AHEAD})",
     )
     p.add_argument(
         "--max-sample",
@@ -87,6 +88,13 @@ def register(cli: Any) -> None:
         default=DEFAULT_MAX_EPOCH,
         help="records with a larger epoch are dead-lettered, whatever the store holds: the guard of an empty "
         f"replica, which has no newest epoch yet (default {DEFAULT_MAX_EPOCH})",
+    )
+    p.add_argument(
+        "--verify-every",
+        type=SECONDS,
+        default=3600.0,
+        help="seconds between background verifications of every file and checksum of the store (damage found "
+        "takes the rebuild path, as at start; default 3600)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_metrics_arguments(p)
@@ -170,16 +178,15 @@ def replicate(
     """Opens the store under the caller's folder `lock` and verifies it, then replicates into it until `stop`.
     Raises StoreCorruptionError when the store is found damaged (at start or later), with the store closed."""
     from history_store.durable.checkpoints import Checkpointer
-    from history_store.durable.store import HistoryStore, verify_store
+    from history_store.durable.store import HistoryStore
     from history_store.errors import StoreCorruptionError
-    from workers.replica.service import Indexer, connect_waiting
+    from workers.replica.service import Indexer, StoreVerifier, connect_waiting
 
     log = logging.getLogger("das.indexer")
     with HistoryStore(args.data, window_epochs=args.window_epochs, lock=lock) as store:
-        report = verify_store(
-            store.path
-        )  # every file and checksum, once per start: found here, not mid-draft
-        if not report.ok:
+        verifier = StoreVerifier(store.path, args.verify_every)
+        report = verifier.check()  # every file and checksum at start: damage is found here, not mid-draft
+        if report is not None and not report.ok:
             raise StoreCorruptionError(
                 f"history store {args.data} is damaged: files {', '.join(report.files) or 'none named'}, "
                 f"{len(report.unreadable_records)} unreadable and {len(report.corrupt_records)} corrupt records"
@@ -193,8 +200,14 @@ def replicate(
             if args.checkpoint_dir is not None
             else None
         )
-        indexer = Indexer(source, store, publisher=publisher, checkpointer=checkpointer, **limits)
+        indexer = Indexer(
+            source, store, publisher=publisher, checkpointer=checkpointer, verifier=verifier, **limits
+        )
         log.info(
             "replica %s: %s -> %s (window %d epochs)", args.replica, args.bus, args.data, store.window_epochs
         )
-        indexer.run(stop)
+        verifier.start()
+        try:
+            indexer.run(stop)
+        finally:
+            verifier.close()
