@@ -22,6 +22,7 @@ kafka-python uses `sasl_plain_username/password` for SCRAM as well as PLAIN.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,6 +47,29 @@ URL_SETTINGS = frozenset(ENV_SETTINGS.values()) | {
     "reconnect_backoff_max_ms",
 }
 _FILE_SETTINGS = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+
+
+@functools.cache
+def _known_settings() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """(every setting some kafka-python client takes, those that are counts, sizes or durations: whole numbers
+    >= 0, and those that are flags), from the clients' defaults and their types. A setting of the wrong type
+    then fails here, in one line, instead of deep inside a client (or as a 30 s bootstrap timeout)."""
+    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
+    defaults = {
+        **KafkaAdminClient.DEFAULT_CONFIG,
+        **KafkaConsumer.DEFAULT_CONFIG,
+        **KafkaProducer.DEFAULT_CONFIG,
+    }
+    whole = frozenset(
+        k
+        for k, v in defaults.items()
+        # Some durations default to a float standing for "forever"; acks takes "all" as well as numbers.
+        if k != "acks" and (k.endswith(("_ms", "_bytes")) or (isinstance(v, int) and not isinstance(v, bool)))
+    )
+    return frozenset(defaults), whole, frozenset(k for k, v in defaults.items() if isinstance(v, bool))
+
+
 # kafka-python reports a refused TLS handshake or SASL login as a bootstrap timeout: say so where it surfaces.
 UNREACHABLE = (
     "no broker completed a handshake (wrong address, brokers down, or they refuse this client's TLS/SASL "
@@ -93,10 +117,22 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, obj
 def client_settings(settings: Mapping[str, object]) -> dict[str, object]:
     """`settings` over the environment's security settings, checked.
 
-    Raises ValueError for an unknown protocol or mechanism, SASL without a user name and password, or a
-    TLS file that does not exist (the client would otherwise fail later with a vague handshake error).
+    Raises ValueError for a setting no kafka-python client knows, a count, size or duration that is not a whole
+    number >= 0, a flag that is not true or false, an unknown protocol or mechanism, SASL without a user name
+    and password, or a TLS file that does not exist (the client would otherwise fail later with a vague
+    handshake error).
     """
     merged = {**settings_from_env(), **settings}
+    known, whole, flags = _known_settings()
+    for key, value in merged.items():
+        if key not in known:
+            raise ValueError(
+                f"unknown Kafka client setting {key!r} (kafka-python names, e.g. request_timeout_ms)"
+            )
+        if key in whole and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"Kafka setting {key} must be a whole number >= 0, got {value!r}")
+        if key in flags and not isinstance(value, bool):
+            raise ValueError(f"Kafka setting {key} must be true or false, got {value!r}")
     protocol = str(merged.get("security_protocol", "PLAINTEXT")).upper()
     if protocol not in SECURITY_PROTOCOLS:
         raise ValueError(

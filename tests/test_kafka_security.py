@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO
 
 from history_store.durable.store import HistoryStore
+from history_store.errors import StoreOpenError
 from pipeline.kafka_config import client_settings
 
 pytestmark = pytest.mark.kafka
@@ -66,10 +67,12 @@ def _das(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.
 def _wait_for_offsets(store_path, total: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (store_path / "CURRENT").exists():
+        try:
             with HistoryStore.open_secondary(store_path, store_path.parent / "secondary") as reader:
                 if sum(reader.offsets().values()) >= total:
                     return
+        except StoreOpenError:
+            pass  # not created yet, or created and its metadata not yet written: the replica is starting
         time.sleep(0.5)
     pytest.fail(f"the replica did not reach {total} records in {timeout_s} s")
 

@@ -168,9 +168,26 @@ class number(_Checked):  # noqa: N801 (used like the builtin `float` it replaces
         return f"{self.maximum:g}" if self.maximum is not None else "0"
 
 
+class rate(number):  # noqa: N801 (a checked type, like `number`)
+    """Events per second: 0 (as fast as possible), or from `slowest` to `fastest` (a positive rate so small
+    that its interval overflows a sleep is no rate)."""
+
+    def __init__(self, slowest: float, fastest: float) -> None:
+        super().__init__(0, fastest)
+        self.slowest = slowest
+        self.expected = f"0 (as fast as possible) or a number from {slowest:g} to {fastest:g}"
+
+    def _in_range(self, value: int | float) -> bool:
+        return value == 0 or self.slowest <= value <= self.maximum
+
+    def invalid_examples(self) -> list[str]:
+        return ["abc", "nan", "inf", "", "-1", f"{self.maximum * 2:g}", f"{self.slowest / 2:g}", "1e-300"]
+
+
 POSITIVE = integer(1)
 NON_NEGATIVE = integer(0)
 SECONDS = number(above=0)
+RATE = rate(0.001, 1e6)
 PORT = integer(1, 65535)
 # -1 serves nothing, 0 asks the OS for a free port.
 METRICS_PORT = integer(NO_METRICS_SERVER, 65535)

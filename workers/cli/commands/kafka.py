@@ -15,9 +15,13 @@ import os
 import time
 from typing import Any
 
-from workers.cli.types import NON_NEGATIVE, POSITIVE, SECONDS, integer, number
+from pipeline.schemas import MAX_EPOCH
+from workers.cli.types import NON_NEGATIVE, POSITIVE, RATE, SECONDS, integer, number
 
 BUS_ENV = "DAS_BUS"
+# A one-shot command (init, dlq, load) has a person waiting: brokers that answer at all answer within seconds,
+# so it gives up on bootstrapping after this instead of kafka-python's 30 s (bootstrap_timeout_ms overrides it).
+ONE_SHOT_BOOTSTRAP_MS = 5000
 
 
 def add_bus_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
@@ -56,17 +60,23 @@ def kafka_settings(pairs: list[str]) -> dict[str, object]:
     return settings
 
 
-def kafka_client(args: argparse.Namespace) -> tuple[list[str], dict[str, object]]:
-    """Broker addresses and client settings from `--bus` (URL parameters) and `--kafka-setting` (stronger).
+def kafka_client(args: argparse.Namespace, one_shot: bool = False) -> tuple[list[str], dict[str, object]]:
+    """Broker addresses and client settings from `--bus` (URL parameters) and `--kafka-setting` (stronger),
+    checked here, before any client is made. `one_shot` commands give up bootstrapping after
+    ONE_SHOT_BOOTSTRAP_MS unless a setting says otherwise.
 
     Raises ValueError if the bus is missing or not a kafka:// URL, or a setting is malformed.
     """
-    from pipeline.kafka_config import parse_bus_url
+    from pipeline.kafka_config import client_settings, parse_bus_url
 
     if not args.bus:
         raise ValueError(f"no bus given: pass --bus kafka://host:port or set {BUS_ENV}")
     servers, settings = parse_bus_url(args.bus)
-    return servers, {**settings, **kafka_settings(args.kafka_setting)}
+    settings = {**settings, **kafka_settings(args.kafka_setting)}
+    if one_shot:
+        settings.setdefault("bootstrap_timeout_ms", ONE_SHOT_BOOTSTRAP_MS)
+    client_settings(settings)
+    return servers, settings
 
 
 def register(cli: Any) -> None:
@@ -119,9 +129,16 @@ def register(cli: Any) -> None:
         help="worker number 0..999 (keys never collide across workers)",
     )
     p.add_argument("--seed", type=NON_NEGATIVE, default=0, help="seed of the synthetic content")
-    p.add_argument("--rate", type=number(0), default=0.0, help="records per second (0: as fast as possible)")
+    p.add_argument(
+        "--rate", type=RATE, default=0.0, help="records per second, 0.001 to 1e6 (0: as fast as possible)"
+    )
     p.add_argument("--problems", type=POSITIVE, default=64, help="distinct problems")
-    p.add_argument("--epochs", type=POSITIVE, default=3, help="epochs the records spread over, in order")
+    p.add_argument(
+        "--epochs",
+        type=integer(1, MAX_EPOCH + 1),
+        default=3,
+        help="epochs the records spread over, in order (epochs are 0 to 2**32-2: a record's key holds them as u32)",
+    )
     p.add_argument("--prompt-tokens", type=POSITIVE, default=200, help="mean prompt length")
     p.add_argument(
         "--response-tokens", type=POSITIVE, default=1000, help="median response length (log-normal)"
@@ -145,7 +162,7 @@ def dlq(args: argparse.Namespace) -> int:
 
     from pipeline.consumer import read_dead_letters
 
-    servers, settings = kafka_client(args)
+    servers, settings = kafka_client(args, one_shot=True)
     letters = read_dead_letters(servers, args.dlq_topic, idle_s=args.idle_s, **settings)
     # Two replicas can dead-letter the same message; compaction merges them later, the summary at once. A letter
     # that does not name its origin (forged) counts on its own.
@@ -172,7 +189,7 @@ def dlq(args: argparse.Namespace) -> int:
 def init(args: argparse.Namespace) -> int:
     from pipeline.topics import ensure_topics
 
-    servers, settings = kafka_client(args)
+    servers, settings = kafka_client(args, one_shot=True)
     states = ensure_topics(
         servers,
         topic=args.topic,
@@ -207,7 +224,7 @@ def load(args: argparse.Namespace) -> int:
     # The bus says when brokers stop answering and when they are back; kafka-python itself stays quiet.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
-    servers, settings = kafka_client(args)
+    servers, settings = kafka_client(args, one_shot=True)
     bus = KafkaBus(servers, topic=args.topic, publish_timeout_s=args.publish_timeout_s, **settings)
     error: Exception | None = None
     not_taken = 0
