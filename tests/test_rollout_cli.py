@@ -115,7 +115,7 @@ def test_missing_inputs_fail_in_one_line_before_an_engine_is_built(tmp_path) -> 
     missing = _run("rollout", "--problems", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2  # a flag that names nothing: a usage error
     assert missing.stderr.strip().splitlines() == [
-        f"das rollout: --problems {tmp_path / 'nope.jsonl'}: no such file"
+        f"das rollout: --problems {tmp_path / 'nope.jsonl'}: no such file (see `das rollout --help`)"
     ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "no id"}\n')

@@ -313,7 +313,6 @@ class Indexer:
         max_epochs_ahead: int = DEFAULT_MAX_EPOCHS_AHEAD,
         max_sample: int = DEFAULT_MAX_SAMPLE,
         max_epoch: int = DEFAULT_MAX_EPOCH,
-        verifier: StoreVerifier | None = None,
     ) -> None:
         if batch_records < 1:
             raise ValueError(f"batch_records must be >= 1, got {batch_records}")
@@ -334,7 +333,6 @@ class Indexer:
         self.max_epochs_ahead = max_epochs_ahead
         self.max_sample = max_sample
         self.max_epoch = max_epoch
-        self.verifier = verifier
         self._window = store.window_epochs
         self._partitions: dict[tuple[str, int], _PartitionEpochs] = {}
         self._next_lag = 0.0
@@ -441,21 +439,23 @@ class Indexer:
         )
         return report
 
-    def run(self, stop: threading.Event, until_caught_up: bool = False) -> None:
+    def run(
+        self, stop: threading.Event, until_caught_up: bool = False, verifier: StoreVerifier | None = None
+    ) -> None:
         """Starts, then applies batches until `stop` is set (or, with `until_caught_up`, until the source has
         nothing more); always closes the source and publisher.
 
         While no broker answers, it keeps the store, sets `das_consumer_up` to 0, backs off, and then resumes
         from the offsets stored with the data (a batch polled but not applied is read again). Raises
-        StoreCorruptionError when its `verifier` found the store damaged.
+        StoreCorruptionError when `verifier` (checking the store in the background) found it damaged.
         """
         try:
             self.start()
             CONSUMER_UP.set(1)
             backoff, down_since = OUTAGE_BACKOFF_S[0], None
             while not stop.is_set():
-                if self.verifier is not None and self.verifier.damaged is not None:
-                    report = self.verifier.damaged
+                if verifier is not None and verifier.damaged is not None:
+                    report = verifier.damaged
                     raise StoreCorruptionError(
                         f"history store {self.store.path} was damaged while running: files "
                         f"{', '.join(report.files) or 'none named'}, {len(report.unreadable_records)} unreadable "

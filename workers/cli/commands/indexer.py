@@ -200,14 +200,12 @@ def replicate(
             if args.checkpoint_dir is not None
             else None
         )
-        indexer = Indexer(
-            source, store, publisher=publisher, checkpointer=checkpointer, verifier=verifier, **limits
-        )
+        indexer = Indexer(source, store, publisher=publisher, checkpointer=checkpointer, **limits)
         log.info(
             "replica %s: %s -> %s (window %d epochs)", args.replica, args.bus, args.data, store.window_epochs
         )
         verifier.start()
         try:
-            indexer.run(stop)
+            indexer.run(stop, verifier=verifier)
         finally:
             verifier.close()
