@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _verl_readme import readme_overrides
+from _verl_readme import measuring_overrides, readme_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -99,7 +99,9 @@ _CHILD = (
     "import json, os\n"
     "from monitoring.metrics import DRAFTS\n"
     "DRAFTS.inc(3)\n"
-    "print(json.dumps({k: os.environ.get(k) for k in ('DAS_HISTORY_DIR', 'DAS_BUDGET', 'VLLM_PROBE')}))\n"
+    "names = ('DAS_HISTORY_DIR', 'DAS_BUDGET', 'DAS_WINDOW_EPOCHS', 'DAS_DRAFT_THREADS', 'VLLM_USE_V2_MODEL_RUNNER',"
+    " 'VLLM_PROBE')\n"
+    "print(json.dumps({k: os.environ.get(k) for k in names}))\n"
 )
 
 
@@ -150,6 +152,8 @@ def test_readme_settings_reach_server_actors_and_their_processes_on_every_node(
     metrics_dir.mkdir()
     config_path, config_name, overrides = readme_overrides(tmp_path)
     overrides += [
+        # The measuring runs' override, exactly as documented (docs: "Trade-offs on a GPU").
+        *measuring_overrides(),
         f"+ray_kwargs.ray_init.address={ray_cluster}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.DAS_BUDGET=off",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PROMETHEUS_MULTIPROC_DIR={metrics_dir}",
@@ -168,6 +172,10 @@ def test_readme_settings_reach_server_actors_and_their_processes_on_every_node(
         assert report["child"] == {
             "DAS_HISTORY_DIR": "/var/lib/das/history",
             "DAS_BUDGET": "off",
+            # The documented numbers, quoted so Hydra keeps them strings: ray.init refuses anything else.
+            "DAS_WINDOW_EPOCHS": "5",
+            "DAS_DRAFT_THREADS": "2",
+            "VLLM_USE_V2_MODEL_RUNNER": "0",
             "VLLM_PROBE": "1",
         }
     # A node's /metrics (das indexer run --metrics-port, started with the same PROMETHEUS_MULTIPROC_DIR) merges

@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 PROBLEM_FIELD = "das_problem_id"
 EPOCH_FIELD = "das_epoch"
 SAMPLE_FIELD = "das_sample"
+# The length of the prompt the agent loop asked for. verl's fully-async client resumes an interrupted request as
+# a new one whose prompt is that prompt plus the partial output (same extra_args, smaller max_tokens): a request
+# whose prompt is longer than this is such a resumed segment, which the proposer never stores as a trajectory.
+PROMPT_TOKENS_FIELD = "das_prompt_tokens"
 V1_SESSION_FIELD = "session_id"
 # Marks rows that must not enter the history: validation rollouts, greedy baselines (REMAX), rows of a batch
 # without a training step.
@@ -393,3 +397,12 @@ def with_extra_args(sampling_params: Mapping[str, Any], identity: RequestIdentit
     if extra:
         params["extra_args"] = {**(params.get("extra_args") or {}), **extra}
     return params
+
+
+def with_prompt_tokens(sampling_params: Mapping[str, Any], prompt_tokens: int) -> dict[str, Any]:
+    """A copy of verl's sampling parameters whose `extra_args` also say how long the request's own prompt is
+    (`PROMPT_TOKENS_FIELD`); requests without a DAS problem id are left as they are."""
+    extra = sampling_params.get("extra_args") or {}
+    if PROBLEM_FIELD not in extra:
+        return dict(sampling_params)
+    return {**sampling_params, "extra_args": {**extra, PROMPT_TOKENS_FIELD: int(prompt_tokens)}}
