@@ -261,3 +261,35 @@ def test_problem_router_keeps_each_problems_requests_on_one_server(ray_cluster) 
         assert min(result["das_problem_affinity"]["requests_per_server"].values()) >= samples * passes * 4
     finally:
         ray.shutdown()
+
+
+def test_a_fresh_ledger_reads_stored_epochs_on_the_nodes_that_hold_a_replica(
+    ray_cluster, tmp_path, monkeypatch
+) -> None:
+    """The compose head mounts no replica: the TaskRunner's manager reads the stored epochs on the cluster's nodes
+    (here both loopback nodes see the same folder), so a fresh run's passes start after them, not at 0."""
+    import ray
+
+    from history_store.durable.store import HistoryStore
+    from pipeline.schemas import TrajectoryRecord
+    from workers.verl.identity import cluster_history_epochs, ledger_from_config
+
+    history = tmp_path / "history"
+    with HistoryStore(history) as store:
+        store.apply(
+            [
+                TrajectoryRecord(problem_id=p, epoch=e, sample=0, prompt_ids=[1], response_ids=[2])
+                for p, e in (("p", 3), ("p", 4), ("q", 0))
+            ],
+            {},
+        )
+    ray.init(address=ray_cluster, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        assert cluster_history_epochs(str(history)) == {"p": 4, "q": 0}
+        # A node-local path this process does not have (the head's view): the ledger asks the cluster, which
+        # has none either here, and starts at 0 instead of failing.
+        monkeypatch.setenv("DAS_HISTORY_DIR", str(tmp_path / "elsewhere"))
+        ledger = ledger_from_config({"trainer": {"default_local_dir": str(tmp_path / "run")}})
+        assert ledger.assign(["p"], [1], step=1)[0].tolist() == [0]
+    finally:
+        ray.shutdown()

@@ -372,10 +372,9 @@ class DasProposer:
 
     def _open_replica(self, path: Path) -> None:
         from history_store.durable.store import HistoryStore
+        from workers.generator.replica_dirs import secondary_dir
 
-        secondary = Path(
-            os.environ.get("DAS_SECONDARY_DIR") or path.parent / f".{path.name}.secondary-{os.getpid()}"
-        )
+        secondary = Path(os.environ.get("DAS_SECONDARY_DIR") or secondary_dir(path))
         self._replica = HistoryStore.open_secondary(path, secondary)
         self._stale()
         load_index(self._replica, self.index)
