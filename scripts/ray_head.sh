@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Entry point of the compose Ray head (docker-compose.yml, service ray-head):
 #   ray_head.sh [ray start --head flags...] -- trainer command...
-# 1. Starts this host's Ray head and keeps Prometheus' file_sd list of verl's vLLM servers current in the
-#    background ($DAS_VLLM_TARGETS, via `das monitoring vllm-targets`).
+# 1. Starts this host's Ray head and keeps Prometheus' file_sd lists of verl's vLLM servers ($DAS_VLLM_TARGETS)
+#    and of the DAS proposers' /metrics inside them (das-proposers.json beside it, from the notes in each node's
+#    $DAS_PROPOSER_TARGETS) current in the background (`das monitoring vllm-targets`).
 # 2. Waits until the cluster holds DAS_NODES x DAS_GPUS_PER_NODE GPUs (scripts/wait_for_gpus.py): verl's trainer
 #    fails at once when its GPU nodes have not joined yet.
 # 3. Runs the trainer with DAS_VERL_ARGS appended (shell words, e.g. "data.max_response_length=4096
@@ -31,7 +32,7 @@ fi
 
 ray start --head "${ray_flags[@]}" "${ray_node_flags[@]}"
 if [ -n "${DAS_VLLM_TARGETS:-}" ]; then
-  das monitoring vllm-targets --out "$DAS_VLLM_TARGETS" &
+  das monitoring vllm-targets --out "$DAS_VLLM_TARGETS" --proposers "${DAS_PROPOSER_TARGETS:-/tmp/das-proposers}" &
 fi
 python3 "$here/wait_for_gpus.py" "$DAS_NODES" "$DAS_GPUS_PER_NODE"
 

@@ -297,6 +297,10 @@ def test_discovered_targets_come_from_the_ray_head_and_host_targets_from_publish
                     written = f"{writer_mount.rstrip('/')}/{relative}"
                     if job_name == "vllm":
                         assert environment(head)["DAS_VLLM_TARGETS"] == written
+                    elif job_name == "das-proposer":
+                        # `das monitoring vllm-targets --proposers` writes it beside the vLLM server list.
+                        vllm_list = environment(head)["DAS_VLLM_TARGETS"]
+                        assert written == f"{vllm_list.rsplit('/', 1)[0]}/das-proposers.json"
                     else:
                         assert written == "/tmp/ray/prom_metrics_service_discovery.json", job_name
                     continue
@@ -711,6 +715,9 @@ def test_the_ray_head_keeps_the_vllm_target_list_with_a_valid_das_command(
         call.replace('"$DAS_VLLM_TARGETS"', environment(SERVICES["ray-head"])["DAS_VLLM_TARGETS"])
     )
     assert _parse_error(arguments[1:], capsys) is None
+    # The proposers note their /metrics where the head looks: the trainer's job-wide environment says where.
+    folder = trainer_config().ray_kwargs.ray_init.runtime_env.env_vars.DAS_PROPOSER_TARGETS
+    assert option(arguments, "--proposers") == f"${{DAS_PROPOSER_TARGETS:-{folder}}}"
 
 
 def test_the_message_size_setting_reaches_the_topic_and_every_client() -> None:

@@ -293,3 +293,47 @@ def test_a_fresh_ledger_reads_stored_epochs_on_the_nodes_that_hold_a_replica(
         assert ledger.assign(["p"], [1], step=1)[0].tolist() == [0]
     finally:
         ray.shutdown()
+
+
+# An engine process of a verl vLLM server, as far as the proposer sees it: the proposer is built and loaded as
+# vLLM does (its drafting rank), with DAS_PROPOSER_TARGETS from Ray's job-wide environment; it drafts 3 tokens.
+_ENGINE = (
+    "import sys, time\n"
+    "from workers.generator.proposer import DasProposer\n"
+    "from monitoring.metrics import DRAFTS\n"
+    "DasProposer.standalone(8, 256).load_model()\n"
+    "DRAFTS.inc(3)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_proposer_metrics_are_discovered_on_every_node_beside_vllms_own(ray_cluster, tmp_path) -> None:
+    """What `das monitoring vllm-targets --proposers` lists (this cluster has no dashboard, which its vLLM server
+    listing needs: the proposers' part is called directly)."""
+    import urllib.request
+
+    import ray
+
+    from workers.verl.vllm_targets import proposer_metric_addresses
+
+    folder = tmp_path / "proposers"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DAS_PROPOSER_TARGETS": str(folder)}
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE], env=env, stdout=subprocess.PIPE, text=True)
+    ray.init(address=ray_cluster, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        assert engine.stdout.readline().strip() == "ready"
+        # Both loopback nodes read the same folder: the one engine is listed once per node.
+        addresses = proposer_metric_addresses(str(folder))
+        assert len(set(addresses)) == 1 and len(addresses) == 2
+        exposition = urllib.request.urlopen(f"http://{addresses[0]}/metrics", timeout=30).read().decode()
+        assert "das_drafts_total 3.0" in exposition
+        engine.kill()
+        engine.wait()
+        # The note of an exited engine is dropped at the next refresh.
+        assert proposer_metric_addresses(str(folder)) == []
+        assert not list(folder.glob("*.json"))
+    finally:
+        engine.kill()
+        engine.wait()
+        ray.shutdown()

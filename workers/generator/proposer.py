@@ -307,6 +307,13 @@ class DasProposer:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
         if self.settings.history_dir and self.drafting:
             self._open_replica(Path(self.settings.history_dir))
+        if self.drafting:
+            from workers.generator.metrics_endpoint import serve_proposer_metrics
+
+            try:
+                serve_proposer_metrics()
+            except OSError as exc:  # metrics must never stop an engine
+                logger.warning("DAS: cannot serve the proposer's /metrics (%s); drafting goes on", exc)
 
     def pause_drafting(self, paused: bool) -> None:
         """Stops (or resumes) drafting while the engine keeps its speculative path: every step gets no drafts.
