@@ -10,25 +10,33 @@ WORKDIR /opt/das
 # What the base ships becomes a hard constraint: torch, vLLM, flash-attn and their CUDA libraries are built
 # against each other, and nothing we install may move one of them (pip fails instead). `pip list` rather than
 # `pip freeze`: packages the base installed from URLs appear as plain name==version, which constraints accept.
-RUN python3 -m pip list --format=freeze --exclude-editable > /opt/das/base-constraints.txt
+# requirements/project.txt and gpu-constraints.txt add pins for what the base lacks; merged, so no package is
+# pinned twice (scripts/merge_constraints.py).
+COPY requirements/project.txt requirements/gpu-constraints.txt requirements/
+COPY scripts/merge_constraints.py scripts/merge_constraints.py
+RUN python3 -m pip list --format=freeze --exclude-editable > /tmp/base.txt \
+ && python3 scripts/merge_constraints.py /tmp/base.txt requirements/project.txt requirements/gpu-constraints.txt \
+    > /opt/das/constraints.txt
 
 # Dependencies before code, so an edit of our code reuses this layer: an empty package skeleton lets pip resolve
-# and install pyproject.toml's dependencies (and verl 0.9.1 itself) without any of our source.
+# and install pyproject.toml's dependencies, verl itself and TransferQueue (verl's default V1 trainer imports it;
+# the base has it only by chance), at the base's versions or else requirements/gpu-constraints.txt's.
 COPY pyproject.toml README.md ./
-COPY requirements/project.txt requirements/project.txt
 RUN mkdir pipeline history_store workers monitoring \
- && python3 -m pip install --no-cache-dir -c base-constraints.txt -c requirements/project.txt . verl==0.9.1 \
+ && python3 -m pip install --no-cache-dir -c constraints.txt . verl TransferQueue \
  && python3 -m pip uninstall -y das-rollout \
  && rmdir pipeline history_store workers monitoring
 
-# Our code, then a consistency check of the whole environment: a conflict fails the build, not a training run.
+# Our code, then a check that what the trainer and the rollout servers import does import: the base installs its
+# stack with --no-deps, so `pip check` reports the base's own gaps rather than ours.
 COPY pipeline pipeline
 COPY history_store history_store
 COPY workers workers
 COPY monitoring monitoring
 COPY examples examples
-COPY scripts/ray_head.sh scripts/ray_head.sh
-RUN python3 -m pip install --no-cache-dir --no-deps . && python3 -m pip check
+COPY scripts/ray_head.sh scripts/ray_worker.sh scripts/ray_node_env.sh scripts/wait_for_gpus.py scripts/
+RUN python3 -m pip install --no-cache-dir --no-deps . \
+ && python3 -c "import transfer_queue, verl.trainer.main_ppo, workers.verl.agent_loop, workers.verl.manager_v1, workers.verl.extension, workers.generator.proposer"
 
 # The base image's entrypoint starts an OpenAI server; every service chooses its command in docker-compose.yml.
 ENTRYPOINT []

@@ -19,7 +19,11 @@ METRICS_PORT = "9400"
 JMX_AGENT_PORT = "7071"
 VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 # The secrets a user must set (in .env): compose refuses to start without them instead of using a known default.
-SECRETS = {"DAS_KAFKA_SASL_PASSWORD": "client-secret", "DAS_KAFKA_ADMIN_PASSWORD": "admin-secret"}
+SECRETS = {
+    "DAS_KAFKA_SASL_PASSWORD": "client-secret",
+    "DAS_KAFKA_ADMIN_PASSWORD": "admin-secret",
+    "DAS_GRAFANA_ADMIN_PASSWORD": "grafana-secret",
+}
 # Where the image puts the repository (Dockerfile WORKDIR).
 IMAGE_ROOT = "/opt/das"
 
@@ -64,8 +68,17 @@ def das_services() -> dict[str, dict[str, Any]]:
     return {name: svc for name, svc in SERVICES.items() if command_of(svc)[:1] == ["das"]}
 
 
+RAY_WORKER_ENTRYPOINT = ["bash", f"{IMAGE_ROOT}/scripts/ray_worker.sh"]
+
+
 def ray_workers() -> dict[str, dict[str, Any]]:
-    return {name: svc for name, svc in SERVICES.items() if command_of(svc)[:2] == ["ray", "start"]}
+    return {name: svc for name, svc in SERVICES.items() if svc.get("entrypoint") == RAY_WORKER_ENTRYPOINT}
+
+
+def worker_start_args(service: dict[str, Any]) -> list[str]:
+    """The `ray start` arguments of a Ray worker (scripts/ray_worker.sh adds --block, and the node address only
+    when DAS_NODE_IP is set)."""
+    return ["--block", *command_of(service)]
 
 
 def option(command: list[str], flag: str) -> str:
@@ -153,7 +166,7 @@ def host_network_ports(name: str, service: dict[str, Any]) -> set[str]:
         parsed = _ray_start_params(["--head", *flags])
         ports = {parsed["port"], parsed["dashboard_port"], parsed["ray_client_server_port"]}
     else:
-        parsed = _ray_start_params(command_of(service)[2:])
+        parsed = _ray_start_params(worker_start_args(service))
         ports = set()
     ports |= {parsed["metrics_export_port"], parsed["dashboard_agent_listen_port"]}
     return {str(port) for port in ports if port}
@@ -181,7 +194,7 @@ def test_interpolation_follows_compose_rules() -> None:
         interpolate("${NEEDED:?set it}", env)
 
 
-def test_kafka_passwords_must_be_set_and_nothing_else_is_required() -> None:
+def test_passwords_must_be_set_and_nothing_else_is_required() -> None:
     for secret in SECRETS:
         with pytest.raises(KeyError, match=secret):
             interpolate(RAW, env={k: v for k, v in SECRETS.items() if k != secret})
@@ -229,10 +242,23 @@ def _scrape_jobs() -> dict[str, dict[str, Any]]:
     return {job["job_name"]: job for job in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]}
 
 
-def test_every_static_prometheus_target_is_a_compose_service_serving_metrics() -> None:
+def _shipped_targets(job: dict[str, Any]) -> list[str]:
+    """Targets of the repository's own file_sd files a job reads (the replicas' list)."""
+    targets = []
+    for sd in job.get("file_sd_configs", []):
+        for path in sd["files"]:
+            source, relative = _prometheus_path_source(path)
+            if not is_named_volume(source):
+                for group in yaml.safe_load((REPO / source / relative).read_text()) or []:
+                    targets += group["targets"]
+    return targets
+
+
+def test_every_service_prometheus_targets_is_a_compose_service_serving_metrics() -> None:
     scraped = set()
     for job in _scrape_jobs().values():
-        for group in job.get("static_configs", []):
+        static = [target for group in job.get("static_configs", []) for target in group["targets"]]
+        for group in [{"targets": static + _shipped_targets(job)}]:
             for target in group["targets"]:
                 host, port = target.rsplit(":", 1)
                 if host == "localhost":
@@ -271,16 +297,21 @@ def test_discovered_targets_come_from_the_ray_head_and_host_targets_from_publish
                     written = f"{writer_mount.rstrip('/')}/{relative}"
                     if job_name == "vllm":
                         assert environment(head)["DAS_VLLM_TARGETS"] == written
+                    elif job_name == "das-proposer":
+                        # `das monitoring vllm-targets --proposers` writes it beside the vLLM server list.
+                        vllm_list = environment(head)["DAS_VLLM_TARGETS"]
+                        assert written == f"{vllm_list.rsplit('/', 1)[0]}/das-proposers.json"
                     else:
                         assert written == "/tmp/ray/prom_metrics_service_discovery.json", job_name
                     continue
-                # A shipped file of host targets (GPU hosts): each must be a port some service publishes.
+                # A shipped file of targets: this host's replica service (checked with the static targets), or
+                # GPU hosts' replicas, each at a port some service publishes.
                 shipped = REPO / source / relative
                 assert shipped.is_file(), f"{job_name}: {shipped} is not in the repository"
                 for group in yaml.safe_load(shipped.read_text()) or []:
                     for target in group["targets"]:
-                        _host, port = target.rsplit(":", 1)
-                        assert any(
+                        host, port = target.rsplit(":", 1)
+                        assert host in SERVICES or any(
                             published == port and container in _serves_metrics_on(svc)
                             for svc in SERVICES.values()
                             for _addr, published, container in published_ports(svc)
@@ -288,11 +319,12 @@ def test_discovered_targets_come_from_the_ray_head_and_host_targets_from_publish
 
 
 def test_host_targets_file_accepts_gpu_host_entries() -> None:
-    """The README's multi-host step: a replica on another host, at the port history-0 publishes."""
-    port = next(p for _a, p, c in published_ports(SERVICES["history-0"]) if c == METRICS_PORT)
-    entry = [{"targets": [f"10.0.0.11:{port}"], "labels": {"node": "gpu-host-1"}}]
-    assert any(p == port for _a, p, _c in published_ports(SERVICES["history-0"]))
-    assert yaml.safe_load(yaml.safe_dump(entry)) == entry
+    """The multi-host step: each GPU host's replica, at the port `history` publishes, replaces the local one."""
+    port = next(p for _a, p, c in published_ports(SERVICES["history"]) if c == METRICS_PORT)
+    shipped = (REPO / "monitoring" / "prometheus" / "targets" / "replicas.yml").read_text()
+    assert f'"10.0.0.11:{port}"' in shipped, "the file's example names the published port"
+    # No static replica target: on a head host without a replica it would never resolve (DASTargetDown).
+    assert "static_configs" not in _scrape_jobs()["das-indexer"]
 
 
 def test_prometheus_alertmanager_and_grafana_get_the_shipped_configuration() -> None:
@@ -404,8 +436,14 @@ def test_brokers_load_the_jmx_agent_the_local_brokers_use() -> None:
     pom = (REPO / "scripts" / "kafka" / "pom.xml").read_text()
     version = re.search(r"<jmx.exporter.version>([^<]+)<", pom)[1]
     fetch = SERVICES["kafka-jmx-agent"]
-    assert f"-Dartifact=io.prometheus.jmx:jmx_prometheus_javaagent:{version}" in command_of(fetch)
-    agent_volume = mounts(fetch)[option(command_of(fetch), "-DoutputDirectory")]
+    assert command_of(fetch)[:2] == ["sh", "-c"]
+    script = shlex.split(command_of(fetch)[2])
+    assert f"-Dartifact=io.prometheus.jmx:jmx_prometheus_javaagent:{version}" in script
+    output = option(script, "-DoutputDirectory")
+    agent_volume = mounts(fetch)[output]
+    # Resolved once: the download runs only when the marker of this version, written after it, is missing.
+    marker = f"{output}/jmx_prometheus_javaagent-{version}.done"
+    assert script[:3] == ["test", "-s", marker] and script[-1] == f">{marker})", script
     for name in _brokers():
         broker = SERVICES[name]
         jar, _port, rules = re.search(
@@ -444,7 +482,7 @@ def trainer_config(replace: dict[str, str] | None = None) -> Any:
 
 def test_each_gpu_node_reads_its_own_replica() -> None:
     by_volume = replica_by_volume()
-    assert len(by_volume) >= 2
+    assert len(by_volume) == 1, "one replica per host"
     names = [option(command_of(svc), "--replica") for svc in replicas().values()]
     assert len(set(names)) == len(names), f"replicas share a name (consumer group): {names}"
     for name, service in replicas().items():
@@ -469,13 +507,18 @@ def test_each_gpu_node_reads_its_own_replica() -> None:
     assert len(used_by) == len(by_volume), "a replica no Ray worker reads"
 
 
-def test_gpu_nodes_on_one_host_get_distinct_gpus() -> None:
-    seen: dict[str, str] = {}
-    for name, service in ray_workers().items():
-        for device in service["deploy"]["resources"]["reservations"]["devices"]:
-            for gpu in ",".join(device["device_ids"]).split(","):
-                assert gpu not in seen, f"{name} and {seen[gpu]} both take GPU {gpu}"
-                seen[gpu] = name
+def test_one_ray_node_per_host_holds_all_the_gpus_the_trainer_counts_per_node() -> None:
+    (worker,) = ray_workers().values()
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    gpus = ",".join(device["device_ids"]).split(",")
+    config = trainer_config()
+    assert len(set(gpus)) == len(gpus) == config.trainer.n_gpus_per_node
+    # The head waits for exactly what the trainer asks for.
+    head = environment(SERVICES["ray-head"])
+    assert int(head["DAS_NODES"]) == config.trainer.nnodes
+    assert int(head["DAS_GPUS_PER_NODE"]) == config.trainer.n_gpus_per_node
+    # NCCL pins memory: no memlock limit on GPU nodes.
+    assert worker["ulimits"]["memlock"] == -1
 
 
 def test_bench_workers_roll_out_disjoint_problem_shards() -> None:
@@ -500,7 +543,7 @@ def test_ray_commands_parse_with_ray_start_and_workers_join_the_head() -> None:
     head = _ray_start_params(["--head", *head_flags])
     assert head["num_gpus"] == 0, "the head runs the driver only; GPUs belong to the node containers"
     for name, service in ray_workers().items():
-        params = _ray_start_params(command_of(service)[2:])
+        params = _ray_start_params(worker_start_args(service))
         assert params["block"], (
             f"{name}: `ray start` must stay in the foreground (the container lives with it)"
         )
@@ -512,7 +555,7 @@ def test_ray_commands_parse_with_ray_start_and_workers_join_the_head() -> None:
 
 def test_ray_nodes_on_one_host_take_worker_ports_from_separate_ranges() -> None:
     ranges = {"ray-head": _ray_start_params(["--head", *head_command()[0]])}
-    ranges |= {name: _ray_start_params(command_of(svc)[2:]) for name, svc in ray_workers().items()}
+    ranges |= {name: _ray_start_params(worker_start_args(svc)) for name, svc in ray_workers().items()}
     spans = sorted((p["min_worker_port"], p["max_worker_port"], name) for name, p in ranges.items())
     for (_low, high, name), (next_low, _high, next_name) in zip(spans, spans[1:], strict=False):
         assert high < next_low, f"{name} and {next_name} share worker ports"
@@ -578,8 +621,12 @@ def test_restart_policies_resume_but_never_loop_on_a_failure() -> None:
             for dep, spec in svc.get("depends_on", {}).items()
         ):
             assert policy == "no", f"{name} is one-shot"
-        elif "profiles" in service or name == "ray-head":
-            # Runs that end (training, benchmark epochs) restart after a crash, a bounded number of times.
+        elif name == "ray-head":
+            # A trainer that fails (its nodes late, a crash) restarts and resumes as often as it takes: Docker's
+            # on-failure:N counts failures over the container's whole life, not in a row.
+            assert policy == "on-failure", f"{name}: {policy}"
+        elif "profiles" in service:
+            # Benchmark epochs restart after a crash, a bounded number of times.
             assert re.fullmatch(r"on-failure:[1-5]", policy), f"{name}: {policy}"
         else:
             assert policy == "unless-stopped", f"{name}: {policy}"
@@ -603,15 +650,19 @@ def test_dockerfile_installs_dependencies_before_code_within_the_base_constraint
     steps = [line for line in instructions if re.match(r"^(RUN|COPY)\b", line)]
     text = "\n".join(steps)
     freeze = next(i for i, s in enumerate(steps) if "pip list --format=freeze" in s)
-    install = next(i for i, s in enumerate(steps) if "-c base-constraints.txt" in s)
+    install = next(i for i, s in enumerate(steps) if "-c constraints.txt" in s)
     first_code = min(
         i for i, s in enumerate(steps) if re.match(r"COPY (pipeline|history_store|workers|monitoring)\b", s)
     )
     assert freeze < install < first_code, text
     assert all(
-        not s.startswith("COPY") or "requirements" in s or "pyproject" in s for s in steps[:install]
+        not s.startswith("COPY") or "requirements" in s or "pyproject" in s or "merge_constraints" in s
+        for s in steps[:install]
     ), text
-    assert "pip check" in steps[-1], "the build ends by checking the environment"
+    # The base installs its stack with --no-deps: `pip check` reports its gaps, not ours. The build ends by
+    # importing what the trainer and the servers import, TransferQueue included (installed, not inherited).
+    assert "pip check" not in text
+    assert "import transfer_queue" in steps[-1] and "TransferQueue" in steps[install]
     ignored = set((REPO / ".dockerignore").read_text().split())
     for needed in ("examples", "scripts", "pipeline", "workers"):
         assert needed not in ignored, f".dockerignore drops {needed}, which the image copies"
@@ -664,6 +715,9 @@ def test_the_ray_head_keeps_the_vllm_target_list_with_a_valid_das_command(
         call.replace('"$DAS_VLLM_TARGETS"', environment(SERVICES["ray-head"])["DAS_VLLM_TARGETS"])
     )
     assert _parse_error(arguments[1:], capsys) is None
+    # The proposers note their /metrics where the head looks: the trainer's job-wide environment says where.
+    folder = trainer_config().ray_kwargs.ray_init.runtime_env.env_vars.DAS_PROPOSER_TARGETS
+    assert option(arguments, "--proposers") == f"${{DAS_PROPOSER_TARGETS:-{folder}}}"
 
 
 def test_the_message_size_setting_reaches_the_topic_and_every_client() -> None:
@@ -693,3 +747,86 @@ def test_the_message_size_setting_reaches_the_topic_and_every_client() -> None:
     assert result.stdout.split() == [str(size)] * 4
     refused = run("12k")
     assert refused.returncode != 0 and "DAS_KAFKA_MAX_MESSAGE_BYTES='12k'" in refused.stderr
+
+
+def test_network_settings_reach_ray_start_and_the_nccl_environment() -> None:
+    """scripts/ray_node_env.sh, as both Ray entrypoints source it: set values become `--node-ip-address` and NCCL's
+    and Gloo's variables; unset ones are left out (Ray and NCCL choose)."""
+    import os
+    import subprocess
+
+    probe = (
+        f'source {REPO}/scripts/ray_node_env.sh; printf "%s\\n" "${{ray_node_flags[@]}}"; '
+        'echo "ifname=${NCCL_SOCKET_IFNAME-unset} gloo=${GLOO_SOCKET_IFNAME-unset} hca=${NCCL_IB_HCA-unset}"'
+    )
+
+    def run(**variables: str) -> list[str]:
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("DAS_", "NCCL_", "GLOO_"))
+        } | variables
+        return subprocess.run(
+            ["bash", "-c", probe], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
+
+    assert run(DAS_NODE_IP="10.0.0.11", DAS_NCCL_SOCKET_IFNAME="ib0", DAS_NCCL_IB_HCA="mlx5") == [
+        "--node-ip-address=10.0.0.11",
+        "ifname=ib0",
+        "gloo=ib0",
+        "hca=mlx5",
+    ]
+    assert run(DAS_NODE_IP="", DAS_NCCL_SOCKET_IFNAME="") == ["ifname=unset", "gloo=unset", "hca=unset"]
+    # The compose file hands the three settings to both Ray containers.
+    for name in ("ray-head", *ray_workers()):
+        assert {"DAS_NODE_IP", "DAS_NCCL_SOCKET_IFNAME", "DAS_NCCL_IB_HCA"} <= set(
+            environment(SERVICES[name])
+        )
+    assert _ray_start_params(["--block", "--node-ip-address=10.0.0.11", *command_of(SERVICES["ray-worker"])])
+
+
+def test_the_infiniband_override_is_valid_compose_and_gives_the_gpu_node_rdma() -> None:
+    override = yaml.safe_load((REPO / "docker-compose.infiniband.yml").read_text())
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    jsonschema.Draft7Validator(schema).validate(override)
+    assert set(override["services"]) <= set(ray_workers())
+    worker = override["services"]["ray-worker"]
+    assert "/dev/infiniband:/dev/infiniband" in worker["devices"] and "IPC_LOCK" in worker["cap_add"]
+
+
+def test_checkpoints_and_history_can_live_on_a_data_disk() -> None:
+    env = {**SECRETS, "DAS_CHECKPOINT_DIR": "/mnt/data/ckpt", "DAS_HISTORY_DATA_DIR": "/mnt/data/das"}
+    services = interpolate(RAW, env=env)["services"]
+    jsonschema.Draft7Validator(json.loads(COMPOSE_SCHEMA.read_text())).validate(interpolate(RAW, env=env))
+    for name in ("ray-head", *ray_workers()):
+        assert mounts(services[name])["/checkpoints"] == "/mnt/data/ckpt", name
+    for name in (*replicas(), *ray_workers()):
+        assert mounts(services[name])["/var/lib/das"] == "/mnt/data/das", name
+    # By default both are named volumes that the file defines.
+    assert mounts(SERVICES["ray-head"])["/checkpoints"] in COMPOSE["volumes"]
+    assert mounts(SERVICES["history"])["/var/lib/das"] in COMPOSE["volumes"]
+
+
+def test_the_trainer_is_tuned_from_compose_and_keeps_few_checkpoints() -> None:
+    config = trainer_config()
+    assert config.trainer.max_actor_ckpt_to_keep == 2 and config.trainer.max_critic_ckpt_to_keep == 2
+    assert config.data.max_response_length == 4096 and config.data.max_prompt_length == 1024
+    assert config.data.filter_overlong_prompts is True
+    assert config.actor_rollout_ref.rollout.gpu_memory_utilization == 0.6
+    assert environment(SERVICES["ray-head"])["DAS_VERL_ARGS"] == ""
+
+
+def test_constraints_merge_pins_each_package_once_with_the_base_first() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "merge_constraints", REPO / "scripts" / "merge_constraints.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = ["torch==2.11.0\n", "Six==1.16.0\n"]
+    project = (REPO / "requirements" / "project.txt").read_text().splitlines()
+    gpu = (REPO / "requirements" / "gpu-constraints.txt").read_text().splitlines()
+    merged = module.merge(base, project, gpu)
+    names = [module.package(line) for line in merged]
+    assert len(names) == len(set(names))
+    assert "six==1.16.0" in [line.lower() for line in merged] and "torch==2.11.0" in merged
+    assert "rocksdict==0.3.29" in merged and "TransferQueue==0.1.11" in merged

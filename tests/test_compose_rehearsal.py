@@ -1,7 +1,9 @@
 """The compose training topology rehearsed on loopback with processes instead of containers.
 
 - the Ray head is started by the compose entrypoint (`scripts/ray_head.sh`, `ray start --head` flags, `--`, the
-  trainer command) and one Ray worker joins it as a GPU node does (`ray start --address ... --block`);
+  trainer command) and waits for the GPU node; one Ray worker joins it through the compose worker's entrypoint
+  (`scripts/ray_worker.sh`, its node address from DAS_NODE_IP) with one (declared) GPU, and only then does the
+  trainer start; after it finishes, the head keeps Ray up until it is stopped;
 - the node's history replica is `das indexer run` on the local Kafka broker, healthy as the compose check says
   (its RocksDB store exists and `/metrics` answers) before the node's engine starts;
 - the trainer side composes the compose file's own verl config and goes through verl's `run_ppo` and
@@ -116,7 +118,14 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
         port = free_port(exclude=(metrics_port,))
         dashboard_port = free_port(exclude=(metrics_port, port))
         # As in the compose head: ray_head.sh keeps Prometheus' list of verl's vLLM servers in this file.
-        head_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "DAS_VLLM_TARGETS": str(targets)}
+        head_env = {
+            **env,
+            "RAY_ADDRESS": f"127.0.0.1:{port}",
+            "DAS_VLLM_TARGETS": str(targets),
+            # The compose head's defaults, one node: the trainer waits for the worker's GPU.
+            "DAS_NODES": "1",
+            "DAS_GPUS_PER_NODE": "1",
+        }
         head = subprocess.Popen(
             [
                 "bash",
@@ -141,29 +150,41 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
             stdout=_log(tmp_path / "head.log"),
             stderr=subprocess.STDOUT,
         )
-        wait_for("the Ray head's port", lambda: _listening(port) or head.poll() is not None, deadline_s=300)
-        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
-        # The GPU node: `ray start --address ... --block`, as the compose ray-worker-N command.
+        head_log = tmp_path / "head.log"
+        wait_for(
+            "the head to wait for the GPU node",
+            lambda: "waiting for 1 GPUs" in head_log.read_text() or head.poll() is not None,
+            deadline_s=300,
+        )
+        assert head.poll() is None, head_log.read_text()[-3000:]
+        assert not out.exists(), "the trainer started before its GPU node joined"
+        # The GPU node, through the compose ray-worker's entrypoint. Its GPU is declared (vLLM runs on the CPU).
         worker = subprocess.Popen(
             [
-                RAY,
-                "start",
+                "bash",
+                str(REPO / "scripts" / "ray_worker.sh"),
                 f"--address=127.0.0.1:{port}",
-                "--block",
                 "--num-cpus=1",
-                "--num-gpus=0",
+                "--num-gpus=1",
                 '--resources={"gpu_node": 1}',
-                "--node-ip-address=127.0.0.1",
                 f"--temp-dir={ray_tmp}",
                 "--disable-usage-stats",
             ],
-            env=env,
+            env={**env, "DAS_NODE_IP": "127.0.0.1"},
             stdout=_log(tmp_path / "worker.log"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        code = head.wait(timeout=DEADLINE_S)
-        assert code == 0, (tmp_path / "head.log").read_text()[-5000:]
+        wait_for(
+            "the trainer to finish",
+            lambda: "training finished" in head_log.read_text() or head.poll() is not None,
+            deadline_s=DEADLINE_S,
+        )
+        assert head.poll() is None, head_log.read_text()[-5000:]
+        # Ray outlives the trainer (its worker stays joined) until the container is stopped.
+        assert worker.poll() is None
+        head.send_signal(signal.SIGTERM)
+        assert head.wait(timeout=60) == 0
     finally:
         for process in (head, worker, replica):
             if process is not None and process.poll() is None:

@@ -49,7 +49,12 @@ def test_example_config_composes_with_verl_defaults_and_passes_verls_rollout_che
     rollout = config.actor_rollout_ref.rollout
     vllm_kwargs = rollout.engine_kwargs.vllm
     assert vllm_kwargs.speculative_config.method == "custom_class"
-    assert vllm_kwargs.speculative_config.model == "workers.generator.proposer.DasProposer"
+    # The name users' engine args keep (workers.proposer re-exports the proposer after the move to generator/).
+    assert vllm_kwargs.speculative_config.model == "workers.proposer.DasProposer"
+    from workers.generator.proposer import DasProposer
+    from workers.proposer import DasProposer as Exported
+
+    assert Exported is DasProposer
     assert vllm_kwargs.worker_extension_cls == "workers.verl.extension.DasVerlWorkerExtension"
     assert rollout.disable_log_stats is False
     assert rollout.temperature == 1.0 and rollout.n == 8

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _verl_readme import readme_overrides
+from _verl_readme import measuring_overrides, readme_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -99,7 +99,9 @@ _CHILD = (
     "import json, os\n"
     "from monitoring.metrics import DRAFTS\n"
     "DRAFTS.inc(3)\n"
-    "print(json.dumps({k: os.environ.get(k) for k in ('DAS_HISTORY_DIR', 'DAS_BUDGET', 'VLLM_PROBE')}))\n"
+    "names = ('DAS_HISTORY_DIR', 'DAS_BUDGET', 'DAS_WINDOW_EPOCHS', 'DAS_DRAFT_THREADS', 'VLLM_USE_V2_MODEL_RUNNER',"
+    " 'VLLM_PROBE')\n"
+    "print(json.dumps({k: os.environ.get(k) for k in names}))\n"
 )
 
 
@@ -150,6 +152,8 @@ def test_readme_settings_reach_server_actors_and_their_processes_on_every_node(
     metrics_dir.mkdir()
     config_path, config_name, overrides = readme_overrides(tmp_path)
     overrides += [
+        # The measuring runs' override, exactly as documented (docs: "Trade-offs on a GPU").
+        *measuring_overrides(),
         f"+ray_kwargs.ray_init.address={ray_cluster}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.DAS_BUDGET=off",
         f"+ray_kwargs.ray_init.runtime_env.env_vars.PROMETHEUS_MULTIPROC_DIR={metrics_dir}",
@@ -168,6 +172,10 @@ def test_readme_settings_reach_server_actors_and_their_processes_on_every_node(
         assert report["child"] == {
             "DAS_HISTORY_DIR": "/var/lib/das/history",
             "DAS_BUDGET": "off",
+            # The documented numbers, quoted so Hydra keeps them strings: ray.init refuses anything else.
+            "DAS_WINDOW_EPOCHS": "5",
+            "DAS_DRAFT_THREADS": "2",
+            "VLLM_USE_V2_MODEL_RUNNER": "0",
             "VLLM_PROBE": "1",
         }
     # A node's /metrics (das indexer run --metrics-port, started with the same PROMETHEUS_MULTIPROC_DIR) merges
@@ -252,4 +260,80 @@ def test_problem_router_keeps_each_problems_requests_on_one_server(ray_cluster) 
         # Least-loaded placement of new problems keeps both servers busy.
         assert min(result["das_problem_affinity"]["requests_per_server"].values()) >= samples * passes * 4
     finally:
+        ray.shutdown()
+
+
+def test_a_fresh_ledger_reads_stored_epochs_on_the_nodes_that_hold_a_replica(
+    ray_cluster, tmp_path, monkeypatch
+) -> None:
+    """The compose head mounts no replica: the TaskRunner's manager reads the stored epochs on the cluster's nodes
+    (here both loopback nodes see the same folder), so a fresh run's passes start after them, not at 0."""
+    import ray
+
+    from history_store.durable.store import HistoryStore
+    from pipeline.schemas import TrajectoryRecord
+    from workers.verl.identity import cluster_history_epochs, ledger_from_config
+
+    history = tmp_path / "history"
+    with HistoryStore(history) as store:
+        store.apply(
+            [
+                TrajectoryRecord(problem_id=p, epoch=e, sample=0, prompt_ids=[1], response_ids=[2])
+                for p, e in (("p", 3), ("p", 4), ("q", 0))
+            ],
+            {},
+        )
+    ray.init(address=ray_cluster, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        assert cluster_history_epochs(str(history)) == {"p": 4, "q": 0}
+        # A node-local path this process does not have (the head's view): the ledger asks the cluster, which
+        # has none either here, and starts at 0 instead of failing.
+        monkeypatch.setenv("DAS_HISTORY_DIR", str(tmp_path / "elsewhere"))
+        ledger = ledger_from_config({"trainer": {"default_local_dir": str(tmp_path / "run")}})
+        assert ledger.assign(["p"], [1], step=1)[0].tolist() == [0]
+    finally:
+        ray.shutdown()
+
+
+# An engine process of a verl vLLM server, as far as the proposer sees it: the proposer is built and loaded as
+# vLLM does (its drafting rank), with DAS_PROPOSER_TARGETS from Ray's job-wide environment; it drafts 3 tokens.
+_ENGINE = (
+    "import sys, time\n"
+    "from workers.generator.proposer import DasProposer\n"
+    "from monitoring.metrics import DRAFTS\n"
+    "DasProposer.standalone(8, 256).load_model()\n"
+    "DRAFTS.inc(3)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_proposer_metrics_are_discovered_on_every_node_beside_vllms_own(ray_cluster, tmp_path) -> None:
+    """What `das monitoring vllm-targets --proposers` lists (this cluster has no dashboard, which its vLLM server
+    listing needs: the proposers' part is called directly)."""
+    import urllib.request
+
+    import ray
+
+    from workers.verl.vllm_targets import proposer_metric_addresses
+
+    folder = tmp_path / "proposers"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DAS_PROPOSER_TARGETS": str(folder)}
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE], env=env, stdout=subprocess.PIPE, text=True)
+    ray.init(address=ray_cluster, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        assert engine.stdout.readline().strip() == "ready"
+        # Both loopback nodes read the same folder: the one engine is listed once per node.
+        addresses = proposer_metric_addresses(str(folder))
+        assert len(set(addresses)) == 1 and len(addresses) == 2
+        exposition = urllib.request.urlopen(f"http://{addresses[0]}/metrics", timeout=30).read().decode()
+        assert "das_drafts_total 3.0" in exposition
+        engine.kill()
+        engine.wait()
+        # The note of an exited engine is dropped at the next refresh.
+        assert proposer_metric_addresses(str(folder)) == []
+        assert not list(folder.glob("*.json"))
+    finally:
+        engine.kill()
+        engine.wait()
         ray.shutdown()

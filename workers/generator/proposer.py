@@ -151,6 +151,9 @@ class _Live:
     max_tokens: int | None
     stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
+    # A segment verl's fully-async client resumed (its prompt holds an earlier partial output): it is no
+    # trajectory, so it neither enters the history nor teaches the budget a length.
+    resumed: bool = False
 
 
 def parse_extra_args(extra_args: Any) -> tuple[str | None, int | None, int | None, str | None]:
@@ -177,6 +180,13 @@ def parse_extra_args(extra_args: Any) -> tuple[str | None, int | None, int | Non
             return None, None, None, f"{name} must be a non-negative int, got {value!r}"
         numbers.append(value)
     return problem_id, numbers[0], numbers[1], None
+
+
+def is_resumed(extra_args: Any, prompt_len: int) -> bool:
+    """True when `extra_args` name a shorter prompt (`das_prompt_tokens`, set by verl's `das_agent`) than the
+    request has: verl's fully-async client resumed it with the partial output appended to the prompt."""
+    asked = extra_args.get("das_prompt_tokens") if isinstance(extra_args, dict) else None
+    return isinstance(asked, int) and not isinstance(asked, bool) and asked < prompt_len
 
 
 def _is_output_rank() -> bool:
@@ -297,6 +307,13 @@ class DasProposer:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
         if self.settings.history_dir and self.drafting:
             self._open_replica(Path(self.settings.history_dir))
+        if self.drafting:
+            from workers.generator.metrics_endpoint import serve_proposer_metrics
+
+            try:
+                serve_proposer_metrics()
+            except OSError as exc:  # metrics must never stop an engine
+                logger.warning("DAS: cannot serve the proposer's /metrics (%s); drafting goes on", exc)
 
     def pause_drafting(self, paused: bool) -> None:
         """Stops (or resumes) drafting while the engine keeps its speculative path: every step gets no drafts.
@@ -362,10 +379,9 @@ class DasProposer:
 
     def _open_replica(self, path: Path) -> None:
         from history_store.durable.store import HistoryStore
+        from workers.generator.replica_dirs import secondary_dir
 
-        secondary = Path(
-            os.environ.get("DAS_SECONDARY_DIR") or path.parent / f".{path.name}.secondary-{os.getpid()}"
-        )
+        secondary = Path(os.environ.get("DAS_SECONDARY_DIR") or secondary_dir(path))
         self._replica = HistoryStore.open_secondary(path, secondary)
         self._stale()
         load_index(self._replica, self.index)
@@ -667,6 +683,7 @@ class DasProposer:
                 else (getattr(sampling, "all_stop_token_ids", None) or ())
             ),
             int(getattr(sampling, "min_tokens", 0) or 0),
+            is_resumed(getattr(sampling, "extra_args", None), prompt_len),
         )
         self._slot_of[key] = slot
         self._rows_seen = None
@@ -679,7 +696,9 @@ class DasProposer:
         del self._slot_of[key]
         self._rows_seen = None
         tokens = self.index.request_tokens(key)
-        response_len = _natural_end(live, tokens) if live.problem_id is not None else None
+        response_len = (
+            _natural_end(live, tokens) if live.problem_id is not None and not live.resumed else None
+        )
         self.index.finish_request(key)
         # Aborted requests (verl's partial rollouts, a client gone) and stop strings (matched in vLLM's front
         # end, which then aborts the request here) end early for reasons the runner does not show: they must

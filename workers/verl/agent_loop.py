@@ -11,6 +11,8 @@ the trainer config's `das` block:
 Publishing never blocks or fails a rollout (`workers.verl.publisher`). Only complete trajectories are
 published: a request vLLM aborted (verl's `stop_reason="aborted"`, e.g. a partial rollout interrupted for a
 weight update) or a response verl cut to `response_length` would store a truncated sample under a real key.
+verl's fully-async client resumes an aborted request itself and hands back the whole response, with
+`stop_reason="length"` when it reached its cap: such a response is complete.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from workers.verl.identity import RequestIdentity, with_extra_args
+from workers.verl.identity import RequestIdentity, with_extra_args, with_prompt_tokens
 from workers.verl.publisher import BackgroundPublisher
 
 logger = logging.getLogger(__name__)
 
 AGENT_LOOP_NAME = "das_agent"
-# verl's TokenOutput.stop_reason for a request that ran to its end (EOS, stop string or max_tokens).
-COMPLETED = "completed"
+# verl's TokenOutput.stop_reason for a request that ran to its end: "completed" (EOS, stop string or max_tokens),
+# or "length" from the fully-async client (FullyAsyncLLMServerClient) when the resumed response reached its cap.
+COMPLETED = frozenset({"completed", "length"})
 # Agent loops are built per trajectory; the publisher is opened once per worker process and shared.
 _publishers: dict[str, BackgroundPublisher] = {}
 _publishers_lock = threading.Lock()
@@ -65,6 +68,11 @@ class _StopReasonRecorder:
         self.generated = 0
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        # Tagged here, above verl's client: a fully-async client's resumed segments keep these extra_args.
+        if "prompt_ids" in kwargs and "sampling_params" in kwargs:
+            kwargs["sampling_params"] = with_prompt_tokens(
+                kwargs["sampling_params"], len(kwargs["prompt_ids"])
+            )
         output = await self._client.generate(*args, **kwargs)
         self.stop_reason = getattr(output, "stop_reason", None)
         self.generated = len(output.token_ids)
@@ -96,4 +104,4 @@ class DasAgentLoop(SingleTurnAgentLoop):
     def complete(self, output: AgentLoopOutput) -> bool:
         """True when the request ran to its end and verl kept all of its tokens."""
         recorder = self.server_manager
-        return recorder.stop_reason == COMPLETED and recorder.generated <= self.response_length
+        return recorder.stop_reason in COMPLETED and recorder.generated <= self.response_length

@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 PROBLEM_FIELD = "das_problem_id"
 EPOCH_FIELD = "das_epoch"
 SAMPLE_FIELD = "das_sample"
+# The length of the prompt the agent loop asked for. verl's fully-async client resumes an interrupted request as
+# a new one whose prompt is that prompt plus the partial output (same extra_args, smaller max_tokens): a request
+# whose prompt is longer than this is such a resumed segment, which the proposer never stores as a trajectory.
+PROMPT_TOKENS_FIELD = "das_prompt_tokens"
 V1_SESSION_FIELD = "session_id"
 # Marks rows that must not enter the history: validation rollouts, greedy baselines (REMAX), rows of a batch
 # without a training step.
@@ -266,12 +270,35 @@ def history_epochs(history_dir: str | os.PathLike[str]) -> dict[str, int]:
         return epochs
 
 
+def cluster_history_epochs(history_dir: str) -> dict[str, int]:
+    """Highest stored epoch per problem over the replicas of every live node of the connected Ray cluster (each
+    node reads its own `history_dir`; nodes without one contribute nothing). The trainer's node often has no
+    replica (the compose head), while every GPU node has one."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    read = ray.remote(num_cpus=0)(history_epochs)
+    reads = [
+        read.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
+        ).remote(history_dir)
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
+    merged: dict[str, int] = {}
+    for epochs in ray.get(reads):
+        for pid, epoch in epochs.items():
+            merged[pid] = max(epoch, merged.get(pid, epoch))
+    return merged
+
+
 def ledger_from_config(config: Mapping[str, Any]) -> PassLedger:
     """The pass ledger for a trainer config: in `das.state_dir`, else verl's checkpoint folder
     (`trainer.default_local_dir`, which a resumed run reads too).
 
-    A fresh run (no ledger there) whose process sees a history replica (`DAS_HISTORY_DIR`) continues each
-    problem's numbering after its stored epochs; otherwise passes start at 0, and the log says which.
+    A fresh run (no ledger there) with a history replica (`DAS_HISTORY_DIR`) continues each problem's numbering
+    after its stored epochs: read here when this node has the replica, else on the Ray cluster's nodes that do
+    (`cluster_history_epochs`). Otherwise passes start at 0, and the log says which.
     """
     das = config.get("das") or {}
     trainer = config.get("trainer") or {}
@@ -280,7 +307,10 @@ def ledger_from_config(config: Mapping[str, Any]) -> PassLedger:
     seeds: dict[str, int] = {}
     history_dir = os.environ.get("DAS_HISTORY_DIR")
     if history_dir and not (state_dir is not None and (state_dir / LEDGER_FILE).exists()):
-        seeds = history_epochs(history_dir)
+        import ray
+
+        local = Path(history_dir).exists() or not ray.is_initialized()
+        seeds = history_epochs(history_dir) if local else cluster_history_epochs(history_dir)
         logger.info(
             "DAS: history at %s holds %d problems; a fresh ledger continues after them",
             history_dir,
@@ -393,3 +423,12 @@ def with_extra_args(sampling_params: Mapping[str, Any], identity: RequestIdentit
     if extra:
         params["extra_args"] = {**(params.get("extra_args") or {}), **extra}
     return params
+
+
+def with_prompt_tokens(sampling_params: Mapping[str, Any], prompt_tokens: int) -> dict[str, Any]:
+    """A copy of verl's sampling parameters whose `extra_args` also say how long the request's own prompt is
+    (`PROMPT_TOKENS_FIELD`); requests without a DAS problem id are left as they are."""
+    extra = sampling_params.get("extra_args") or {}
+    if PROBLEM_FIELD not in extra:
+        return dict(sampling_params)
+    return {**sampling_params, "extra_args": {**extra, PROMPT_TOKENS_FIELD: int(prompt_tokens)}}

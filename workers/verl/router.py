@@ -4,8 +4,12 @@ verl's default router (`GlobalRequestLoadBalancer`) sends each new request to th
 agent loop request has a fresh uuid, so a prompt's n samples (and its later passes) scatter over the replicas:
 sibling drafting and each server's history then see 1/servers of the problem. This router keys on the request's
 `das_problem_id` (from `sampling_params.extra_args`, which verl hands to routers that ask for it): a problem's
-first request goes to the least-loaded server and the problem stays there while that server is in the pool.
-Requests without a problem id fall back to verl's own sticky + least-loaded rule.
+first request goes to the least-loaded server and the problem stays there while that server is in the pool and
+not overloaded. Each step samples a different mix of problems, so a server whose problems all recur at once would
+set every step's makespan: when a problem with no request in flight (a new group, in this step or a later one)
+finds its server more than `rebalance_margin` x the mean load (and at least `rebalance_min_requests`) above the
+least-loaded one, it moves there, for good. A group in flight never splits. Requests without a problem id fall
+back to verl's own sticky + least-loaded rule.
 
 Selected through verl's router plugin hook, `actor_rollout_ref.rollout.router_config_path`, pointing at a YAML
 with `router_class: workers.verl.router.ProblemAffinityLoadBalancer` (`examples/verl/das_router.yaml`).
@@ -21,6 +25,13 @@ from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalReques
 # Problems remembered at once. A data set's problems recur once per pass, so this many keeps every problem of
 # MATH-sized sets (12.5k) placed; older ones are placed afresh (least-loaded), which costs locality only.
 PROBLEM_CACHE_SIZE = 100_000
+# A problem moves off its server when that server's in-flight requests exceed the least-loaded server's by more
+# than this share of the mean load: enough slack that a GRPO group (n requests) arriving does not bounce problems
+# between evenly loaded servers, little enough that one server cannot carry much more than its share
+# (tests/test_verl_router_balance.py measures makespans under skewed per-step mixes).
+REBALANCE_MARGIN = 0.25
+# ... and by at least this many requests: one group of verl's usual n=8 samples.
+REBALANCE_MIN_REQUESTS = 8
 
 
 def request_problem(sampling_params: Any) -> str | None:
@@ -42,10 +53,25 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         self._problem_to_server: LRUCache = LRUCache(
             maxsize=int(config.get("problem_cache_size", PROBLEM_CACHE_SIZE))
         )
+        self._margin = float(config.get("rebalance_margin", REBALANCE_MARGIN))
+        self._min_requests = int(config.get("rebalance_min_requests", REBALANCE_MIN_REQUESTS))
+        # In-flight requests per problem, and the problem of each in-flight request (released by request id).
+        self._problem_inflight: dict[str, int] = {}
+        self._request_problem: dict[str, str] = {}
+        self.moves = 0
 
     def require_acquire_fields(self) -> list[str]:
         """verl serializes these `generate()` arguments into `acquire_server`."""
         return ["sampling_params"]
+
+    def require_release_fields(self) -> list[str]:
+        """verl passes the request id to `release_server`: it ends the request's share of its problem's load."""
+        return ["request_id"]
+
+    def _overloaded(self, server_id: str) -> bool:
+        loads = self._inflight_requests
+        excess = loads[server_id] - min(loads.values())
+        return excess > max(self._min_requests, self._margin * sum(loads.values()) / len(loads))
 
     def acquire_server(
         self, request_id: str, sampling_params: dict[str, Any] | None = None, **_: Any
@@ -56,12 +82,27 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         if problem is None:
             return super().acquire_server(request_id)
         server_id = self._problem_to_server.get(problem)
-        if server_id not in self._inflight_requests:
+        in_flight = self._problem_inflight.get(problem, 0)
+        if server_id in self._inflight_requests and (in_flight or not self._overloaded(server_id)):
+            self._inflight_requests[server_id] += 1
+        else:
+            self.moves += server_id in self._inflight_requests
+            # A fresh request id: verl's rule must not return a sticky server this request had before.
+            self._request_id_to_server.pop(request_id, None)
             server_id, _ = super().acquire_server(request_id)
             self._problem_to_server[problem] = server_id
-            return server_id, self._servers[server_id]
-        self._inflight_requests[server_id] += 1
+        self._problem_inflight[problem] = in_flight + 1
+        self._request_problem[request_id] = problem
         return server_id, self._servers[server_id]
+
+    def release_server(self, server_id: str, request_id: str | None = None) -> None:
+        """verl's release, plus the end of the request's share of its problem's load."""
+        problem = self._request_problem.pop(request_id, None) if request_id is not None else None
+        if problem is not None:
+            left = self._problem_inflight.pop(problem, 1) - 1
+            if left > 0:
+                self._problem_inflight[problem] = left
+        super().release_server(server_id, request_id)
 
     def clear_sticky_cache(self) -> dict:
         """verl clears stickiness when it rebalances (phase switches, elastic scaling): problems are placed
@@ -72,4 +113,5 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
     def get_status(self) -> dict:
         status = super().get_status()
         status["problems_placed"] = len(self._problem_to_server)
+        status["problems_moved"] = self.moves
         return status

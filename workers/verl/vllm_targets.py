@@ -6,7 +6,9 @@ prometheus.yml on every node and reloads a Prometheus on each; ours keeps its ow
 reads the addresses from a file_sd file instead, which Prometheus re-reads whenever it changes.
 
 Each named `vLLMHttpServer` actor that is alive answers `get_server_address()`; servers of a multi-node replica
-that run headless (no HTTP server) fail that call and are skipped.
+that run headless (no HTTP server) fail that call and are skipped. The DAS proposers inside those servers serve
+their own `/metrics` and note the address on their node (`workers.generator.metrics_endpoint`):
+`proposer_metric_addresses` collects the notes of every node.
 """
 
 from __future__ import annotations
@@ -60,3 +62,39 @@ def vllm_server_addresses() -> list[str]:
             continue
         addresses.append(f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}")
     return addresses
+
+
+def _proposer_notes(folder: str) -> list[str]:
+    """Runs on one node: the addresses noted in `folder` by proposers that still run; notes of exited ones are
+    removed."""
+    import json as _json
+
+    addresses = []
+    for note in Path(folder).glob("*.json"):
+        try:
+            entry = _json.loads(note.read_text())
+            os.kill(int(entry["pid"]), 0)
+        except ProcessLookupError:
+            note.unlink(missing_ok=True)
+            continue
+        except (OSError, ValueError, KeyError, TypeError):  # a note being replaced, or another user's process
+            continue
+        addresses.append(str(entry["address"]))
+    return addresses
+
+
+def proposer_metric_addresses(folder: str) -> list[str]:
+    """`host:port` of every DAS proposer's `/metrics` (`workers.generator.metrics_endpoint`) on every live node of
+    the connected Ray cluster, read from each node's `folder`."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    read = ray.remote(num_cpus=0)(_proposer_notes)
+    reads = [
+        read.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
+        ).remote(folder)
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
+    return [address for addresses in ray.get(reads) for address in addresses]
