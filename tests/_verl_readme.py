@@ -1,5 +1,5 @@
-"""The README's verl command as Hydra overrides, with its placeholders filled in (used by the README and Ray
-tests)."""
+"""The verl launch command of the manual (docs/verl.md) as Hydra overrides, with its placeholders filled in (used
+by the launch-command and Ray tests)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def readme_verl_command() -> list[str]:
-    """The arguments of the README's verl launch command (the first bash block of its verl section)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## verl (0.9.1)") :]
+    """The arguments of the verl launch command (the first bash block of docs/verl.md's "Launch" section)."""
+    text = (REPO / "docs" / "verl.md").read_text()
+    section = text[text.index("## Launch") :]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block is not None, "the README's verl section has no bash block"
+    assert block is not None, "docs/verl.md's Launch section has no bash block"
     return shlex.split(block.group(1).replace("\\\n", " "))
 
 

@@ -288,7 +288,7 @@ def test_discovered_targets_come_from_the_ray_head_and_host_targets_from_publish
 
 
 def test_host_targets_file_accepts_gpu_host_entries() -> None:
-    """The README's multi-host step: a replica on another host, at the port history-0 publishes."""
+    """docs/deployment.md's multi-host step: a replica on another host, at the port history-0 publishes."""
     port = next(p for _a, p, c in published_ports(SERVICES["history-0"]) if c == METRICS_PORT)
     entry = [{"targets": [f"10.0.0.11:{port}"], "labels": {"node": "gpu-host-1"}}]
     assert any(p == port for _a, p, _c in published_ports(SERVICES["history-0"]))
