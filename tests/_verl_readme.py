@@ -1,5 +1,5 @@
-"""The documented verl command as Hydra overrides, with its placeholders filled in (used by the README and Ray
-tests)."""
+"""The verl launch command of the manual (docs/verl.md) as Hydra overrides, with its placeholders filled in (used
+by the launch-command and Ray tests)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,14 @@ import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# The page whose "## verl (0.9.1)" section holds the command users copy.
-MANUAL = REPO / "docs" / "pending" / "gpu.md"
 
 
 def readme_verl_command() -> list[str]:
-    """The arguments of the documented verl launch command (the first bash block of the verl section)."""
-    text = MANUAL.read_text()
-    section = text[text.index("## verl (0.9.1)") :]
+    """The arguments of the verl launch command (the first bash block of docs/verl.md's "Launch" section)."""
+    text = (REPO / "docs" / "verl.md").read_text()
+    section = text[text.index("## Launch") :]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block is not None, f"the verl section of {MANUAL} has no bash block"
+    assert block is not None, "docs/verl.md's Launch section has no bash block"
     return shlex.split(block.group(1).replace("\\\n", " "))
 
 
@@ -53,14 +51,3 @@ def readme_overrides(tmp_path: Path) -> tuple[str, str, list[str]]:
             arg = arg.replace(placeholder, value)
         overrides.append(arg.replace("$PWD", str(REPO)))
     return config_path, config_name, overrides
-
-
-def measuring_overrides() -> list[str]:
-    """The runtime-environment overrides of the documented measuring runs (the second bash block of the verl
-    section), as the shell hands them to Hydra."""
-    text = MANUAL.read_text()
-    section = text[text.index("## verl (0.9.1)") :]
-    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(blocks) >= 2, f"the verl section of {MANUAL} has no measuring block"
-    words = shlex.split(blocks[1].replace("\\\n", " "))
-    return [word for word in words if word.startswith("+ray_kwargs.ray_init.runtime_env.env_vars.")]

@@ -319,7 +319,7 @@ def test_discovered_targets_come_from_the_ray_head_and_host_targets_from_publish
 
 
 def test_host_targets_file_accepts_gpu_host_entries() -> None:
-    """The multi-host step: each GPU host's replica, at the port `history` publishes, replaces the local one."""
+    """docs/deployment.md's multi-host step: each GPU host's replica, at the port `history` publishes, replaces the local one."""
     port = next(p for _a, p, c in published_ports(SERVICES["history"]) if c == METRICS_PORT)
     shipped = (REPO / "monitoring" / "prometheus" / "targets" / "replicas.yml").read_text()
     assert f'"10.0.0.11:{port}"' in shipped, "the file's example names the published port"

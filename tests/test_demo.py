@@ -1,5 +1,6 @@
 """`das demo` end to end on the CPU: a tiny run writes the report and keeps its history; a second run starts warm
-from the stored history, says so, and serves /metrics while it runs."""
+from the stored history, says so, and serves /metrics while it runs. The demo ends with a projection of its own
+rollouts under the replay's GPU cost models, which is exactly what `das bench replay` computes on them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from workers.demo.report import PLOT_FILES, SUMMARY_FILE, format_table
+from workers.bench.replay import load_traces
+from workers.cli import main as das
+from workers.demo.projection import STRATEGIES as PROJECTED
+from workers.demo.projection import TRACE_FILE, format_projection, project, write_trace
+from workers.demo.report import PLOT_FILES, SUMMARY_FILE, format_table, write_report
 from workers.demo.run import identical_status
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +72,20 @@ def test_tiny_demo_writes_the_report_and_a_second_run_starts_warm(tmp_path: Path
     # Only DAS rollouts feed the history: one problem, one sample, two epochs.
     assert summary["history"]["trajectories_at_end"] == 2
     assert "identical" in first and "reference" in first  # the table's status column
+    # The projection replays the first strategy's rollouts (none: 2 epochs x 1 sample) and is printed last.
+    projection = summary["projection"]
+    assert projection["rollouts_of"] == "none" and projection["records"] == 2
+    rollouts = load_traces(report / TRACE_FILE)
+    assert sorted(len(r.response_ids) for r in rollouts) == sorted(
+        n for e in summary["epochs"] if e["strategy"] == "none" for n in e["response_lengths"]
+    )
+    assert [m["cost_model"] for m in projection["cost_models"]] == [
+        "default",
+        "memory-bound",
+        "compute-bound",
+    ]
+    table = format_projection(projection)
+    assert first.index(table) > first.index("identical output") and table.startswith("PROJECTION")
 
     second = _demo(
         "--epochs", "1", "--strategies", "das", "--check-problems", "0",
@@ -113,3 +132,44 @@ def test_table_has_one_row_per_epoch_and_strategy_with_the_identity_status() -> 
     assert lines[2].split()[1:2] == ["das"] and lines[2].endswith("identical")
     assert "50.0%" in lines[2] and lines[3].endswith("reference")
     assert lines[-1].startswith("history: warm start with 4 trajectories")
+
+
+def _fidelity_subset(tmp_path: Path) -> Path:
+    """Two problems of the repo's engine-made trace (4 samples x 3 epochs each): a demo's worth of rollouts."""
+    records = load_traces(REPO / "data" / "fidelity_das.jsonl.gz")
+    problems = sorted({r.problem_id for r in records})[:2]
+    return write_trace([r for r in records if r.problem_id in problems], tmp_path / "report")
+
+
+def test_projection_is_what_das_bench_replay_computes_on_the_same_rollouts(tmp_path: Path, capsys) -> None:
+    trace = _fidelity_subset(tmp_path)
+    projection = project(trace, "das")
+    assert projection["records"] == 24 and projection["rollouts_of"] == "das"
+    assert das(projection["command"].split()[1:] + ["--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)["cost_models"]
+    for model in projection["cost_models"]:
+        block = replayed[model["cost_model"]]
+        assert model["coefficients_s"] == block["coefficients"]
+        for strategy in PROJECTED:
+            expected = block["strategies"][strategy]["projected_makespan_s"]
+            assert model["makespan_s"][strategy] == round(expected, 4)
+        assert model["das_gap_closed"] == block["oracle_gap_closed"]["das"]
+    # On these rollouts drafting pays under every model: das ends between the oracle and plain decoding.
+    for model in projection["cost_models"]:
+        makespan = model["makespan_s"]
+        assert makespan["oracle"] <= makespan["das"] < makespan["none"] and 0 < model["das_gap_closed"] <= 1
+
+
+def test_projection_table_is_labelled_and_the_report_plots_it(tmp_path: Path) -> None:
+    projection = project(_fidelity_subset(tmp_path), "das")
+    lines = format_projection(projection).splitlines()
+    assert lines[0].startswith("PROJECTION, not a measurement: this run's 24 das rollouts")
+    assert lines[-1] == f"re-run: {projection['command']}"
+    default = next(line for line in lines if line.startswith("default "))
+    figures = default.split()
+    model = projection["cost_models"][0]
+    assert figures[-1] == f"{model['das_gap_closed']:.0%}"
+    assert figures[-5:-1] == [f"{model['makespan_s'][s]:.3f}" for s in PROJECTED]
+    files = write_report({"epochs": [], "projection": projection}, tmp_path / "plots")
+    plot = tmp_path / "plots" / "projected_makespan.png"
+    assert plot in files and plot.read_bytes().startswith(PNG_MAGIC)

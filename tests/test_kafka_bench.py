@@ -1,5 +1,5 @@
 """`das bench pipeline --json` runs end to end on the real broker and prints one JSON object with every figure
-the README reports (the figures themselves are measured by the command, not asserted here)."""
+docs/benchmarks.md reports (the figures themselves are measured by the command, not asserted here)."""
 
 from __future__ import annotations
 

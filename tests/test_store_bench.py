@@ -1,5 +1,5 @@
 """`das bench store --json` runs end to end on a small workload and prints one JSON object with every
-figure the README's benchmark table reports."""
+figure docs/benchmarks.md reports."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """verl on a two-node Ray cluster on loopback (`ray start --head` plus a second node, both on 127.0.0.1).
 
-- DAS settings given as the README does (`ray_kwargs.ray_init.runtime_env.env_vars.*`) go through verl's own
+- DAS settings given as docs/verl.md does (`ray_kwargs.ray_init.runtime_env.env_vars.*`) go through verl's own
   `run_ppo` into `ray.init` and reach an actor on each node that is created the way verl's `vLLMReplica`
   creates its vLLM servers (node affinity, its own `runtime_env={"env_vars": <platform variables>}`), and the
   child processes it starts (as vLLM starts its engine and workers).

@@ -1,6 +1,6 @@
-"""The README's verl command, exactly as written, through verl's own config composition and `validate_config`
-(what `python -m verl.trainer.main_ppo` runs before anything else), on parquet files shaped like verl's GSM8K
-preprocessing output."""
+"""The verl launch command of docs/verl.md, exactly as written, through verl's own config composition and
+`validate_config` (what `python -m verl.trainer.main_ppo` runs before anything else), on parquet files shaped
+like verl's GSM8K preprocessing output."""
 
 from __future__ import annotations
 

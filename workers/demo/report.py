@@ -1,9 +1,10 @@
 """The demo's report: a JSON summary, a plain-text table, and PNG plots a person can read.
 
 `write_report(summary, folder)` takes the summary `workers.demo.run.DemoResult.to_json()` produces (epochs with
-their figures, identical-output status, the budget timeline) and writes `summary.json` plus four plots:
-rollout time per epoch by strategy, the response-length distribution with its long tail, acceptance by draft
-position, and the DAS budget by length class over time. Matplotlib runs headless (Agg).
+their figures, identical-output status, the budget timeline, the projection) and writes `summary.json` plus five
+plots: rollout time per epoch by strategy, the response-length distribution with its long tail, acceptance by
+draft position, the DAS budget by length class over time, and the projected makespans of the demo's rollouts
+under the replay's GPU cost models. Matplotlib runs headless (Agg).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ PLOT_FILES = (
     "response_lengths.png",
     "acceptance_by_position.png",
     "budget_by_length_class.png",
+    "projected_makespan.png",
 )
 _COLUMNS = (
     ("epoch", "epoch", "{}"),
@@ -71,7 +73,7 @@ def write_report(summary: dict[str, Any], folder: Path) -> list[Path]:
     summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     epochs = summary["epochs"]
     strategies = list(dict.fromkeys(e["strategy"] for e in epochs))
-    plotters = (_rollout_time, _response_lengths, _acceptance_by_position, _budget_by_class)
+    plotters = (_rollout_time, _response_lengths, _acceptance_by_position, _budget_by_class, _projection)
     written = [summary_path]
     for name, plot in zip(PLOT_FILES, plotters, strict=True):
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
@@ -171,3 +173,42 @@ def _budget_by_class(ax: Any, summary: dict[str, Any], strategies: Sequence[str]
     ax.set_ylabel("mean draft budget per step (tokens)")
     ax.set_title("DAS budget by predicted length class")
     ax.legend()
+
+
+def _projection(ax: Any, summary: dict[str, Any], _strategies: Sequence[str]) -> None:
+    from workers.demo.projection import STRATEGIES
+
+    projection = summary.get("projection")
+    if not projection:
+        _empty(ax, "no projection in this summary")
+        return
+    models = projection["cost_models"]
+    width = 0.8 / len(STRATEGIES)
+    for i, strategy in enumerate(STRATEGIES):
+        x = np.arange(len(models)) + (i - (len(STRATEGIES) - 1) / 2) * width
+        bars = ax.bar(
+            x,
+            [m["makespan_s"][strategy] for m in models],
+            width,
+            label=strategy,
+            hatch="//" if strategy == "oracle" else None,
+            fill=strategy != "oracle",
+        )
+        if strategy == "das":
+            for bar, model in zip(bars, models, strict=True):
+                gap = model["das_gap_closed"]
+                if gap is not None:
+                    ax.annotate(
+                        f"{gap:.0%} of gap",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
+    ax.set_xticks(np.arange(len(models)), [m["cost_model"] for m in models])
+    ax.set_xlabel("verifier cost model (assumed for a GPU, not measured here)")
+    ax.set_ylabel("projected makespan (s)")
+    ax.set_title(
+        f"PROJECTION: this run's {projection['rollouts_of']} rollouts replayed on GPU cost models", fontsize=9
+    )
+    ax.legend(fontsize=8)

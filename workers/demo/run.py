@@ -1,9 +1,11 @@
 """`das demo`: GRPO-style rollouts of a few built-in problems, epoch after epoch, with each drafting strategy.
 
 What it shows: the same prompts, sampled n times per epoch (as an RL rollout does, at temperature 1.0), run with no
-drafting, vLLM's n-gram prompt lookup and DAS; per epoch and strategy the rollout wall time, throughput, acceptance, request latencies; and a greedy
-float32 check that every strategy produces the tokens plain decoding produces (sampled outputs differ by RNG
-state, greedy ones must not).
+drafting, vLLM's n-gram prompt lookup and DAS; per epoch and strategy the rollout wall time, throughput, acceptance,
+request latencies; and a greedy float32 check that every strategy produces the tokens plain decoding produces
+(sampled outputs differ by RNG state, greedy ones must not). It ends with a projection: the first strategy's
+rollouts replayed under the replay's GPU cost models (`workers.demo.projection`), because on a CPU verifier a
+verified token costs so much of a step that the measured times cannot show what drafting saves on a GPU.
 
 Everything runs embedded on one machine: finished DAS trajectories go over the in-process bus to the history
 indexer, which applies them to a RocksDB history store (`.das/demo/history` by default). The store outlives the
@@ -39,7 +41,7 @@ _NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """What the demo runs. Defaults finish within about 15 minutes on two busy CPU cores (see the README)."""
+    """What the demo runs. Defaults finish within about 15 minutes on two busy CPU cores."""
 
     problems: int = 3
     problems_file: Path | None = None
@@ -107,6 +109,7 @@ class DemoResult:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     identical: dict[str, str] = field(default_factory=dict)
     budget_timeline: list[dict[str, Any]] = field(default_factory=list)
+    projection: dict[str, Any] | None = None
     metrics_url: str | None = None
     wall_s: float = 0.0
 
@@ -118,6 +121,7 @@ class DemoResult:
             "epochs": self.epochs,
             "identical_output": self.identical,
             "budget_timeline": self.budget_timeline,
+            "projection": self.projection,
             "metrics_url": self.metrics_url,
             "wall_s": round(self.wall_s, 3),
         }
@@ -253,6 +257,7 @@ def run_demo(
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    from workers.demo.projection import format_projection, project, write_trace
     from workers.demo.report import format_table, write_report
     from workers.generator.model import prepare_model
 
@@ -282,11 +287,12 @@ def run_demo(
     sampler = BudgetSampler()
     sampler.start()
     greedy: dict[str, list[list[int]]] = {}
+    rollouts: dict[str, list[TrajectoryRecord]] = {}
     run = _StrategyRun(config, model_dir, problems, store, sampler, tqdm, say)
     try:
         for strategy in config.strategies:
             say(f"[{strategy}] starting the engine")
-            rows, greedy[strategy] = run(strategy, history)
+            rows, greedy[strategy], rollouts[strategy] = run(strategy, history)
             result.epochs += rows
     finally:
         sampler.stop()
@@ -294,9 +300,13 @@ def run_demo(
         store.close()
     result.identical = identical_status(greedy, min(config.check_problems, len(problems)))
     result.budget_timeline = sampler.points
+    projected = config.strategies[0]
+    say(f"projection: replaying the {projected} rollouts under the replay's GPU cost models")
+    result.projection = project(write_trace(rollouts[projected], config.report_dir), projected)
     result.wall_s = time.perf_counter() - started
     files = write_report(result.to_json(), config.report_dir)
     say(format_table(result.to_json()))
+    say(format_projection(result.projection))
     say(f"report: {', '.join(str(f) for f in files)}")
     return result
 
@@ -382,8 +392,10 @@ class _StrategyRun:
         self.tqdm = tqdm
         self.say = say
 
-    def __call__(self, strategy: str, history: HistoryState) -> tuple[list[dict[str, Any]], list[list[int]]]:
-        """(one row per epoch, greedy outputs of the check problems)."""
+    def __call__(
+        self, strategy: str, history: HistoryState
+    ) -> tuple[list[dict[str, Any]], list[list[int]], list[TrajectoryRecord]]:
+        """(one row per epoch, greedy outputs of the check problems, every epoch's rollouts)."""
         from pipeline.bus import open_bus
         from workers.replica.service import Indexer
         from workers.rollout.worker import RolloutWorker
@@ -400,6 +412,7 @@ class _StrategyRun:
                 bus.publish(record)
 
         rows: list[dict[str, Any]] = []
+        records: list[TrajectoryRecord] = []
         try:
             worker = RolloutWorker(llm, strategy, sink=sink, worker="das-demo")
             if strategy == "das":
@@ -434,12 +447,13 @@ class _StrategyRun:
                 row["acceptance_by_position"] = [round(a / drafts, 4) if drafts else 0.0 for a in accepted]
                 row["response_lengths"] = [len(f.record.response_ids) for f in finished]
                 rows.append(row)
+                records += [f.record for f in finished]
             greedy = self._greedy(worker, strategy)
         finally:
             if indexer is not None:
                 indexer.close()
             _close(llm)
-        return rows, greedy
+        return rows, greedy, records
 
     def _greedy(self, worker: Any, strategy: str) -> list[list[int]]:
         """Greedy float32 outputs of the check problems. DAS requests carry their problem id, so they draft

@@ -1,4 +1,5 @@
-"""`das demo`: RL-style rollouts of built-in problems with each drafting strategy, history kept across runs."""
+"""`das demo`: RL-style rollouts of built-in problems with each drafting strategy, history kept across runs, and
+a projection of those rollouts under the replay's GPU cost models."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def register(cli: Any) -> argparse.ArgumentParser:
     parser = cli.command(
         "demo",
         help="Rollouts of built-in math and code problems, epoch after epoch, with no drafting, n-gram and DAS; "
-        "prints a table per epoch and strategy and writes a report folder (JSON + plots).",
+        "prints a table per epoch and strategy, then a projection of the same rollouts under GPU cost models "
+        "(das bench replay), and writes a report folder (JSON, the rollouts, plots).",
         run=_run,
     )
     parser.add_argument(
