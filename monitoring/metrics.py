@@ -41,6 +41,7 @@ DEAD_LETTER_REASONS = (
     "epoch_ahead",
     "sample_range",
     "epoch_range",
+    "logprobs",
 )
 QUARANTINE_REASONS = ("checksum", "header", "size", "window")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the
