@@ -88,3 +88,16 @@ def test_annotate_reproduces_the_engines_logprobs_and_keeps_every_other_field(
         diff = np.abs(np.asarray(teacher["response_logprobs"]) - np.asarray(engine["response_logprobs"]))
         worst = max(worst, float(diff.max()))
     assert worst < TOLERANCE, f"teacher forcing is {worst} from the engine's log probabilities"
+
+
+def test_annotate_refuses_temperatures_that_do_not_fit_the_epochs_in_one_line(tmp_path) -> None:
+    out = tmp_path / "never.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "traces", "annotate", str(REPO / "data" / "fidelity_das.jsonl.gz"),
+         "--temperatures", "1.0,0.5", "-o", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1 and not out.exists()
+    assert result.stderr.strip().splitlines() == [
+        "das traces annotate: --temperatures gives 2 values for 3 epochs"
+    ]
