@@ -3,6 +3,8 @@ reported for tombstones, offsets stored with the records, length statistics, and
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,9 @@ from _store_workload import Workload
 from rocksdict import Options, Rdict
 
 from history_store.durable import layout
-from history_store.durable.codec import decode_trajectory
+from history_store.durable.codec import as_logprob_array, as_token_array, decode_trajectory, encode_trajectory
 from history_store.durable.store import HistoryStore
-from history_store.errors import StoreOpenError
+from history_store.errors import CorruptRecordError, StoreOpenError
 from pipeline.schemas import TrajectoryRecord
 
 WORKLOAD = Workload(problems=3, epochs=4, samples=3)
@@ -243,9 +245,6 @@ def test_logprobs_enter_the_content_digest(tmp_path: Path) -> None:
 
 def test_a_record_without_logprobs_is_stored_in_the_bytes_of_before_the_field(tmp_path: Path) -> None:
     # A store written before `response_logprobs` existed holds exactly these bytes, so it still opens and reads.
-    import struct
-    import zlib
-
     with HistoryStore(tmp_path / "h") as store:
         store.apply([_record("p", 0, 0, [7, 8, 9])])
     families = {name: Options(raw_mode=True) for name in layout.COLUMN_FAMILIES}
@@ -269,9 +268,6 @@ def test_invalid_logprobs_raise_and_write_nothing(tmp_path: Path, values: list[f
 
 
 def test_a_flipped_bit_in_the_logprobs_is_caught_by_the_checksum() -> None:
-    from history_store.durable.codec import as_logprob_array, as_token_array, encode_trajectory
-    from history_store.errors import CorruptRecordError
-
     raw = bytearray(
         encode_trajectory(
             3, as_token_array([1], "p"), as_token_array([2, 3], "r"), as_logprob_array([-1, -2], 2)

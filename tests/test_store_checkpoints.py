@@ -12,6 +12,7 @@ from _store_workload import Workload
 from history_store.durable.checkpoints import (
     Checkpointer,
     CheckpointError,
+    create_backup,
     create_checkpoint,
     list_checkpoints,
     read_manifest,
@@ -136,8 +137,6 @@ def test_das_history_commands_checkpoint_restore_stats_inspect_compact(tmp_path:
 
 
 def test_checkpoints_and_backups_keep_response_logprobs(tmp_path: Path) -> None:
-    from history_store.durable.checkpoints import create_backup
-
     records = [
         r.model_copy(update={"response_logprobs": [-0.25 * (i % 9) for i in range(len(r.response_ids))]})
         for r in WORKLOAD.stream()[:6]
