@@ -44,6 +44,7 @@ DEAD_LETTER_REASONS = (
     "stale",
     "sample_range",
     "epoch_range",
+    "logprobs",
 )
 QUARANTINE_REASONS = ("checksum", "header", "size", "window", "epoch_outlier")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the

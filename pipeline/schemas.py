@@ -15,7 +15,12 @@ MAX_EPOCH = 2**32 - 1
 
 
 class TrajectoryRecord(BaseModel):
-    """A finished rollout of one problem. Trace files need only the first five fields."""
+    """A finished rollout of one problem. Trace files need only the first five fields.
+
+    `response_logprobs`, when present, holds one log probability per response token: the one the engine
+    sampled the token with, at the sampling temperature. The replica dead-letters a record whose values are not
+    finite, not <= 0 or not one per token (`pipeline.wire.check_logprobs`).
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -24,6 +29,7 @@ class TrajectoryRecord(BaseModel):
     sample: Annotated[int, Field(ge=0, le=MAX_EPOCH, strict=True)]
     prompt_ids: list[TokenId]
     response_ids: list[TokenId]
+    response_logprobs: list[float] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     policy_version: int | None = None
     started_at: float | None = None

@@ -8,7 +8,11 @@ validates the scalar fields through `TrajectoryRecord.model_validate` and the to
 token bound (vectorized), so the bus accepts exactly what the model accepts.
 
 Header (little-endian): magic b"DR", schema version (u8), flags (u8: bit 0 prompt is u16, bit 1 response is
-u16), JSON length (u32), prompt length (u32), response length (u32), in tokens.
+u16, bit 2 response log probabilities follow), JSON length (u32), prompt length (u32), response length (u32), in
+tokens. The log probabilities, when present, are little-endian float32 after the token ids, as many as the bytes
+left hold (the engines compute them in float32, so nothing is lost); decoding dead-letters a record whose count
+differs from its response length, or whose values are not finite or above 0 (`REASON_LOGPROBS`). A record
+without them has bit 2 clear and is byte for byte what it was before the field existed.
 
 Record key: problem id, NUL, epoch, NUL, sample. Compaction works per key, so the key must be the record's
 identity (a key of just the problem id would compact a problem's history down to its last record); the
@@ -33,7 +37,10 @@ _HEAD = struct.Struct("<2sBBIII")
 HEADER_BYTES = _HEAD.size
 _PROMPT_U16 = 1
 _RESPONSE_U16 = 2
+_LOGPROBS = 4
 _TOKEN_FIELDS = ("prompt_ids", "response_ids")
+# Fields in the binary part of a value, not in its JSON object.
+_BINARY_FIELDS = frozenset((*_TOKEN_FIELDS, "response_logprobs", "schema_version"))
 # A record above this many tokens is refused before its arrays are read: 1M tokens is far past any context
 # length in use, and it bounds the memory one malformed message can make a replica allocate.
 DEFAULT_MAX_RECORD_TOKENS = 1 << 20
@@ -50,6 +57,7 @@ REASON_EPOCH_JUMP = "epoch_jump"  # would evict its problem's whole window, ahea
 REASON_STALE = "stale"  # its epoch is already below its problem's window (a late or reordered record)
 REASON_SAMPLE_RANGE = "sample_range"  # a sample id beyond the replica's limit
 REASON_EPOCH_RANGE = "epoch_range"  # an epoch beyond any training run's (the empty replica's guard)
+REASON_LOGPROBS = "logprobs"  # response log probabilities not one per token, not finite, or above 0
 # Limits a replica checks against its own state (workers.replica.service). Training moves one epoch at a time,
 # so the epoch most recent records carry (their median) is where the run is; a record more than this beyond it
 # is dead-lettered, whatever its problem. Two, not one: asynchronous rollouts may run an epoch ahead of the
@@ -75,6 +83,7 @@ REASONS = (
     REASON_STALE,
     REASON_SAMPLE_RANGE,
     REASON_EPOCH_RANGE,
+    REASON_LOGPROBS,
 )
 
 
@@ -97,16 +106,37 @@ def _tokens(ids: list[int]) -> tuple[bytes, bool]:
 
 
 def encode_record(record: TrajectoryRecord) -> bytes:
-    """The wire value of a (validated) record."""
-    meta = record.model_dump(exclude={"prompt_ids", "response_ids", "schema_version"}, exclude_none=True)
+    """The wire value of a (validated) record. Log probabilities are written as they are (float32), even when
+    they break the rule `decode` checks: the replica, not the producer, decides what to dead-letter."""
+    meta = record.model_dump(exclude=_BINARY_FIELDS, exclude_none=True)
     meta_raw = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
     prompt, prompt_u16 = _tokens(record.prompt_ids)
     response, response_u16 = _tokens(record.response_ids)
     flags = (_PROMPT_U16 if prompt_u16 else 0) | (_RESPONSE_U16 if response_u16 else 0)
+    logprobs = b""
+    if record.response_logprobs is not None:
+        flags |= _LOGPROBS
+        logprobs = np.asarray(record.response_logprobs, dtype="<f4").tobytes()
     head = _HEAD.pack(
         MAGIC, record.schema_version, flags, len(meta_raw), len(record.prompt_ids), len(record.response_ids)
     )
-    return b"".join((head, meta_raw, prompt, response))
+    return b"".join((head, meta_raw, prompt, response, logprobs))
+
+
+def check_logprobs(logprobs: np.ndarray, response_tokens: int) -> None:
+    """Raises WireError(logprobs) unless `logprobs` holds one finite value <= 0 per response token."""
+    if logprobs.size != response_tokens:
+        raise WireError(
+            REASON_LOGPROBS,
+            f"{logprobs.size} response log probabilities for {response_tokens} response tokens",
+        )
+    bad = ~np.isfinite(logprobs) | (logprobs > 0)
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise WireError(
+            REASON_LOGPROBS,
+            f"response log probability {float(logprobs[at])!r} at token {at}: each must be finite and <= 0",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +145,14 @@ class DecodedRecord:
     the store and the trees take them without a round trip through Python lists.
 
     `meta` is the record model validated with every scalar field and empty token lists; the token arrays
-    passed the model's TokenId bound (0..MAX_TOKEN_ID) vectorized.
+    passed the model's TokenId bound (0..MAX_TOKEN_ID) vectorized, and `response_logprobs` (float32, or None
+    when the record has none) passed `check_logprobs`.
     """
 
     meta: TrajectoryRecord
     prompt_ids: np.ndarray
     response_ids: np.ndarray
+    response_logprobs: np.ndarray | None = None
 
     @property
     def problem_id(self) -> str:
@@ -140,15 +172,20 @@ class DecodedRecord:
 
     def to_record(self) -> TrajectoryRecord:
         """The full record model, token ids as lists."""
+        logprobs = None if self.response_logprobs is None else self.response_logprobs.tolist()
         return self.meta.model_copy(
-            update={"prompt_ids": self.prompt_ids.tolist(), "response_ids": self.response_ids.tolist()}
+            update={
+                "prompt_ids": self.prompt_ids.tolist(),
+                "response_ids": self.response_ids.tolist(),
+                "response_logprobs": logprobs,
+            }
         )
 
 
 def decode(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> DecodedRecord:
     """Decodes and validates one wire value, keeping token ids as arrays.
 
-    Raises WireError with the reason code (encoding, truncated, schema_version, oversize, invalid).
+    Raises WireError with the reason code (encoding, truncated, schema_version, oversize, invalid, logprobs).
     """
     if value is None:
         raise WireError(REASON_ENCODING, "empty value where a trajectory record was expected")
@@ -163,7 +200,7 @@ def decode(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> 
         raise WireError(
             REASON_SCHEMA_VERSION, f"schema version {version}; this build reads version {SCHEMA_VERSION}"
         )
-    if flags & ~(_PROMPT_U16 | _RESPONSE_U16):
+    if flags & ~(_PROMPT_U16 | _RESPONSE_U16 | _LOGPROBS):
         raise WireError(REASON_ENCODING, f"unknown flag bits {flags:#04x}")
     if n_prompt + n_response > max_tokens:
         raise WireError(
@@ -171,16 +208,18 @@ def decode(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> 
         )
     prompt_width = 2 if flags & _PROMPT_U16 else 4
     response_width = 2 if flags & _RESPONSE_U16 else 4
-    expected = HEADER_BYTES + meta_len + n_prompt * prompt_width + n_response * response_width
-    if len(value) != expected:
-        raise WireError(REASON_TRUNCATED, f"{len(value)} bytes where the header announces {expected}")
+    tokens_end = HEADER_BYTES + meta_len + n_prompt * prompt_width + n_response * response_width
+    # The log probabilities' count is what the bytes after the tokens hold; check_logprobs compares it.
+    logprob_bytes = len(value) - tokens_end if flags & _LOGPROBS else 0
+    if logprob_bytes < 0 or logprob_bytes % 4 or (len(value) != tokens_end and not flags & _LOGPROBS):
+        raise WireError(REASON_TRUNCATED, f"{len(value)} bytes where the header announces {tokens_end}")
     try:
         meta = json.loads(value[HEADER_BYTES : HEADER_BYTES + meta_len].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(REASON_ENCODING, f"scalar fields are not UTF-8 JSON: {exc}") from exc
     if not isinstance(meta, dict):
         raise WireError(REASON_ENCODING, f"scalar fields must be a JSON object, got {type(meta).__name__}")
-    misplaced = [name for name in (*_TOKEN_FIELDS, "schema_version") if name in meta]
+    misplaced = sorted(name for name in _BINARY_FIELDS if name in meta)
     if misplaced:
         raise WireError(REASON_ENCODING, f"{misplaced} belong in the binary part, not the JSON object")
     start = HEADER_BYTES + meta_len
@@ -193,10 +232,14 @@ def decode(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> 
         if arr.itemsize == 4 and arr.size and int(arr.max()) > MAX_TOKEN_ID:
             bad = int(arr[arr > MAX_TOKEN_ID][0])
             raise WireError(REASON_INVALID, f"{name}: token id {bad} outside 0..{MAX_TOKEN_ID}")
+    logprobs = None
+    if flags & _LOGPROBS:
+        logprobs = np.frombuffer(value, "<f4", logprob_bytes // 4, tokens_end)
+        check_logprobs(logprobs, n_response)
     meta["prompt_ids"] = meta["response_ids"] = []
     meta["schema_version"] = version
     try:
-        return DecodedRecord(TrajectoryRecord.model_validate(meta), prompt, response)
+        return DecodedRecord(TrajectoryRecord.model_validate(meta), prompt, response, logprobs)
     except ValidationError as exc:
         raise WireError(REASON_INVALID, _summarize(exc)) from exc
 
@@ -204,7 +247,7 @@ def decode(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> 
 def decode_record(value: bytes | None, max_tokens: int = DEFAULT_MAX_RECORD_TOKENS) -> TrajectoryRecord:
     """Decodes and validates one wire value into the record model.
 
-    Raises WireError with the reason code (encoding, truncated, schema_version, oversize, invalid).
+    Raises WireError with the reason code (encoding, truncated, schema_version, oversize, invalid, logprobs).
     """
     return decode(value, max_tokens).to_record()
 

@@ -9,6 +9,7 @@ import random
 import struct
 import time
 
+import numpy as np
 import pytest
 from conftest import drop_topics, end_offsets
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -393,3 +394,55 @@ def test_a_dead_letter_too_large_for_its_topic_keeps_a_prefix_and_its_size(
     headers = dict(letter.headers)
     assert int(headers[H_TRUNCATED]) == len(value)
     assert value.startswith(letter.value) and len(letter.value) < len(value)
+
+
+def test_response_logprobs_travel_to_the_store_and_invalid_ones_are_dead_lettered(
+    kafka_servers, kafka_topics, tmp_path
+):
+    topic, dlq = kafka_topics
+    plain = [synthetic_record(0, i, 1000, SMALL) for i in range(12)]
+    # float32 values, as the engine computes them: they come back bit for bit.
+    valid = [
+        r.model_copy(
+            update={"response_logprobs": (-np.arange(len(r.response_ids), dtype=np.float32) / 7).tolist()}
+        )
+        for r in plain[:6]
+    ]
+    bad_values = (
+        lambda n: [-0.5] * (n - 1),  # one short
+        lambda n: [-0.5] * n + [-0.5],  # one too many
+        lambda n: [-0.5] * (n - 1) + [0.75],  # a probability above 1
+        lambda n: [float("nan")] + [-0.5] * (n - 1),
+        lambda n: [-0.5] * (n - 1) + [float("-inf")],
+    )
+    invalid = [
+        r.model_copy(update={"response_logprobs": make(len(r.response_ids))})
+        for r, make in zip(plain[6:11], bad_values, strict=True)
+    ]
+    without = plain[11:]
+    producer = KafkaProducer(bootstrap_servers=kafka_servers, linger_ms=5)
+    expected = {}
+    for record in valid + invalid + without:
+        meta = producer.send(
+            topic,
+            key=record_key(*record.key),
+            value=encode_record(record),
+            partition=partition_for(record.problem_id, 6),
+        ).get(timeout=60)
+        if record in invalid:
+            expected[(meta.partition, meta.offset)] = "logprobs"
+    producer.close()
+    with HistoryStore(tmp_path / "store", window_epochs=5) as store:
+        indexer = _indexer(kafka_servers, topic, dlq, store)
+        totals = _drain(indexer, store, kafka_servers, topic)
+        indexer.close()
+        assert totals["dead"] == {"logprobs": len(invalid)}
+        for record in valid:
+            assert store.get(*record.key).response_logprobs.tolist() == record.response_logprobs
+        for record in without:
+            stored = store.get(*record.key)
+            assert stored.response_logprobs is None and stored.response_ids.tolist() == record.response_ids
+        assert {t.key for t in store.iter_trajectories()} == {r.key for r in valid + without}
+    letters = read_dead_letters(kafka_servers, dlq)
+    assert {(d.partition, d.offset): d.reason for d in letters} == expected
+    assert all("response log probabilit" in d.detail for d in letters)

@@ -114,3 +114,22 @@ def test_replica_checkpoints_at_epoch_boundaries_and_a_failed_checkpoint_never_s
             pass
         assert sum(1 for _ in store.iter_trajectories()) > stored
         assert "automatic checkpoint" in caplog.text
+
+
+def test_an_embedded_record_with_invalid_logprobs_is_dropped_and_the_replica_goes_on(tmp_path):
+    bus = EmbeddedBus()
+    good, bad, plain = list(synthetic_records(0, 3, SHAPE))
+    good = good.model_copy(update={"response_logprobs": [-0.5] * len(good.response_ids)})
+    bad = bad.model_copy(update={"response_logprobs": [0.5] * len(bad.response_ids)})
+    with HistoryStore(tmp_path / "store") as store:
+        indexer = Indexer(bus.subscribe(), store, poll_timeout_s=0.01)
+        indexer.start()
+        for record in (good, bad, plain):
+            bus.publish(record)
+        dead: dict[str, int] = {}
+        while (report := indexer.step()).messages:
+            for reason, n in report.dead_lettered.items():
+                dead[reason] = dead.get(reason, 0) + n
+        assert dead == {"logprobs": 1}
+        assert {t.key for t in store.iter_trajectories()} == {good.key, plain.key}
+        assert store.get(*good.key).response_logprobs.tolist() == good.response_logprobs

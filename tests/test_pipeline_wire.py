@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,11 +17,13 @@ from pipeline.wire import (
     REASON_ENCODING,
     REASON_INVALID,
     REASON_KEY_MISMATCH,
+    REASON_LOGPROBS,
     REASON_OVERSIZE,
     REASON_SCHEMA_VERSION,
     REASON_TRUNCATED,
     WireError,
     check_key,
+    decode,
     decode_record,
     encode_record,
     measure_encoding,
@@ -152,3 +155,54 @@ def test_header_size_is_fixed():
     assert len(encode_record(_record(prompt_ids=[], response_ids=[]))) == HEADER_BYTES + len(
         json.dumps({"problem_id": "p", "epoch": 1, "sample": 2}, separators=(",", ":"))
     )
+
+
+logprob = st.floats(max_value=0.0, width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(response=st.lists(st.integers(0, MAX_TOKEN_ID), max_size=50), data=st.data())
+def test_response_logprobs_survive_the_wire_bit_for_bit(response, data):
+    values = data.draw(st.lists(logprob, min_size=len(response), max_size=len(response)))
+    record = _record(response_ids=response, response_logprobs=values)
+    decoded = decode(encode_record(record))
+    assert decoded.response_logprobs.dtype == np.float32
+    assert decode_record(encode_record(record)) == record
+
+
+def test_a_record_without_logprobs_keeps_the_bytes_it_had_before_the_field():
+    # The format as it was: header, JSON of the scalar fields, u16 prompt, u32 response (70000 > 0xFFFF).
+    meta = b'{"problem_id":"p","epoch":1,"sample":2}'
+    before = (
+        struct.pack("<2sBBIII", b"DR", 1, 1, len(meta), 3, 2)
+        + meta
+        + np.array([1, 2, 3], "<u2").tobytes()
+        + np.array([70000, 5], "<u4").tobytes()
+    )
+    assert encode_record(_record()) == before
+    assert decode(before).response_logprobs is None and decode_record(before) == _record()
+
+
+@pytest.mark.parametrize(
+    ("values", "detail"),
+    [
+        ([-0.5], "1 response log probabilities for 2 response tokens"),
+        ([-0.5, -0.1, -0.2], "3 response log probabilities for 2 response tokens"),
+        ([-0.5, 0.25], "0.25 at token 1"),
+        ([float("nan"), -1.0], "nan at token 0"),
+        ([-1.0, float("-inf")], "-inf at token 1"),
+        ([float("inf"), -1.0], "inf at token 0"),
+    ],
+)
+def test_logprobs_not_finite_not_negative_or_not_one_per_token_are_rejected(values, detail):
+    with pytest.raises(WireError) as caught:
+        decode(encode_record(_record(response_logprobs=values)))
+    assert caught.value.reason == REASON_LOGPROBS and detail in caught.value.detail
+
+
+def test_logprobs_in_the_json_part_are_misplaced():
+    meta = b'{"problem_id":"p","epoch":1,"sample":2,"response_logprobs":[-1.0]}'
+    value = struct.pack("<2sBBIII", b"DR", 1, 3, len(meta), 0, 1) + meta + b"\x05\x00"
+    with pytest.raises(WireError) as caught:
+        decode(value)
+    assert caught.value.reason == REASON_ENCODING and "response_logprobs" in caught.value.detail

@@ -241,3 +241,16 @@ def test_the_replay_knows_the_traces_response_cap_as_the_engine_did() -> None:
     assert replay.trace_max_tokens(stopped) is None  # nothing ran into it: unknown
     assert replay.trace_max_tokens([*stopped, record(2, 64, "length")]) is None  # one ran past it: mixed caps
     assert replay.trace_max_tokens([*stopped, record(2, 128, "length")]) == 128
+
+
+def test_load_traces_keeps_response_logprobs(tmp_path) -> None:
+    trace = tmp_path / "annotated.jsonl"
+    with_values = {"problem_id": "p", "epoch": 0, "sample": 0, "prompt_ids": [1], "response_ids": [2, 3]}
+    trace.write_text(
+        json.dumps({**with_values, "response_logprobs": [-0.25, -1.5]})
+        + "\n"
+        + json.dumps({**with_values, "sample": 1})
+        + "\n"
+    )
+    first, second = replay.load_traces(trace)
+    assert first.response_logprobs == [-0.25, -1.5] and second.response_logprobs is None

@@ -3,6 +3,8 @@ reported for tombstones, offsets stored with the records, length statistics, and
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,9 @@ from _store_workload import Workload
 from rocksdict import Options, Rdict
 
 from history_store.durable import layout
-from history_store.durable.codec import decode_trajectory
+from history_store.durable.codec import as_logprob_array, as_token_array, decode_trajectory, encode_trajectory
 from history_store.durable.store import HistoryStore
-from history_store.errors import StoreOpenError
+from history_store.errors import CorruptRecordError, StoreOpenError
 from pipeline.schemas import TrajectoryRecord
 
 WORKLOAD = Workload(problems=3, epochs=4, samples=3)
@@ -199,3 +201,78 @@ def test_store_size_and_token_gauges_follow_applies_and_evictions(tmp_path):
         assert gauge("das_store_tokens") == 4
     with HistoryStore(tmp_path / "h") as reopened:
         assert gauge("das_store_tokens") == reopened.stats().response_tokens == 4
+
+
+def _with_logprobs(problem: str, epoch: int, sample: int, n: int) -> TrajectoryRecord:
+    values = -np.linspace(0.0, 7.5, n, dtype=np.float32)
+    return TrajectoryRecord(
+        problem_id=problem,
+        epoch=epoch,
+        sample=sample,
+        prompt_ids=[5, 6],
+        response_ids=list(range(100, 100 + n)),
+        response_logprobs=values.tolist(),
+    )
+
+
+def test_response_logprobs_are_stored_as_float32_and_read_back_identical(tmp_path: Path) -> None:
+    record = _with_logprobs("p", 0, 0, 300)
+    with HistoryStore(tmp_path / "h") as store:
+        store.apply([record, _record("p", 0, 1, [1, 2, 3])])
+        digest = store.content_digest()
+    with HistoryStore(tmp_path / "h") as store:
+        got = store.get("p", 0, 0)
+        assert got.response_logprobs.dtype == np.float32
+        assert got.response_logprobs.tolist() == record.response_logprobs
+        assert store.get("p", 0, 1).response_logprobs is None
+        assert store.content_digest() == digest
+
+
+def test_logprobs_enter_the_content_digest(tmp_path: Path) -> None:
+    first, second = _with_logprobs("p", 0, 0, 10), _with_logprobs("p", 0, 0, 10)
+    second = second.model_copy(update={"response_logprobs": [-1.0] * 10})
+    digests = []
+    for name, record in (
+        ("a", first),
+        ("b", second),
+        ("c", first.model_copy(update={"response_logprobs": None})),
+    ):
+        with HistoryStore(tmp_path / name) as store:
+            store.apply([record])
+            digests.append(store.content_digest())
+    assert len(set(digests)) == 3
+
+
+def test_a_record_without_logprobs_is_stored_in_the_bytes_of_before_the_field(tmp_path: Path) -> None:
+    # A store written before `response_logprobs` existed holds exactly these bytes, so it still opens and reads.
+    with HistoryStore(tmp_path / "h") as store:
+        store.apply([_record("p", 0, 0, [7, 8, 9])])
+    families = {name: Options(raw_mode=True) for name in layout.COLUMN_FAMILIES}
+    db = Rdict(str(tmp_path / "h"), Options(raw_mode=True), column_families=families)
+    raw = db.get_column_family(layout.CF_TRAJECTORIES)[layout.trajectory_key("p", 0, 0)]
+    db.close()
+    head = struct.pack("<2sBBQII", b"DT", 1, 0, 0, 2, 3)
+    body = np.array([5, 6, 7, 8, 9], "<i4").tobytes()
+    assert raw == head + struct.pack("<I", zlib.crc32(body, zlib.crc32(head))) + body
+
+
+@pytest.mark.parametrize(
+    "values", [[-1.0, -2.0], [-1.0, 0.5, -1.0], [-1.0, float("nan"), -1.0], [-1.0, float("-inf"), -1.0]]
+)
+def test_invalid_logprobs_raise_and_write_nothing(tmp_path: Path, values: list[float]) -> None:
+    bad = _record("p", 0, 1, [1, 2, 3]).model_copy(update={"response_logprobs": values})
+    with HistoryStore(tmp_path / "h") as store:
+        with pytest.raises(ValueError, match="response_logprobs"):
+            store.apply([_record("p", 0, 0, [1]), bad])
+        assert store.get("p", 0, 0) is None
+
+
+def test_a_flipped_bit_in_the_logprobs_is_caught_by_the_checksum() -> None:
+    raw = bytearray(
+        encode_trajectory(
+            3, as_token_array([1], "p"), as_token_array([2, 3], "r"), as_logprob_array([-1, -2], 2)
+        )
+    )
+    raw[-1] ^= 0x10
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        decode_trajectory(bytes(raw))

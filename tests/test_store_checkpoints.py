@@ -12,6 +12,7 @@ from _store_workload import Workload
 from history_store.durable.checkpoints import (
     Checkpointer,
     CheckpointError,
+    create_backup,
     create_checkpoint,
     list_checkpoints,
     read_manifest,
@@ -133,3 +134,19 @@ def test_das_history_commands_checkpoint_restore_stats_inspect_compact(tmp_path:
         assert run("history", "stats", "--data", str(data), "--json")["trajectories"] == stats["trajectories"]
         assert das(["history", "compact", "--data", str(data)]) == 1
         assert "already open for writing" in capsys.readouterr().err
+
+
+def test_checkpoints_and_backups_keep_response_logprobs(tmp_path: Path) -> None:
+    records = [
+        r.model_copy(update={"response_logprobs": [-0.25 * (i % 9) for i in range(len(r.response_ids))]})
+        for r in WORKLOAD.stream()[:6]
+    ]
+    with HistoryStore(tmp_path / "h") as store:
+        store.apply(records)
+        create_checkpoint(store, tmp_path / "ckpt")
+        backup = create_backup(store, tmp_path / "backups")
+    for source, target in ((tmp_path / "ckpt", "from-ckpt"), (backup.path, "from-backup")):
+        restored = restore_checkpoint(source, tmp_path / target)
+        with HistoryStore(restored.data_dir) as store:
+            for record in records:
+                assert store.get(*record.key).response_logprobs.tolist() == record.response_logprobs

@@ -182,6 +182,12 @@ class _EngineServer:
                 await self.engine.abort(request_id)
                 abort_after = None
         assert final is not None
+        token_ids = final.outputs[0].token_ids
+        log_probs = None
+        if (
+            params["logprobs"] is not None
+        ):  # vLLMHttpServer.generate's extraction of the sampled tokens' entries
+            log_probs = [lp[token_ids[i]].logprob for i, lp in enumerate(final.outputs[0].logprobs)]
         finish_reason = final.outputs[0].finish_reason
         # vLLMHttpServer.generate's mapping (a stream cut by the abort ends without a finish reason).
         if finish_reason == "abort":
@@ -191,7 +197,7 @@ class _EngineServer:
         else:
             stop_reason = finish_reason
         return TokenOutput(
-            token_ids=list(final.outputs[0].token_ids), stop_reason=stop_reason, num_preempted=0
+            token_ids=list(token_ids), log_probs=log_probs, stop_reason=stop_reason, num_preempted=0
         )
 
 
@@ -218,6 +224,7 @@ def _engine_from_verl_args(config: Any) -> Any:
         # The CPU backend reserves a fraction of RAM otherwise.
         "kv_cache_memory_bytes": 256 * 2**20,
         "worker_extension_cls": "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension",
+        "logprobs_mode": rollout.logprobs_mode,
         **engine_kwargs,
     }
     server_args = ["serve", config.actor_rollout_ref.model.path, *build_cli_args_from_config(args)]
@@ -264,10 +271,9 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
             "top_p": 1.0,
             "top_k": -1,
             "repetition_penalty": 1.0,
-            "logprobs": False,
         }
 
-        async def run_session(kwargs: dict[str, Any]) -> Any:
+        async def run_session(kwargs: dict[str, Any], logprobs: bool) -> Any:
             # As AgentLoopWorker._run_agent_loop builds it; `das_agent` is registered by importing our manager.
             loop = hydra.utils.instantiate(
                 config=_agent_loop_registry[rollout.agent.default_agent_loop],
@@ -279,16 +285,17 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
                 dataset_cls=RLHFDataset,
                 data_config=DictConfigWrap(config.data),
             )
-            return await loop.run(dict(sampling), **kwargs)
+            return await loop.run({**sampling, "logprobs": logprobs}, **kwargs)
 
-        async def run_step(pid: str, step: int) -> list[Any]:
+        async def run_step(pid: str, step: int, logprobs: bool = False) -> list[Any]:
             # verl's V1 trainer (the example config's): one prompt row, its n=2 samples run as sessions.
             batch = _v1_batch(pid, step=step)
             annotate_tq(batch, annotator, n=2)
-            return list(await asyncio.gather(*(run_session(kw) for kw in _v1_kwargs(batch, n=2))))
+            return list(await asyncio.gather(*(run_session(kw, logprobs) for kw in _v1_kwargs(batch, n=2))))
 
         async def run_all() -> tuple[list[Any], list[Any], list[dict], list[int]]:
-            first = await run_step(problem, 1)
+            # Step 1 as with calculate_log_probs=true (verl's rollout_log_probs), step 2 without.
+            first = await run_step(problem, 1, logprobs=True)
             second = await run_step(problem, 2)
             # What workers.verl.stats has verl's vLLMHttpServer.collective_rpc run in each worker (verl drops
             # the RPC's results), read back as its __ray_call__ does inside the server actor.
@@ -332,6 +339,10 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     for record, output in zip([r for r in records if r.problem_id == pid], first + second, strict=True):
         assert record.response_ids == list(output.response_ids) and len(record.response_ids) > 0
         assert record.prompt_ids == list(output.prompt_ids)
+        # verl's rollout_log_probs travel with the record, exactly (vLLM's float32 values fit the wire's).
+        assert record.response_logprobs == output.response_logprobs
+    assert all(len(o.response_logprobs) == len(o.response_ids) for o in first)
+    assert all(o.response_logprobs is None for o in second)
     # Greedy outputs do not change when step 2 drafts from step 1's history: drafting is lossless.
     assert [list(o.response_ids) for o in second] == [list(o.response_ids) for o in first]
     # Step 2 drafted from the problem's history tree and the verifier accepted it: the identity in extra_args

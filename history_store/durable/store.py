@@ -35,6 +35,7 @@ from rocksdict import AccessType, DBCompressionType, Options, Rdict, ReadOptions
 from history_store.durable import layout
 from history_store.durable.codec import (
     WINDOW_ENTRY,
+    as_logprob_array,
     as_token_array,
     decode_trajectory,
     decode_window,
@@ -87,11 +88,14 @@ class TrajectoryLike(Protocol):
     def prompt_ids(self) -> Sequence[int]: ...
     @property
     def response_ids(self) -> Sequence[int]: ...
+    @property
+    def response_logprobs(self) -> Sequence[float] | np.ndarray | None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class StoredTrajectory:
-    """A record as stored: token ids as read-only int32 arrays; `sequence` is its position in apply order."""
+    """A record as stored: token ids as read-only int32 arrays; `sequence` is its position in apply order;
+    `response_logprobs` a read-only float32 array, or None for a record stored without them."""
 
     problem_id: str
     epoch: int
@@ -99,6 +103,7 @@ class StoredTrajectory:
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     sequence: int
+    response_logprobs: np.ndarray | None = None
 
     @property
     def key(self) -> TrajectoryKey:
@@ -411,7 +416,13 @@ class _StoreReader:
             return None
         problem_id, epoch, sample = layout.decode_trajectory_key(key)
         return StoredTrajectory(
-            problem_id, epoch, sample, decoded.prompt_ids, decoded.response_ids, decoded.sequence
+            problem_id,
+            epoch,
+            sample,
+            decoded.prompt_ids,
+            decoded.response_ids,
+            decoded.sequence,
+            decoded.response_logprobs,
         )
 
     def get(self, problem_id: str, epoch: int, sample: int) -> StoredTrajectory | None:
@@ -561,7 +572,8 @@ class _StoreReader:
         return VerifyReport(str(self.path), entries, damaged, unreadable, missing, corrupt)
 
     def content_digest(self) -> str:
-        """Order-independent SHA-256 digest of all stored records (keys and tokens, not sequence numbers).
+        """Order-independent SHA-256 digest of all stored records (keys, tokens and log probabilities where a
+        record has them; not sequence numbers).
 
         Two stores hold the same records exactly when their digests match: convergence tests compare them.
         """
@@ -571,6 +583,8 @@ class _StoreReader:
             h.update(len(record.prompt_ids).to_bytes(4, "little"))
             h.update(record.prompt_ids.tobytes())
             h.update(record.response_ids.tobytes())
+            if record.response_logprobs is not None:
+                h.update(record.response_logprobs.tobytes())
             total = (total + int.from_bytes(h.digest(), "big")) % (1 << 256)
         return f"{total:064x}"
 
@@ -877,6 +891,9 @@ class HistoryStore(_StoreReader):
             layout.check_epoch_sample(record.epoch, record.sample)
             prompt = as_token_array(record.prompt_ids, "prompt_ids")
             response = as_token_array(record.response_ids, "response_ids")
+            logprobs = record.response_logprobs
+            if logprobs is not None:
+                logprobs = as_logprob_array(logprobs, response.size)
             pending = windows.get(prefix)
             if pending is None:
                 pending = windows[prefix] = _PendingWindow(self._window_entries(prefix))
@@ -888,13 +905,13 @@ class HistoryStore(_StoreReader):
                 result.stale.append(key)
                 continue
             raw_key = layout.record_key(prefix, record.epoch, record.sample)
-            batch.put(raw_key, encode_trajectory(sequence, prompt, response), h_traj)
+            batch.put(raw_key, encode_trajectory(sequence, prompt, response, logprobs), h_traj)
             batch.put(layout.encode_u64(sequence), layout.OP_ADDED + raw_key, h_seq)
             sequence += 1
             pending.add(record.epoch, record.sample, prompt.size, response.size)
             added_tokens += response.size
             result.applied.append(key)
-            ingested_bytes += 4 * (prompt.size + response.size)
+            ingested_bytes += 4 * (prompt.size + response.size) + (0 if logprobs is None else logprobs.nbytes)
             if record.epoch > pending.newest:
                 pending.newest = record.epoch
                 min_epoch = record.epoch - window + 1

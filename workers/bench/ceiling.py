@@ -30,9 +30,9 @@ import numpy as np
 from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
+from workers.generator.teacher_forcing import TeacherForcedModel
 
 _CLIP = 1e-3  # conditional probabilities are clipped into [_CLIP, 1 - _CLIP] before their log odds
-_FORWARD_BATCH = 8  # responses per teacher-forced forward
 
 
 @dataclass
@@ -78,55 +78,44 @@ def target_probabilities(
     records: list[TrajectoryRecord], found: VerifiedTokens, model_dir: Path, temperatures: dict[int, float]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each verified token: the target model's probability of it, and the log probability and entropy of
-    the token sampled just before it (the last one the engine knows when the proposer drafts). The model runs
-    teacher-forced over prompt + response with transformers; its vocabulary head only at the positions
-    needed."""
+    the token sampled just before it (the last one the engine knows when the proposer drafts), from the model
+    teacher-forced over prompt + response."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     wanted: dict[str, list[int]] = defaultdict(list)
     for i, key in enumerate(found.keys):
         wanted[key].append(i)
     chosen = [r for r in records if f"{r.problem_id}/{r.epoch}/{r.sample}" in wanted]
-    chosen.sort(key=lambda r: len(r.prompt_ids) + len(r.response_ids))
+
+    def rows(record: TrajectoryRecord) -> list[int]:
+        prompt = len(record.prompt_ids)
+        positions = [
+            found.positions[i] for i in wanted[f"{record.problem_id}/{record.epoch}/{record.sample}"]
+        ]
+        # Response token p is predicted at sequence index prompt + p - 1; the token before it, p - 1 (a draft
+        # never starts at p = 0: the first token comes from the prefill), at prompt + p - 2.
+        return [prompt + p - 1 for p in positions] + [prompt + p - 2 for p in positions]
+
     n = len(found.keys)
     probability, last_logprob, last_entropy = np.zeros(n), np.zeros(n), np.zeros(n)
-    for start in range(0, len(chosen), _FORWARD_BATCH):
-        batch = chosen[start : start + _FORWARD_BATCH]
-        sequences = [list(r.prompt_ids) + list(r.response_ids) for r in batch]
-        width = max(map(len, sequences))
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, seq in enumerate(sequences):
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
-        with torch.no_grad():
-            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-            for row, record in enumerate(batch):
-                rows = wanted[f"{record.problem_id}/{record.epoch}/{record.sample}"]
-                prompt = len(record.prompt_ids)
-                positions = torch.tensor([found.positions[i] for i in rows])
-                # Response token p is predicted at sequence index prompt + p - 1; the token before it, p - 1 (a
-                # draft never starts at p = 0: the first token comes from the prefill), at prompt + p - 2.
-                logits = model.lm_head(
-                    hidden[row, torch.cat([prompt + positions - 1, prompt + positions - 2])]
-                )
-                temperature = temperatures[record.epoch]
-                if temperature > 0:
-                    logp = torch.log_softmax(logits / temperature, dim=-1)
-                else:  # greedy: the argmax has probability 1
-                    logp = torch.full_like(logits, -torch.inf)
-                    logp.scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
-                here, before = logp[: len(rows)], logp[len(rows) :]
-                drafted = torch.tensor([found.tokens[i] for i in rows])
-                sampled = torch.tensor([record.response_ids[found.positions[i] - 1] for i in rows])
-                p_before = before.exp()
-                entropy = -(p_before * torch.nan_to_num(before, neginf=0.0)).sum(-1)
-                picked = torch.arange(len(rows))
-                probability[rows] = here[picked, drafted].exp().numpy()
-                last_logprob[rows] = np.maximum(before[picked, sampled].numpy(), -30.0)
-                last_entropy[rows] = entropy.numpy()
+    for index, logits in TeacherForcedModel(model_dir).logits(chosen, rows):
+        record = chosen[index]
+        wanted_rows = wanted[f"{record.problem_id}/{record.epoch}/{record.sample}"]
+        temperature = temperatures[record.epoch]
+        if temperature > 0:
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+        else:  # greedy: the argmax has probability 1
+            logp = torch.full_like(logits, -torch.inf)
+            logp.scatter_(1, logits.argmax(-1, keepdim=True), 0.0)
+        here, before = logp[: len(wanted_rows)], logp[len(wanted_rows) :]
+        drafted = torch.tensor([found.tokens[i] for i in wanted_rows])
+        sampled = torch.tensor([record.response_ids[found.positions[i] - 1] for i in wanted_rows])
+        p_before = before.exp()
+        entropy = -(p_before * torch.nan_to_num(before, neginf=0.0)).sum(-1)
+        picked = torch.arange(len(wanted_rows))
+        probability[wanted_rows] = here[picked, drafted].exp().numpy()
+        last_logprob[wanted_rows] = np.maximum(before[picked, sampled].numpy(), -30.0)
+        last_entropy[wanted_rows] = entropy.numpy()
     return probability, last_logprob, last_entropy
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Sequence
 
 from monitoring.server import DEFAULT_HOST, HOST_ENV, PORT_ENV
 
@@ -219,3 +220,20 @@ def temperature_schedule(raw: str) -> tuple[float, ...]:
     if any(not value >= 0 for value in values):
         raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {raw!r}")
     return values
+
+
+def epoch_temperatures(
+    epochs: Sequence[int], temperature: float, temperatures: Sequence[float] | None
+) -> dict[int, float]:
+    """A trace's sampling temperature per epoch: `--temperatures` (one per epoch, in epoch order) or
+    `--temperature` for every epoch.
+
+    Raises:
+        ValueError: `--temperatures` does not give one value per epoch.
+    """
+    ordered = sorted(epochs)
+    if temperatures is None:
+        return dict.fromkeys(ordered, temperature)
+    if len(temperatures) != len(ordered):
+        raise ValueError(f"--temperatures gives {len(temperatures)} values for {len(ordered)} epochs")
+    return dict(zip(ordered, temperatures, strict=True))

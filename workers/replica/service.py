@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+import numpy as np
+
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable.checkpoints import Checkpointer
 from history_store.durable.store import (
@@ -71,6 +73,7 @@ from pipeline.wire import (
     REASON_STALE,
     WireError,
     check_key,
+    check_logprobs,
     decode,
 )
 
@@ -367,6 +370,14 @@ class Indexer:
                     decoded = decode(message.value, self.max_record_tokens)
                     check_key(message.key, decoded.key)
                     record = decoded
+                except WireError as exc:
+                    self._dead_letter(message, exc)
+                    report.dead_lettered[exc.reason] += 1
+                    continue
+            elif record.response_logprobs is not None:
+                # An embedded record arrives as an object, not wire bytes: the rule `decode` applies, here.
+                try:
+                    check_logprobs(np.asarray(record.response_logprobs, "<f4"), len(record.response_ids))
                 except WireError as exc:
                     self._dead_letter(message, exc)
                     report.dead_lettered[exc.reason] += 1

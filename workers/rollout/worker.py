@@ -99,6 +99,10 @@ def engine_kwargs(options: EngineOptions, on_cpu: bool) -> dict[str, Any]:
         "kv_cache_dtype": options.kv_cache_dtype,
         "tensor_parallel_size": options.tensor_parallel_size,
         "disable_log_stats": False,
+        # The log probabilities a request asks for (`logprobs=0`: the sampled token's, which the records keep)
+        # are those of the distribution the token was drawn from, after temperature; vLLM's default,
+        # "raw_logprobs", reports the temperature-1 model instead.
+        "logprobs_mode": "processed_logprobs",
     }
     kv_bytes = options.kv_cache_bytes or (512 * 2**20 if on_cpu else None)
     if kv_bytes is not None:
@@ -296,6 +300,17 @@ def _registry_spec_counters(llm: Any) -> dict[str, int]:
     return totals
 
 
+def _sampled_logprobs(completion: Any) -> list[float] | None:
+    """The log probability of each sampled token of a vLLM completion (None unless it asked for logprobs):
+    with `logprobs=0` each position holds the sampled token's entry only."""
+    if completion.logprobs is None:
+        return None
+    return [
+        position[token].logprob
+        for position, token in zip(completion.logprobs, completion.token_ids, strict=True)
+    ]
+
+
 class RolloutWorker:
     """Runs rollout requests on one engine and hands each finished trajectory to `sink`."""
 
@@ -305,12 +320,16 @@ class RolloutWorker:
         strategy: str,
         sink: Callable[[TrajectoryRecord], None] | None = None,
         worker: str | None = None,
+        logprobs: bool = True,
     ) -> None:
+        """`logprobs`: ask vLLM for each sampled token's log probability (`logprobs=0`) and keep them in the
+        records' `response_logprobs`."""
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.llm = llm
         self.strategy = strategy
         self.sink = sink
+        self.logprobs = logprobs
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self._ids = itertools.count()
 
@@ -341,7 +360,7 @@ class RolloutWorker:
                 if extra_args
                 else {"das_problem_id": problem.problem_id, "das_epoch": epoch, "das_sample": sample}
             )
-            params = SamplingParams(**sampling, extra_args=args)
+            params = SamplingParams(**sampling, logprobs=0 if self.logprobs else None, extra_args=args)
             pending[request_id] = _Pending(problem, epoch, sample, time.perf_counter())
             engine.add_request(request_id, {"prompt_token_ids": list(problem.prompt_ids)}, params)
             order.append(request_id)
@@ -359,6 +378,7 @@ class RolloutWorker:
                     sample=state.sample,
                     prompt_ids=list(state.problem.prompt_ids),
                     response_ids=[int(t) for t in completion.token_ids],
+                    response_logprobs=_sampled_logprobs(completion),
                     finish_reason=completion.finish_reason
                     if completion.finish_reason in ("stop", "length")
                     else None,

@@ -8,6 +8,10 @@ the trainer config's `das` block:
       bus: kafka://broker-1:9092,broker-2:9092   # null: publish nothing (the proposer still keeps its history)
       bus_settings: {security_protocol: SASL_SSL, ...}
 
+With `actor_rollout_ref.rollout.calculate_log_probs=true` verl asks vLLM for each sampled token's log
+probability (its `rollout_log_probs`, at the sampling temperature: verl's `logprobs_mode` default is
+"processed_logprobs"); the published records carry them as `response_logprobs`.
+
 Publishing never blocks or fails a rollout (`workers.verl.publisher`). Only complete trajectories are
 published: a request vLLM aborted (verl's `stop_reason="aborted"`, e.g. a partial rollout interrupted for a
 weight update) or a response verl cut to `response_length` would store a truncated sample under a real key.
@@ -98,7 +102,10 @@ class DasAgentLoop(SingleTurnAgentLoop):
         identity = RequestIdentity.from_kwargs(kwargs)
         output = await super().run(with_extra_args(sampling_params, identity), **kwargs)
         if self.publisher is not None and identity.in_history and self.complete(output):
-            self.publisher.publish(identity.record(output.prompt_ids, output.response_ids, self.worker))
+            record = identity.record(
+                output.prompt_ids, output.response_ids, self.worker, output.response_logprobs
+            )
+            self.publisher.publish(record)
         return output
 
     def complete(self, output: AgentLoopOutput) -> bool:

@@ -397,8 +397,15 @@ class RequestIdentity:
             out["das_epoch"], out["das_sample"] = self.epoch, self.sample
         return out
 
-    def record(self, prompt_ids: Sequence[int], response_ids: Sequence[int], worker: str) -> TrajectoryRecord:
-        """The finished trajectory as a bus record.
+    def record(
+        self,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        worker: str,
+        response_logprobs: Sequence[float] | None = None,
+    ) -> TrajectoryRecord:
+        """The finished trajectory as a bus record, with the sampled tokens' log probabilities when verl has
+        them (its `rollout_log_probs`, asked of vLLM when `calculate_log_probs` is set).
 
         Raises:
             ValueError: the request is not a history rollout (see `in_history`).
@@ -411,6 +418,7 @@ class RequestIdentity:
             sample=self.sample,
             prompt_ids=[int(t) for t in prompt_ids],
             response_ids=[int(t) for t in response_ids],
+            response_logprobs=None if response_logprobs is None else [float(v) for v in response_logprobs],
             worker=worker,
         )
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from workers.cli.types import POSITIVE, number, temperature_schedule
+from workers.cli.types import POSITIVE, epoch_temperatures, number, temperature_schedule
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -15,13 +15,7 @@ def _run(args: argparse.Namespace) -> int:
     from workers.generator.model import require_model
 
     records = load_traces(args.trace)
-    epochs = sorted({r.epoch for r in records})
-    if args.temperatures is not None:
-        if len(args.temperatures) != len(epochs):
-            raise ValueError(f"--temperatures gives {len(args.temperatures)} values for {len(epochs)} epochs")
-        temperatures = dict(zip(epochs, args.temperatures, strict=True))
-    else:
-        temperatures = dict.fromkeys(epochs, args.temperature)
+    temperatures = epoch_temperatures({r.epoch for r in records}, args.temperature, args.temperatures)
     result = {
         "trace": str(args.trace),
         "temperatures": {str(e): t for e, t in temperatures.items()},

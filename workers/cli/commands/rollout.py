@@ -82,6 +82,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget", default="on", choices=["on", "off"], help="DAS length-aware budget policy"
     )
+    parser.add_argument(
+        "--logprobs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="record each response token's sampling log probability (response_logprobs; vLLM logprobs=0)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
     parser.add_argument(
         "--shard",
@@ -187,7 +193,7 @@ def _epochs(
 ) -> list[dict[str, Any]]:
     from workers.rollout.worker import RolloutWorker
 
-    worker = RolloutWorker(llm, args.strategy, sink=sink)
+    worker = RolloutWorker(llm, args.strategy, sink=sink, logprobs=args.logprobs)
     reports = []
     for nth in range(args.epochs):
         sampling = {"temperature": epoch_temperature(args, nth), "max_tokens": args.max_tokens}
@@ -252,7 +258,16 @@ def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> d
     """What the engine measured per epoch, with the settings that produced it (what a replay must match)."""
     settings = {
         name: getattr(args, name)
-        for name in ("k", "max_num_seqs", "max_tokens", "max_model_len", "budget", "seed", "samples")
+        for name in (
+            "k",
+            "max_num_seqs",
+            "max_tokens",
+            "max_model_len",
+            "budget",
+            "seed",
+            "samples",
+            "logprobs",
+        )
     }
     settings["first_epoch"] = args.first_epoch
     settings["temperatures"] = [epoch_temperature(args, index) for index in range(args.epochs)]

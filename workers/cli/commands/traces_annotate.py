@@ -1,0 +1,107 @@
+"""`das traces annotate TRACE --temperature T -o OUT`: a copy of a trace with every response token's sampling
+log probability (`response_logprobs`), from the model teacher-forced over it."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from workers.cli.types import epoch_temperatures, number, temperature_schedule
+
+
+def _open(path: Path, mode: str, gzipped: bool) -> IO[str]:
+    return gzip.open(path, mode, encoding="utf-8") if gzipped else open(path, mode, encoding="utf-8")
+
+
+def _shortest(values: np.ndarray) -> list[float]:
+    """float32 values as the shortest decimals that read back to the same float32 (about half the digits of
+    their float64 repr), so an annotated trace stays small and exact."""
+    return [float(str(v)) for v in values.astype(np.float32)]
+
+
+def annotate(
+    trace: Path, out: Path, temperature: float, temperatures: tuple[float, ...] | None, model_dir: Path | None
+) -> dict[str, Any]:
+    """Writes `out`: `trace` line by line, each object with `response_logprobs` added (or replaced); every
+    other field is kept as it was, including fields the record model does not know.
+
+    Raises:
+        ValueError: a malformed line, or temperatures that do not fit the trace's epochs.
+    """
+    from workers.bench.replay import load_traces
+    from workers.generator.model import require_model
+    from workers.generator.teacher_forcing import TeacherForcedModel
+
+    records = load_traces(trace)  # validates every line first: nothing is written from a malformed trace
+    by_epoch = epoch_temperatures({r.epoch for r in records}, temperature, temperatures)
+    started = time.perf_counter()
+    logprobs = TeacherForcedModel(require_model(model_dir)).sampled_logprobs(
+        records, [by_epoch[r.epoch] for r in records]
+    )
+    seconds = time.perf_counter() - started
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    gz = ".gz"
+    with (
+        _open(trace, "rt", trace.name.endswith(gz)) as source,
+        _open(tmp, "wt", out.name.endswith(gz)) as sink,
+    ):
+        lines = (line for line in source if line.strip())
+        # load_traces read the same non-blank lines in the same order.
+        for line, values in zip(lines, logprobs, strict=True):
+            fields = json.loads(line)
+            fields["response_logprobs"] = _shortest(values)
+            sink.write(json.dumps(fields, separators=(",", ":"), ensure_ascii=False) + "\n")
+    tmp.replace(out)
+    tokens = sum(len(r.response_ids) for r in records)
+    return {
+        "trace": str(trace),
+        "out": str(out),
+        "temperatures": {str(e): t for e, t in by_epoch.items()},
+        "records": len(records),
+        "response_tokens": tokens,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+    }
+
+
+def _run(args: argparse.Namespace) -> int:
+    report = annotate(args.trace, args.out, args.temperature, args.temperatures, args.model_dir)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"wrote {report['records']} records ({report['response_tokens']} response tokens) with their sampling "
+            f"log probabilities to {report['out']} in {report['seconds']} s"
+        )
+    return 0
+
+
+def register(cli) -> None:
+    parser = cli.command(
+        "traces",
+        "annotate",
+        help="Copy a trace with every response token's sampling log probability (response_logprobs), from the "
+        "model that sampled it, teacher-forced.",
+        run=_run,
+    )
+    parser.add_argument("trace", type=Path, help="JSON Lines of trajectory records (gzip if .gz)")
+    parser.add_argument("-o", "--out", type=Path, required=True, help="annotated copy to write (gzip if .gz)")
+    parser.add_argument("--temperature", type=number(0), default=1.0, help="the trace's sampling temperature")
+    parser.add_argument(
+        "--temperatures",
+        type=temperature_schedule,
+        help="one temperature per epoch of the trace, comma-separated; replaces --temperature",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="the checkpoint that sampled the trace (default: das model prepare's folder)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
