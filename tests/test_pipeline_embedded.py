@@ -118,7 +118,8 @@ def test_replica_checkpoints_at_epoch_boundaries_and_a_failed_checkpoint_never_s
 
 def test_an_embedded_record_with_invalid_logprobs_is_dropped_and_the_replica_goes_on(tmp_path):
     bus = EmbeddedBus()
-    good, bad, plain = list(synthetic_records(0, 3, SHAPE))
+    # One epoch: the replica's epoch checks judge records against the epoch recent records agree on.
+    good, bad, plain = list(synthetic_records(0, 3, SyntheticShape(problems=5, epochs=1, prompt_tokens=20)))
     good = good.model_copy(update={"response_logprobs": [-0.5] * len(good.response_ids)})
     bad = bad.model_copy(update={"response_logprobs": [0.5] * len(bad.response_ids)})
     with HistoryStore(tmp_path / "store") as store:
