@@ -15,4 +15,7 @@ bash scripts/kafka.sh up-secure   # a TLS + SASL/PLAIN broker for tests/test_kaf
 source .kafka/env.sh   # exports DAS_KAFKA_BOOTSTRAP (single broker) and DAS_KAFKA_CLUSTER_BOOTSTRAP (three brokers)
 # shellcheck disable=SC1091
 source .kafka/secure/env.sh   # DAS_KAFKA_SECURE_BOOTSTRAP, _CAFILE, _USERNAME, _PASSWORD
-python -m pytest -q "$@"
+# Three workers on two cores: much of the suite waits (brokers, Ray, engine start-ups), so modules overlap their
+# waits; tests/conftest.py keeps each module on one worker and serialises the modules that share a cluster.
+# The slowest tests are listed at the end, for whoever makes the suite faster next.
+python -m pytest -q -n "${DAS_TEST_WORKERS:-3}" --dist loadgroup --durations=25 "$@"
