@@ -7,7 +7,7 @@ running rows (`next_step`) and tells it which finished (`finish`).
 
 - Orders: `fcfs` is verl's layout (problem-major, a problem's samples consecutive), `random` a seeded
   shuffle of it, `predicted` DAS's length prediction (`workers.rollout.priority.LengthPredictor`: history, the
-  cap, this epoch's finished siblings, gated on measured skill), `oracle` the true length (longest first: the
+  cap, this epoch's finished siblings), `oracle` the true length (longest first: the
   bound an order can reach).
 - Routers (with `engines` > 1): `round-robin` is verl's (its least-loaded router sees all of a step's requests
   at once, so they alternate), `problem` DAS's problem-keyed routing (`workers.verl.router`): a problem's
@@ -22,7 +22,9 @@ running rows (`next_step`) and tells it which finished (`finish`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import multiprocessing
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,7 +171,7 @@ class EpochSchedule:
             queue.sort(key=lambda i: -self.lengths[i])
         elif order == "predicted":
             # Re-ranked at every admission: siblings that finished since are evidence.
-            keys = self.fleet.predictor.keys([self.problems[i] for i in queue])
+            keys = self.fleet.predictor.predict([self.problems[i] for i in queue])
             queue[:] = [queue[j] for j in np.argsort(-keys, kind="stable")]
         admitted, self.queues[engine] = queue[:free], queue[free:]
         self.running[engine] = np.concatenate([self.running[engine], np.array(admitted, np.int64)])
@@ -255,26 +257,48 @@ def _order_block(by_order: dict[str, dict]) -> dict:
     }
 
 
+def _replay(path: str, spec: Engines | None, replay_args: dict, progress: Callable | None) -> dict:
+    from workers.bench import replay
+
+    return replay.run(path, progress=progress, engines=spec, **replay_args)
+
+
 def run_slots(
     path: str,
     settings: Sequence[int | float | None],
     orders: Sequence[str],
     fleet: Engines,
     replay_args: dict,
-    progress=None,
+    progress: Callable[[str], None] | None = None,
+    jobs: int = 1,
 ) -> dict:
     """`das bench replay --max-num-seqs ...`: the replay under each slot setting (None: unlimited, every
-    request of an epoch at once, where order does not matter) and each admission order.
+    request of an epoch at once, where order does not matter) and each admission order, `jobs` replays at a
+    time (separate processes; each replay is deterministic, so the result does not depend on it).
 
     replay_args: `replay.run`'s strategies, config, window and costs."""
-    from workers.bench import replay
-
+    runs = [
+        (
+            setting,
+            order,
+            None if setting is None else Engines(setting, fleet.engines, order, fleet.router, fleet.seed),
+        )
+        for setting in settings
+        for order in ([None] if setting is None else orders)
+    ]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_replay, path, spec, replay_args, None) for _, _, spec in runs]
+            results = [f.result() for f in futures]
+    else:
+        results = [_replay(path, spec, replay_args, progress) for _, _, spec in runs]
+    done = {(setting, order): result for (setting, order, _), result in zip(runs, results, strict=True)}
     out: dict = {}
     blocks: dict = {}
     for setting in settings:
         label = slots_label(setting)
         if setting is None:
-            result = replay.run(path, progress=progress, **replay_args)
+            result = done[(None, None)]
             blocks[label] = {
                 "makespan_s": {
                     cost: {s: r["projected_makespan_s"] for s, r in block["strategies"].items()}
@@ -283,13 +307,8 @@ def run_slots(
                 "runs": result["cost_models"],
             }
         else:
-            by_order = {}
-            for order in orders:
-                spec = Engines(setting, fleet.engines, order, fleet.router, fleet.seed)
-                if progress:
-                    progress(f"max-num-seqs {label}, order {order}")
-                result = replay.run(path, progress=progress, engines=spec, **replay_args)
-                by_order[order] = result
+            by_order = {order: done[(setting, order)] for order in orders}
+            result = by_order[orders[0]]
             blocks[label] = _order_block(by_order)
         out.setdefault("trace", result["trace"])
         out.setdefault("records", result["records"])

@@ -81,6 +81,9 @@ def register(cli) -> None:
         help="how requests are spread over --engines: verl's round-robin or DAS's problem-keyed routing",
     )
     parser.add_argument("--order-seed", type=NON_NEGATIVE, default=0, help="seed of the random order")
+    parser.add_argument(
+        "--jobs", type=POSITIVE, default=1, help="replays run at a time with --max-num-seqs (processes)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +137,7 @@ def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: d
         fleet,
         {"strategies": strategies, "config": config, "window": args.window, "costs": costs},
         progress,
+        args.jobs,
     )
     print(replay.dumps(result) if args.json else engines.slots_table(result))
     return 0
