@@ -49,7 +49,8 @@ def test_example_config_composes_with_verl_defaults_and_passes_verls_rollout_che
     rollout = config.actor_rollout_ref.rollout
     vllm_kwargs = rollout.engine_kwargs.vllm
     assert vllm_kwargs.speculative_config.method == "custom_class"
-    assert vllm_kwargs.speculative_config.model == "workers.generator.proposer.DasProposer"
+    # The name users' engine args use (workers.proposer re-exports the proposer).
+    assert vllm_kwargs.speculative_config.model == "workers.proposer.DasProposer"
     assert vllm_kwargs.worker_extension_cls == "workers.verl.extension.DasVerlWorkerExtension"
     assert rollout.disable_log_stats is False
     assert rollout.scheduling_policy == "priority"  # das_agent's priorities order vLLM's admission
