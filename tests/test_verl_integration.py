@@ -57,6 +57,7 @@ def test_example_config_composes_with_verl_defaults_and_passes_verls_rollout_che
     assert Exported is DasProposer
     assert vllm_kwargs.worker_extension_cls == "workers.verl.extension.DasVerlWorkerExtension"
     assert rollout.disable_log_stats is False
+    assert rollout.scheduling_policy == "priority"  # das_agent's priorities order vLLM's admission
     assert rollout.temperature == 1.0 and rollout.n == 8
     assert config.trainer.use_v1 is True  # verl's default trainer
     assert config.das.bus is None and "steps_per_epoch" not in config.das
@@ -65,6 +66,7 @@ def test_example_config_composes_with_verl_defaults_and_passes_verls_rollout_che
     checked = omega_conf_to_dataclass(rollout)
     assert isinstance(checked, RolloutConfig)
     assert checked.agent.default_agent_loop == "das_agent"
+    assert checked.scheduling_policy == "priority"
     assert checked.agent.agent_loop_config_path is None
     assert checked.agent.agent_loop_manager_class == "workers.verl.manager_v1.DasAgentLoopManagerTQ"
 
@@ -156,8 +158,12 @@ class _EngineServer:
         # Problems whose next request is aborted after this many tokens, and the samples that were.
         self.abort_after: dict[str, int] = {}
         self.aborted: list[int] = []
+        # Each request's (problem, priority), as vLLMHttpServer.generate hands it to the engine.
+        self.priorities: list[tuple[str, int]] = []
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict, **_: Any) -> Any:
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: dict, priority: int = 0, **_: Any
+    ) -> Any:
         from verl.workers.rollout.replica import TokenOutput
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -165,6 +171,7 @@ class _EngineServer:
         params = dict(sampling_params)
         params["logprobs"] = 0 if params.pop("logprobs", False) else None
         extra = params.get("extra_args") or {}
+        self.priorities.append((extra.get("das_problem_id"), priority))
         abort_after = self.abort_after.pop(extra.get("das_problem_id"), None)
         if abort_after is not None:
             # A request to abort runs far past the abort (a long-tail sample), so it cannot finish first.
@@ -174,6 +181,7 @@ class _EngineServer:
             TokensPrompt(prompt_token_ids=prompt_ids),
             SamplingParams(**{"max_tokens": self.max_tokens, **params}),
             request_id,
+            priority=priority,
         ):
             final = output
             if abort_after is not None and len(output.outputs[0].token_ids) >= abort_after:
@@ -225,6 +233,8 @@ def _engine_from_verl_args(config: Any) -> Any:
         "kv_cache_memory_bytes": 256 * 2**20,
         "worker_extension_cls": "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension",
         "logprobs_mode": rollout.logprobs_mode,
+        # vLLMHttpServer.launch_server sets it from the rollout config.
+        "scheduling_policy": rollout.scheduling_policy,
         **engine_kwargs,
     }
     server_args = ["serve", config.actor_rollout_ref.model.path, *build_cli_args_from_config(args)]
@@ -237,6 +247,7 @@ def _engine_from_verl_args(config: Any) -> Any:
     engine_args = AsyncEngineArgs.from_cli_args(parsed)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     assert vllm_config.speculative_config.method == "custom_class"
+    assert vllm_config.scheduler_config.policy == "priority"
     assert vllm_config.parallel_config.worker_extension_cls == "workers.verl.extension.DasVerlWorkerExtension"
     return AsyncLLM.from_vllm_config(vllm_config=vllm_config, disable_log_stats=engine_args.disable_log_stats)
 
@@ -319,6 +330,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
 
         first, second, stats, added = asyncio.run(run_all())
         (aborted_sample,) = server.aborted
+        priorities = list(server.priorities)
     finally:
         engine.shutdown()
         # Collected now, while vLLM's modules are alive (its __del__ shuts down again and fails at exit).
@@ -345,6 +357,11 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     assert all(o.response_logprobs is None for o in second)
     # Greedy outputs do not change when step 2 drafts from step 1's history: drafting is lossless.
     assert [list(o.response_ids) for o in second] == [list(o.response_ids) for o in first]
+    # The tail first: step 1 knew no length (priority 0); step 2's requests went to vLLM's priority queue
+    # with minus the mean length of step 1's responses (within the cap), through verl's single-turn loop.
+    mean = sum(min(len(o.response_ids), config.actor_rollout_ref.rollout.response_length) for o in first) / 2
+    assert priorities[:4] == [(pid, 0)] * 2 + [(pid, -round(mean))] * 2
+    assert mean > 0
     # Step 2 drafted from the problem's history tree and the verifier accepted it: the identity in extra_args
     # reached the proposer through verl's sampling parameters and vLLM's SamplingParams, and the proposer's
     # RPC went through our worker extension.

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 from history_store.automaton.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
+from workers.bench.engines import Engines, Fleet
 from workers.budget.policy import BudgetConfig, BudgetPolicy
 
 STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgeted", "das", "oracle")
@@ -296,7 +297,7 @@ class Simulation:
 
     strategy: str
     epochs: list[int]
-    steps: list[np.ndarray]  # per epoch, (n_steps, 2) int64
+    steps: list[np.ndarray]  # per epoch, (n_steps, 2) int64: active, verified (and the engine, with engines)
     tokens: list[int]  # per epoch
     requests: list[int]  # per epoch
     per_request: np.ndarray  # (n, 4): length, steps, drafted, accepted
@@ -319,17 +320,20 @@ def simulate(
     progress: Callable[[str], None] | None = None,
     measured_costs: Mapping[int, CostModel] | None = None,
     on_verified: Callable[[VerifiedStep], None] | None = None,
+    engines: Engines | None = None,
 ) -> Simulation:
     """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online from
     step times: those of `cost`, or of `measured_costs[epoch]` where given (what an engine fitted in that
     epoch, so that a replay of its trace prices drafts as it did). A tree strategy hands every step's verified
-    drafts to `on_verified` (`das bench ceiling` scores the budget's predictions with it)."""
+    drafts to `on_verified` (`das bench ceiling` scores the budget's predictions with it). `engines`: finite
+    engines with queues (`workers.bench.engines`); None runs each epoch as one batch."""
     cost = cost or CostModel()
     index = _index_for(strategy, config, window)
     k = config.max_spec_tokens
     # The same policy the engine runs, with the engine's prior: it must learn the verifier from step times.
     policy = BudgetPolicy(BudgetConfig(max_tokens=k)) if strategy == "das" else None
     max_tokens = trace_max_tokens(records)
+    fleet = Fleet(engines, max_tokens) if engines is not None else None
     by_epoch: dict[int, list[TrajectoryRecord]] = defaultdict(list)
     for r in records:
         by_epoch[r.epoch].append(r)
@@ -370,7 +374,8 @@ def simulate(
                     policy.start(int(slot), r.problem_id, max_tokens)
         pos = np.zeros(n_req, np.int64)
         stats = np.zeros((n_req, 3), np.int64)  # steps, drafted, accepted
-        active = np.nonzero(lengths > 0)[0]
+        schedule = fleet.epoch([r.problem_id for r in batch], lengths) if fleet is not None else None
+        engine, active = schedule.next_step() if schedule else (0, np.nonzero(lengths > 0)[0])
         step_log = []
         while active.size:
             n = active.size
@@ -389,7 +394,9 @@ def simulate(
                         drafts[row, : draft.shape[0]] = draft
                         kept[row] = draft.shape[0]
             else:
-                budgets = policy.budgets(slots[active], pos[active], room)[0] if policy is not None else room
+                # Queued requests are tail candidates too: they have not started.
+                queued = slots[schedule.queued(engine)] if schedule else None
+                budgets = policy.budgets(slots[active], pos[active], room, queued)[0] if policy else room
                 result = index.draft_batch(act_keys, budgets)
                 drafts = result.tokens
                 kept = np.minimum(result.lengths, budgets).astype(np.int64)
@@ -432,7 +439,7 @@ def simulate(
                 sim.past_match_calibration.add(policy.path_p[slots[active]], kept, accepted, past)
             advance = np.minimum(accepted + 1, remaining)
             verified = int(kept.sum()) + n
-            step_log.append((n, verified))
+            step_log.append((n, verified, engine) if schedule else (n, verified))
             stats[active, 0] += 1
             stats[active, 1] += kept
             stats[active, 2] += accepted
@@ -457,7 +464,11 @@ def simulate(
                 if policy is not None:
                     policy.finish(int(slots[i]))
                     policy.lengths.observe(r.problem_id, len(r.response_ids))
-            active = active[pos[active] < lengths[active]]
+            if schedule:
+                schedule.finish(engine, done)
+                engine, active = schedule.next_step()
+            else:
+                active = active[pos[active] < lengths[active]]
         for i in np.nonzero(lengths == 0)[0]:
             if index is not None:
                 index.finish_request(keys[i])
@@ -465,7 +476,7 @@ def simulate(
                 policy.finish(int(slots[i]))
         per_request.append(np.column_stack([lengths, stats]))
         sim.epochs.append(epoch)
-        sim.steps.append(np.array(step_log, np.int64).reshape(-1, 2))
+        sim.steps.append(np.array(step_log, np.int64).reshape(-1, 3 if schedule else 2))
         sim.tokens.append(int(lengths.sum()))
         sim.requests.append(n_req)
         if progress:
@@ -488,10 +499,14 @@ def replay(
 
 
 def makespan(steps: np.ndarray, cost: CostModel) -> float:
-    """Projected seconds of one epoch's steps (active, verified) under `cost`."""
-    return float(
-        (cost.c_base + cost.c_seq * steps[:, 0] + cost.c_tok * steps[:, 1]).sum() if steps.size else 0.0
-    )
+    """Projected seconds of one epoch's steps (active, verified[, engine]) under `cost`: with engines, the
+    slowest engine's."""
+    if not steps.size:
+        return 0.0
+    seconds = cost.c_base + cost.c_seq * steps[:, 0] + cost.c_tok * steps[:, 1]
+    if steps.shape[1] == 3:
+        return float(np.bincount(steps[:, 2], seconds).max())
+    return float(seconds.sum())
 
 
 def summarize(sim: Simulation, cost: CostModel) -> dict:
@@ -593,8 +608,10 @@ def run(
     window: int = 3,
     costs: dict[str, CostModel] | None = None,
     progress: Callable[[str], None] | None = None,
+    engines: Engines | None = None,
 ) -> dict:
-    """Replays a trace file with each strategy under each cost model; the JSON `das bench replay` prints."""
+    """Replays a trace file with each strategy under each cost model; the JSON `das bench replay` prints.
+    `engines`: finite engines (see `simulate`), recorded in the result's "engines"."""
     config = config or DraftConfig()
     costs = costs or cost_models(CostModel())
     strategies = list(strategies)
@@ -603,19 +620,24 @@ def run(
         raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
     records = load_traces(path)
     shared = {
-        s: simulate(records, s, config, window, progress=progress) for s in strategies if s in COST_FREE
+        s: simulate(records, s, config, window, progress=progress, engines=engines)
+        for s in strategies
+        if s in COST_FREE
     }
     by_cost = {}
     for name, cost in costs.items():
         results = {}
         for s in strategies:
-            sim = shared.get(s) or simulate(records, s, config, window, cost, progress=progress)
+            sim = shared.get(s) or simulate(
+                records, s, config, window, cost, progress=progress, engines=engines
+            )
             results[s] = summarize(sim, cost)
         by_cost[name] = {"coefficients": dataclasses.asdict(cost), "strategies": results, **compare(results)}
     return {
         "trace": str(path),
         "records": len(records),
         "config": {**dataclasses.asdict(config), "window_epochs": window},
+        **({"engines": engines.describe()} if engines is not None else {}),
         "cost_models": by_cost,
     }
 

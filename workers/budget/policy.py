@@ -1153,7 +1153,11 @@ class BudgetPolicy:
     # ---- the step
 
     def budgets(
-        self, slots: np.ndarray, output_lens: np.ndarray, headroom: np.ndarray
+        self,
+        slots: np.ndarray,
+        output_lens: np.ndarray,
+        headroom: np.ndarray,
+        queued: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Maximum draft tokens per row (0 where even a sure token would not pay, else min(K, headroom)) and
         each row's class (SHORT: no draft pays; LONG: likelier than average to finish last). Both are views of
@@ -1164,14 +1168,22 @@ class BudgetPolicy:
             output_lens: tokens generated so far per row.
             headroom: most draft tokens each row may take (max_model_len - tokens - 1, and 0 for rows that
                 must not draft, e.g. partial prefills); negative values count as 0.
+            queued: slots of requests waiting for the engine (started, nothing generated): they compete for
+                the tail like the rows, but get no budget and are not rows of the result.
         """
         slots = np.asarray(slots)
+        n = slots.shape[0]
+        output_lens, headroom = np.asarray(output_lens), np.asarray(headroom)
+        if queued is not None and queued.size:
+            slots = np.concatenate([slots, queued])
+            output_lens = np.concatenate([output_lens, np.zeros(queued.shape[0], output_lens.dtype)])
+            headroom = np.concatenate([headroom, np.zeros(queued.shape[0], headroom.dtype)])
         weights, value, classes, budgets, _, _ = self._buffers.views(slots.shape[0])
         lengths = self.lengths
         promoted = _budgets_kernel(
             slots,
-            np.asarray(output_lens),
-            np.asarray(headroom),
+            output_lens,
+            headroom,
             self.slot_problem,
             lengths.count,
             lengths.quantiles,
@@ -1189,10 +1201,10 @@ class BudgetPolicy:
             *self._buffers.tail_scratch(slots.shape[0]),
         )
         self.count_promotions(promoted)
-        self._value = value
-        self._slots = slots
-        self.last_classes = classes
-        return budgets, classes
+        self._value = value[:n]
+        self._slots = slots[:n]
+        self.last_classes = classes[:n]
+        return budgets[:n], classes[:n]
 
     def step_buffers(self, n: int) -> tuple[np.ndarray, ...]:
         """(weights, value, classes, budgets, predicted, kept) buffers for n rows, for a caller that runs the

@@ -26,8 +26,11 @@ import numpy as np
 from monitoring.metrics import EPOCH, EPOCH_MAKESPAN, REQUEST_DURATION, REQUEST_DURATION_MAX
 from pipeline.schemas import TrajectoryRecord
 from workers.generator.model import require_model
+from workers.rollout.priority import LengthPredictor
 
 STRATEGIES = ("none", "ngram", "das")
+# vLLM's scheduling policies: admission in arrival order, or by each request's priority (lower first).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 PROPOSER_CLASS = "workers.generator.proposer.DasProposer"
 WORKER_EXTENSION = "workers.generator.proposer.DasWorkerExtension"
 _SPEC_COUNTERS = {
@@ -68,6 +71,9 @@ class EngineOptions:
     # Prompt lookup n-gram sizes of the `ngram` baseline (the range measured in NOTES).
     ngram_min: int = 2
     ngram_max: int = 4
+    # "priority": the worker admits the requests predicted longest first (`workers.rollout.priority`), so the
+    # tail starts early when an epoch has more requests than slots; "fcfs": vLLM's arrival order.
+    scheduling_policy: str = "priority"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -78,6 +84,10 @@ class EngineOptions:
             )
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -103,6 +113,7 @@ def engine_kwargs(options: EngineOptions, on_cpu: bool) -> dict[str, Any]:
         # are those of the distribution the token was drawn from, after temperature; vLLM's default,
         # "raw_logprobs", reports the temperature-1 model instead.
         "logprobs_mode": "processed_logprobs",
+        "scheduling_policy": options.scheduling_policy,
     }
     kv_bytes = options.kv_cache_bytes or (512 * 2**20 if on_cpu else None)
     if kv_bytes is not None:
@@ -332,6 +343,9 @@ class RolloutWorker:
         self.logprobs = logprobs
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
         self._ids = itertools.count()
+        # Every finished length: what orders the next requests when the engine schedules by priority.
+        self.predictor = LengthPredictor()
+        self.tail_first = llm.llm_engine.vllm_config.scheduler_config.policy == "priority"
 
     def run(
         self,
@@ -353,7 +367,13 @@ class RolloutWorker:
         engine = self.llm.llm_engine
         pending: dict[str, _Pending] = {}
         order: list[str] = []
-        for problem, epoch, sample in requests:
+        self.predictor.max_tokens = sampling.get("max_tokens")
+        priorities = (
+            self.predictor.priorities([problem.problem_id for problem, _, _ in requests])
+            if self.tail_first
+            else [0] * len(requests)
+        )
+        for (problem, epoch, sample), priority in zip(requests, priorities, strict=True):
             request_id = f"{problem.problem_id}/{epoch}/{sample}/{next(self._ids)}"
             args = (
                 extra_args(problem, epoch, sample)
@@ -362,7 +382,9 @@ class RolloutWorker:
             )
             params = SamplingParams(**sampling, logprobs=0 if self.logprobs else None, extra_args=args)
             pending[request_id] = _Pending(problem, epoch, sample, time.perf_counter())
-            engine.add_request(request_id, {"prompt_token_ids": list(problem.prompt_ids)}, params)
+            engine.add_request(
+                request_id, {"prompt_token_ids": list(problem.prompt_ids)}, params, priority=priority
+            )
             order.append(request_id)
         done: dict[str, Finished] = {}
         step = 0
@@ -388,6 +410,7 @@ class RolloutWorker:
                 )
                 latency = time.perf_counter() - state.submitted
                 done[output.request_id] = Finished(record, latency)
+                self.predictor.observe(record.problem_id, len(record.response_ids))
                 REQUEST_DURATION.observe(latency)
                 if self.sink is not None:
                     self.sink(record)

@@ -17,6 +17,13 @@ published: a request vLLM aborted (verl's `stop_reason="aborted"`, e.g. a partia
 weight update) or a response verl cut to `response_length` would store a truncated sample under a real key.
 verl's fully-async client resumes an aborted request itself and hands back the whole response, with
 `stop_reason="length"` when it reached its cap: such a response is complete.
+
+The tail first: verl hands each row's `priority` (its position, 0..n-1, from `AgentLoopManager`) through the
+agent loop to the server's `generate(..., priority=...)` and vLLM, which admits lower values first under
+`actor_rollout_ref.rollout.scheduling_policy=priority`. `das_agent` replaces it with minus the problem's
+predicted length (`workers.rollout.priority`), from the lengths of every response this worker process saw
+finish, so the longest expected requests start first on every server. A length, not a rank: agent loop
+workers predict apart, and their requests meet in one server queue.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
+from workers.rollout.priority import LengthPredictor
 from workers.verl.identity import RequestIdentity, with_extra_args, with_prompt_tokens
 from workers.verl.publisher import BackgroundPublisher
 
@@ -43,6 +51,9 @@ COMPLETED = frozenset({"completed", "length"})
 # Agent loops are built per trajectory; the publisher is opened once per worker process and shared.
 _publishers: dict[str, BackgroundPublisher] = {}
 _publishers_lock = threading.Lock()
+# Lengths of every response this process's agent loops saw finish; agent loops run as asyncio tasks of one
+# event loop per worker process, so no lock.
+_lengths = LengthPredictor()
 
 
 def trajectory_publisher(das_config: Any) -> BackgroundPublisher | None:
@@ -100,13 +111,22 @@ class DasAgentLoop(SingleTurnAgentLoop):
         """Runs verl's single-turn loop with the DAS identity in `extra_args`, then publishes the trajectory
         if it is complete."""
         identity = RequestIdentity.from_kwargs(kwargs)
+        kwargs["priority"] = self.priority(identity)
         output = await super().run(with_extra_args(sampling_params, identity), **kwargs)
+        if identity.problem_id is not None and self.complete(output):
+            _lengths.observe(identity.problem_id, len(output.response_ids))
         if self.publisher is not None and identity.in_history and self.complete(output):
             record = identity.record(
                 output.prompt_ids, output.response_ids, self.worker, output.response_logprobs
             )
             self.publisher.publish(record)
         return output
+
+    def priority(self, identity: RequestIdentity) -> int:
+        """verl's `priority` for the request: minus its problem's predicted length (longest first), 0 while
+        nothing has finished."""
+        _lengths.max_tokens = self.response_length
+        return -round(float(_lengths.predict([identity.problem_id])[0]))
 
     def complete(self, output: AgentLoopOutput) -> bool:
         """True when the request ran to its end and verl kept all of its tokens."""

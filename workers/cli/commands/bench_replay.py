@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from workers.cli.types import POSITIVE, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, number
 
 
 def register(cli) -> None:
@@ -58,6 +58,32 @@ def register(cli) -> None:
     parser.add_argument(
         "--progress", action="store_true", help="print a line per strategy and epoch to stderr"
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        default=None,
+        help="finite engines: comma-separated slot settings, each slots per engine (32), a share of an "
+        "epoch's requests over all engines (1/4) or unlimited; requests queue for slots (default: every "
+        "request of an epoch at once)",
+    )
+    parser.add_argument(
+        "--order",
+        default="fcfs,random,predicted,oracle",
+        help="comma-separated admission orders with --max-num-seqs: fcfs (verl's layout), random, predicted "
+        "(DAS's length prediction), oracle (true length, longest first)",
+    )
+    parser.add_argument(
+        "--engines", type=POSITIVE, default=1, help="engines the requests are spread over (--max-num-seqs)"
+    )
+    parser.add_argument(
+        "--router",
+        choices=("round-robin", "problem"),
+        default="round-robin",
+        help="how requests are spread over --engines: verl's round-robin or DAS's problem-keyed routing",
+    )
+    parser.add_argument("--order-seed", type=NON_NEGATIVE, default=0, help="seed of the random order")
+    parser.add_argument(
+        "--jobs", type=POSITIVE, default=1, help="replays run at a time with --max-num-seqs (processes)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,8 +108,36 @@ def run(args: argparse.Namespace) -> int:
         all_matches=not args.longest_match,
     )
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
+    if args.max_num_seqs is not None:
+        return _run_slots(args, strategies, config, {n: presets[n] for n in names}, progress)
     result = replay.run(
         args.traces, strategies, config, args.window, {n: presets[n] for n in names}, progress=progress
     )
     print(replay.dumps(result) if args.json else replay.main_table(result))
+    return 0
+
+
+def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: dict, progress) -> int:
+    from workers.bench import engines, replay
+
+    settings = [
+        None if part.strip() == "unlimited" else engines.parse_slots(part.strip())
+        for part in args.max_num_seqs.split(",")
+        if part.strip()
+    ]
+    orders = [o.strip() for o in args.order.split(",") if o.strip()]
+    unknown = [o for o in orders if o not in engines.ORDERS]
+    if unknown or not orders or not settings:
+        raise ValueError(f"unknown orders {unknown}; choose from {', '.join(engines.ORDERS)}")
+    fleet = engines.Engines(1, args.engines, orders[0], args.router, args.order_seed)
+    result = engines.run_slots(
+        args.traces,
+        settings,
+        orders,
+        fleet,
+        {"strategies": strategies, "config": config, "window": args.window, "costs": costs},
+        progress,
+        args.jobs,
+    )
+    print(replay.dumps(result) if args.json else engines.slots_table(result))
     return 0

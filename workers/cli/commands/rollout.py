@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, integer, number, temperature_schedule
-from workers.rollout.worker import DTYPES, KV_CACHE_DTYPES
+from workers.rollout.worker import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +54,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine (defaults: CPU exact and small, GPU vLLM's serving settings)")
     engine.add_argument(
         "--max-num-seqs", type=POSITIVE, default=None, help="engine batch size (default: CPU 16, GPU 256)"
+    )
+    engine.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="priority",
+        help="vLLM admission: priority (requests predicted longest first, the default) or fcfs (arrival order)",
     )
     engine.add_argument(
         "--dtype", choices=DTYPES, default=None, help="weights and compute (default: CPU float32, GPU auto)"
@@ -170,6 +176,7 @@ def engine_options(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

@@ -1,0 +1,345 @@
+"""Finite engines for the replay: slots, a queue, an admission order and a router.
+
+A real RL step is larger than an engine's concurrency: requests wait in a queue and are admitted as slots
+free (vLLM's `max_num_seqs`), and which ones are admitted last sets the epoch's tail. `Engines` describes the
+fleet; `EpochSchedule` runs one epoch of it for `replay.simulate`, which asks it for the next engine step's
+running rows (`next_step`) and tells it which finished (`finish`).
+
+- Orders: `fcfs` is verl's layout (problem-major, a problem's samples consecutive), `random` a seeded
+  shuffle of it, `predicted` DAS's length prediction (`workers.rollout.priority.LengthPredictor`: history, the
+  cap, this epoch's finished siblings), `oracle` the true length (longest first: the
+  bound an order can reach).
+- Routers (with `engines` > 1): `round-robin` is verl's (its least-loaded router sees all of a step's requests
+  at once, so they alternate), `problem` DAS's problem-keyed routing (`workers.verl.router`): a problem's
+  whole group goes to one engine, the one it used last epoch while that engine's predicted load stays within
+  LOAD_SLACK of the mean, else the least-loaded.
+- Engines step in lockstep (one step each in turn), so a finished trajectory reaches history at about the
+  time it would on a real fleet whatever the cost model; an epoch's makespan is its slowest engine's.
+- All engines share one drafter: history as every node's replica holds it, and live siblings wherever they
+  run. So the router changes load balance here, not what siblings can draft from.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.rollout.priority import LengthPredictor
+
+ORDERS = ("fcfs", "random", "predicted", "oracle")
+ROUTERS = ("round-robin", "problem")
+# How far above the mean predicted load a problem's engine may be and still keep the problem (bounded-load
+# consistent hashing's usual factor).
+LOAD_SLACK = 1.25
+
+
+def parse_slots(text: str) -> int | float:
+    """`--max-num-seqs`: slots per engine ("32") or a share of an epoch's requests over all engines ("1/4")."""
+    try:
+        if "/" in text:
+            num, den = (int(part) for part in text.split("/"))
+            if num < 1 or den < num:
+                raise ValueError
+            return num / den
+        value = int(text)
+        if value < 1:
+            raise ValueError
+        return value
+    except ValueError:
+        raise ValueError(
+            f"max-num-seqs must be a positive integer or a share like 1/4, got {text!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Engines:
+    """A fleet of engines with finite slots.
+
+    max_num_seqs: slots per engine (int), or a share of each epoch's requests spread over the engines (float
+    in (0, 1]: 0.25 gives each of E engines ceil(requests / 4 / E) slots).
+    """
+
+    max_num_seqs: int | float
+    engines: int = 1
+    order: str = "fcfs"
+    router: str = "round-robin"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"unknown order {self.order!r}; choose from {', '.join(ORDERS)}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        share = isinstance(self.max_num_seqs, float)
+        if (share and not 0 < self.max_num_seqs <= 1) or (not share and self.max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be >= 1 or a share in (0, 1], got {self.max_num_seqs}")
+
+    def slots(self, requests: int) -> int:
+        """Slots per engine for an epoch of `requests`."""
+        if isinstance(self.max_num_seqs, float):
+            return max(1, math.ceil(requests * self.max_num_seqs / self.engines))
+        return self.max_num_seqs
+
+    def describe(self) -> dict:
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "engines": self.engines,
+            "order": self.order,
+            "router": self.router,
+            "seed": self.seed,
+        }
+
+
+class Fleet:
+    """What outlives an epoch: the length predictor (fed every finished response) and each problem's engine."""
+
+    def __init__(self, spec: Engines, max_tokens: int | None) -> None:
+        self.spec = spec
+        self.predictor = LengthPredictor(max_tokens)
+        self.placement: dict[str, int] = {}
+        self.rng = np.random.default_rng(spec.seed)
+
+    def epoch(self, problems: Sequence[str], lengths: np.ndarray) -> EpochSchedule:
+        """The schedule of one epoch's requests (rows in trace order)."""
+        return EpochSchedule(self, list(problems), lengths)
+
+
+class EpochSchedule:
+    """One epoch on the fleet: per engine a queue (rows in admission order) and the running rows."""
+
+    def __init__(self, fleet: Fleet, problems: list[str], lengths: np.ndarray) -> None:
+        spec = fleet.spec
+        self.fleet = fleet
+        self.problems = problems
+        self.lengths = lengths
+        self.slots = spec.slots(len(problems))
+        # verl's layout: problems in order of first appearance, each problem's samples consecutive.
+        first: dict[str, int] = {}
+        for p in problems:
+            first.setdefault(p, len(first))
+        layout = sorted(range(len(problems)), key=lambda i: first[problems[i]])
+        predicted = fleet.predictor.predict(problems)
+        engine_of = self._route(layout, predicted)
+        if spec.order == "random":
+            layout = [layout[i] for i in fleet.rng.permutation(len(layout))]
+        # Rows that produce nothing never occupy a slot (as in the unlimited replay).
+        self.queues = [
+            [i for i in layout if engine_of[i] == e and lengths[i] > 0] for e in range(spec.engines)
+        ]
+        self.running = [np.zeros(0, np.int64) for _ in range(spec.engines)]
+        self._turn = -1
+
+    def _route(self, layout: list[int], predicted: np.ndarray) -> np.ndarray:
+        spec, n = self.fleet.spec, len(self.problems)
+        engine_of = np.zeros(n, np.int64)
+        if spec.engines == 1:
+            return engine_of
+        if spec.router == "round-robin":
+            engine_of[layout] = np.arange(n) % spec.engines
+            return engine_of
+        groups: dict[str, list[int]] = {}
+        for i in layout:
+            groups.setdefault(self.problems[i], []).append(i)
+        # Work of a group: its predicted tokens (its requests when nothing is known yet).
+        work = {p: float(predicted[rows].sum()) or float(len(rows)) for p, rows in groups.items()}
+        bound = LOAD_SLACK * sum(work.values()) / spec.engines
+        load = np.zeros(spec.engines)
+        # Largest groups first onto the least-loaded engine: greedy LPT keeps the loads even.
+        for p in sorted(groups, key=lambda p: -work[p]):
+            engine = self.fleet.placement.get(p)
+            if engine is None or load[engine] + work[p] > bound:
+                engine = int(np.argmin(load))
+            self.fleet.placement[p] = engine
+            load[engine] += work[p]
+            engine_of[groups[p]] = engine
+        return engine_of
+
+    def _admit(self, engine: int) -> None:
+        queue = self.queues[engine]
+        free = self.slots - self.running[engine].shape[0]
+        if free <= 0 or not queue:
+            return
+        order = self.fleet.spec.order
+        if order == "oracle":
+            queue.sort(key=lambda i: -self.lengths[i])
+        elif order == "predicted":
+            # Re-ranked at every admission: siblings that finished since are evidence.
+            keys = self.fleet.predictor.predict([self.problems[i] for i in queue])
+            queue[:] = [queue[j] for j in np.argsort(-keys, kind="stable")]
+        admitted, self.queues[engine] = queue[:free], queue[free:]
+        self.running[engine] = np.concatenate([self.running[engine], np.array(admitted, np.int64)])
+
+    def next_step(self) -> tuple[int, np.ndarray]:
+        """The next engine to step (in turn) after admitting into its free slots, and its running rows; an
+        empty array when the epoch is over."""
+        engines = self.fleet.spec.engines
+        for _ in range(engines):
+            self._turn = (self._turn + 1) % engines
+            self._admit(self._turn)
+            if self.running[self._turn].size:
+                return self._turn, self.running[self._turn]
+        return -1, np.zeros(0, np.int64)
+
+    def queued(self, engine: int) -> np.ndarray:
+        """Rows waiting for one of the engine's slots: tail candidates that have not started."""
+        return np.array(self.queues[engine], np.int64)
+
+    def finish(self, engine: int, done: np.ndarray) -> None:
+        """Rows of `engine` that finished this step: they free their slots and reveal their lengths."""
+        if not done.size:
+            return
+        self.running[engine] = self.running[engine][~np.isin(self.running[engine], done)]
+        for i in done:
+            self.fleet.predictor.observe(self.problems[i], int(self.lengths[i]))
+
+
+def slots_label(max_num_seqs: int | float | None) -> str:
+    """How a setting is named in results: "unlimited", "32" slots per engine, or a share "1/4"."""
+    if max_num_seqs is None:
+        return "unlimited"
+    if isinstance(max_num_seqs, float):
+        return (
+            f"1/{round(1 / max_num_seqs)}"
+            if round(1 / max_num_seqs) * max_num_seqs == 1
+            else str(max_num_seqs)
+        )
+    return str(max_num_seqs)
+
+
+def _order_block(by_order: dict[str, dict]) -> dict:
+    """Makespan of every (order, strategy) pair per cost model, the share of the oracle order's gain over
+    fcfs each order captures, and how das compares with none and suffix-problem under each order."""
+    first = next(iter(by_order.values()))
+    makespans: dict = {}
+    captured: dict = {}
+    das_change: dict = {}
+    for cost, block in first["cost_models"].items():
+        table = {
+            s: {
+                o: run["cost_models"][cost]["strategies"][s]["projected_makespan_s"]
+                for o, run in by_order.items()
+            }
+            for s in block["strategies"]
+        }
+        makespans[cost] = table
+        if "fcfs" in by_order and "oracle" in by_order:
+            captured[cost] = {
+                s: {
+                    o: round((row["fcfs"] - m) / (row["fcfs"] - row["oracle"]), 4)
+                    if row["fcfs"] > row["oracle"]
+                    else None
+                    for o, m in row.items()
+                    if o not in ("fcfs", "oracle")
+                }
+                for s, row in table.items()
+            }
+        if "das" in table:
+            das_change[cost] = {
+                o: {
+                    base: round(table["das"][o] / table[base][o] - 1, 4)
+                    for base in ("none", "suffix-problem")
+                    if base in table
+                }
+                for o in by_order
+            }
+    return {
+        "makespan_s": makespans,
+        "oracle_order_gain_captured": captured,
+        "das_change": das_change,
+        "runs": {o: run["cost_models"] for o, run in by_order.items()},
+    }
+
+
+def _replay(path: str, spec: Engines | None, replay_args: dict, progress: Callable | None) -> dict:
+    from workers.bench import replay
+
+    return replay.run(path, progress=progress, engines=spec, **replay_args)
+
+
+def run_slots(
+    path: str,
+    settings: Sequence[int | float | None],
+    orders: Sequence[str],
+    fleet: Engines,
+    replay_args: dict,
+    progress: Callable[[str], None] | None = None,
+    jobs: int = 1,
+) -> dict:
+    """`das bench replay --max-num-seqs ...`: the replay under each slot setting (None: unlimited, every
+    request of an epoch at once, where order does not matter) and each admission order, `jobs` replays at a
+    time (separate processes; each replay is deterministic, so the result does not depend on it).
+
+    replay_args: `replay.run`'s strategies, config, window and costs."""
+    runs = [
+        (
+            setting,
+            order,
+            None if setting is None else Engines(setting, fleet.engines, order, fleet.router, fleet.seed),
+        )
+        for setting in settings
+        for order in ([None] if setting is None else orders)
+    ]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_replay, path, spec, replay_args, None) for _, _, spec in runs]
+            results = [f.result() for f in futures]
+    else:
+        results = [_replay(path, spec, replay_args, progress) for _, _, spec in runs]
+    done = {(setting, order): result for (setting, order, _), result in zip(runs, results, strict=True)}
+    out: dict = {}
+    blocks: dict = {}
+    for setting in settings:
+        label = slots_label(setting)
+        if setting is None:
+            result = done[(None, None)]
+            blocks[label] = {
+                "makespan_s": {
+                    cost: {s: r["projected_makespan_s"] for s, r in block["strategies"].items()}
+                    for cost, block in result["cost_models"].items()
+                },
+                "runs": result["cost_models"],
+            }
+        else:
+            by_order = {order: done[(setting, order)] for order in orders}
+            result = by_order[orders[0]]
+            blocks[label] = _order_block(by_order)
+        out.setdefault("trace", result["trace"])
+        out.setdefault("records", result["records"])
+        out.setdefault("config", result["config"])
+    return {
+        **out,
+        "fleet": {"engines": fleet.engines, "router": fleet.router, "seed": fleet.seed},
+        "orders": list(orders),
+        "max_num_seqs": blocks,
+    }
+
+
+def slots_table(result: dict) -> str:
+    """Per slot setting and cost model: makespan of each strategy under each order, the share of the oracle
+    order's gain each order captures, and das against none and suffix-problem."""
+    lines = [f"engines {result['fleet']['engines']}, router {result['fleet']['router']}"]
+    for label, block in result["max_num_seqs"].items():
+        for cost, table in block["makespan_s"].items():
+            lines.append(f"max-num-seqs {label}, cost model {cost}: projected makespan s")
+            if label == "unlimited":
+                lines.extend(f"  {s:15s} {m:10.2f}" for s, m in table.items())
+                continue
+            orders = list(next(iter(table.values())))
+            lines.append(f"  {'strategy':15s} " + " ".join(f"{o:>10s}" for o in orders))
+            for s, row in table.items():
+                lines.append(f"  {s:15s} " + " ".join(f"{row[o]:10.2f}" for o in orders))
+            for s, row in block["oracle_order_gain_captured"].get(cost, {}).items():
+                shares = ", ".join(f"{o} {v:+.2f}" if v is not None else f"{o} -" for o, v in row.items())
+                lines.append(f"  oracle-order gain captured, {s}: {shares}")
+            for o, row in block["das_change"].get(cost, {}).items():
+                changes = ", ".join(f"vs {b} {v:+.1%}" for b, v in row.items())
+                lines.append(f"  das under {o}: {changes}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
