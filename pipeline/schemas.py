@@ -24,6 +24,7 @@ class TrajectoryRecord(BaseModel):
     sample: Annotated[int, Field(ge=0, le=MAX_EPOCH, strict=True)]
     prompt_ids: list[TokenId]
     response_ids: list[TokenId]
+    response_logprobs: list[float] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     policy_version: int | None = None
     started_at: float | None = None
