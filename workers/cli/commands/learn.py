@@ -147,7 +147,7 @@ def register(cli) -> None:
         "half of --max-tokens)",
     )
     learn.add_argument(
-        "--lr", type=number(above=0), default=2e-5, help="AdamW learning rate (one step per epoch)"
+        "--lr", type=number(above=0), default=5e-5, help="AdamW learning rate (one step per epoch)"
     )
     learn.add_argument(
         "--train-layers",
