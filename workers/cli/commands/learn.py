@@ -147,7 +147,10 @@ def register(cli) -> None:
         "half of --max-tokens)",
     )
     learn.add_argument(
-        "--lr", type=number(above=0), default=5e-5, help="AdamW learning rate (one step per epoch)"
+        "--lr",
+        type=number(above=0),
+        default=3e-4,
+        help="AdamW learning rate (one step per epoch; 3e-4 moves the top layers by about 0.1%% and the policy by about 0.01 nats of KL per token)",
     )
     learn.add_argument(
         "--train-layers",
