@@ -311,13 +311,13 @@ def _registry_spec_counters(llm: Any) -> dict[str, int]:
     return totals
 
 
-def _sampled_logprobs(completion: Any) -> list[float] | None:
-    """The log probability of each sampled token of a vLLM completion (None unless it asked for logprobs):
-    with `logprobs=0` each position holds the sampled token's entry only."""
+def sampled_logprobs(completion: Any) -> list[float] | None:
+    """The log probability of each sampled token, where the request asked vLLM for them (`logprobs=0`: each
+    position's dict then holds the sampled token, plus any top-k asked for); None otherwise."""
     if completion.logprobs is None:
         return None
     return [
-        position[token].logprob
+        float(position[token].logprob)
         for position, token in zip(completion.logprobs, completion.token_ids, strict=True)
     ]
 
@@ -342,6 +342,8 @@ class RolloutWorker:
         self.sink = sink
         self.logprobs = logprobs
         self.worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+        # The weights the engine samples with (a learning run bumps it after each update); None: not tracked.
+        self.policy_version: int | None = None
         self._ids = itertools.count()
         # Every finished length: what orders the next requests when the engine schedules by priority.
         self.predictor = LengthPredictor()
@@ -400,10 +402,11 @@ class RolloutWorker:
                     sample=state.sample,
                     prompt_ids=list(state.problem.prompt_ids),
                     response_ids=[int(t) for t in completion.token_ids],
-                    response_logprobs=_sampled_logprobs(completion),
+                    response_logprobs=sampled_logprobs(completion),
                     finish_reason=completion.finish_reason
                     if completion.finish_reason in ("stop", "length")
                     else None,
+                    policy_version=self.policy_version,
                     started_at=state.started_at,
                     finished_at=time.time(),
                     worker=self.worker,

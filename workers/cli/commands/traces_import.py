@@ -1,0 +1,67 @@
+"""`das traces import`: a user's own verl rollout dumps (`trainer.rollout_data_dir`) as a trace for the replay."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+
+def _import(args: argparse.Namespace) -> int:
+    from workers.verl.dumps import import_dumps
+
+    if not args.model.is_dir():
+        raise ValueError(f"--model {args.model} is not a folder (the run's model or tokenizer folder)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    records = import_dumps(args.dir, tokenizer)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    with (
+        gzip.open(tmp, "wt", encoding="utf-8")
+        if args.out.suffix == ".gz"
+        else open(tmp, "w", encoding="utf-8")
+    ) as handle:
+        for record in records:
+            handle.write(record.model_dump_json(exclude_none=True) + "\n")
+    tmp.replace(args.out)
+    epochs = Counter(r.epoch for r in records)
+    summary = {
+        "out": str(args.out),
+        "records": len(records),
+        "problems": len({r.problem_id for r in records}),
+        "response_tokens": sum(len(r.response_ids) for r in records),
+        "records_per_epoch": {str(e): epochs[e] for e in sorted(epochs)},
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"wrote {summary['records']} trajectories of {summary['problems']} problems "
+            f"({summary['response_tokens']} response tokens) to {args.out}; next: das bench replay {args.out}"
+        )
+    return 0
+
+
+def register(cli) -> None:
+    command = cli.command(
+        "traces",
+        "import",
+        help="Turn verl's rollout dumps (the {step}.jsonl files trainer.rollout_data_dir holds) into a trace "
+        "for das bench replay: problems by prompt, epochs counted per problem, text re-tokenized with the "
+        "run's tokenizer.",
+        run=_import,
+    )
+    command.add_argument("dir", type=Path, help="verl's trainer.rollout_data_dir")
+    command.add_argument(
+        "--model", type=Path, required=True, help="the run's model folder (its tokenizer re-encodes the text)"
+    )
+    command.add_argument(
+        "-o", "--out", type=Path, required=True, help="trace file to write (JSON Lines; gzip if .gz)"
+    )
+    command.add_argument("--json", action="store_true", help="print one JSON object")
