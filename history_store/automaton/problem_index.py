@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from history_store.automaton import kernels as K
+from history_store.automaton.bundles import DraftOutputs, StepRows
 from history_store.automaton.draft_threads import usable_draft_threads
 from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
 
@@ -69,20 +70,26 @@ class _StepBuffers:
         self.info = np.zeros((rows, K.INFO_FIELDS), np.int32)
         self.scores = np.zeros(rows, np.float64)
         self._n = -1
-        self._views: tuple[BatchDrafts, tuple[np.ndarray, ...]] | None = None
+        self._views: tuple[BatchDrafts, DraftOutputs] | None = None
 
-    def views(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
+    def views(self, n: int) -> tuple[BatchDrafts, DraftOutputs]:
         """The drafts of a batch of n rows, and the kernel's output arrays they view."""
         if n != self._n or self._views is None:
-            out = (self.tokens[:n], self.probs[:n], self.support[:n], self.info[:n], self.scores[:n])
-            info = out[3]
+            out = DraftOutputs(
+                tok=self.tokens[:n],
+                prob=self.probs[:n],
+                sup=self.support[:n],
+                info=self.info[:n],
+                score=self.scores[:n],
+            )
+            info = out.info
             drafts = BatchDrafts(
-                tokens=out[0],
+                tokens=out.tok,
                 lengths=info[:, K.I_LEN],
-                probs=out[1],
-                support=out[2],
+                probs=out.prob,
+                support=out.sup,
                 match_lens=info[:, K.I_MATCH],
-                scores=out[4],
+                scores=out.score,
                 sources=info[:, K.I_SOURCE],
                 agreement=info[:, K.I_AGREE : K.I_AGREE + 2],
             )
@@ -491,36 +498,28 @@ class ProblemIndex:
         budgets: np.ndarray | Sequence[int],
         draft: bool,
     ) -> BatchDrafts:
-        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = self.step_buffers(slots.shape[0])
-        budgets = np.asarray(budgets)
-        f, cfg = self.forest, self.config
+        drafts, out = self.step_buffers(slots.shape[0])
+        rows = StepRows(slots=slots, bases=base, ends=end, budgets=np.asarray(budgets), src=src)
+        params = self.config.params()
         row = 0
         while True:
             row, status = K.step_rows(
-                *f.tables(),
-                self.slots,
-                slots,
-                base,
-                end,
-                budgets,
-                src,
-                row,
-                draft,
-                *cfg.kernel_args(),
-                out_tok,
-                out_prob,
-                out_sup,
-                out_info,
-                out_score,
-                self.draft_threads,
+                arena=self.forest.tables(),
+                slots=self.slots,
+                rows=rows,
+                row=row,
+                draft=draft,
+                params=params,
+                out=out,
+                threads=self.draft_threads,
             )
             if status == K.DONE:
                 return drafts
             self.make_room(status, slots, row, end)
 
-    def step_buffers(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
-        """The drafts of a batch of n rows and the step kernel's output arrays they view (tokens, probs,
-        support, info, scores): reused buffers, valid until the next step."""
+    def step_buffers(self, n: int) -> tuple[BatchDrafts, DraftOutputs]:
+        """The drafts of a batch of n rows and the step kernel's output arrays they view: reused buffers,
+        valid until the next step."""
         buf = self._buffers
         if buf.tokens.shape[0] < n:
             buf = self._buffers = _StepBuffers(max(n, 2 * buf.tokens.shape[0]), self.config.max_spec_tokens)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from history_store.automaton import kernels as K
+from history_store.automaton.bundles import DraftOutputs, DraftParams, DraftPath, Forest
 
 MAX_TOKEN_ID = 2**31 - 1
 _SERIAL_MAGIC = b"DAST"
@@ -50,15 +51,15 @@ class DraftConfig:
     escape: float = 1.0
     all_matches: bool = True
 
-    def kernel_args(self) -> tuple[int, float, float, float, float, bool]:
-        """The drafting parameters in the order the step kernels take them."""
-        return (
-            self.max_depth,
-            self.max_spec_factor,
-            self.max_spec_offset,
-            self.min_token_prob,
-            self.escape,
-            self.all_matches,
+    def params(self) -> DraftParams:
+        """The drafting parameters as the step kernels take them."""
+        return DraftParams(
+            max_depth=self.max_depth,
+            spec_factor=self.max_spec_factor,
+            spec_offset=self.max_spec_offset,
+            min_prob=self.min_token_prob,
+            escape=self.escape,
+            all_matches=self.all_matches,
         )
 
     def __post_init__(self) -> None:
@@ -145,10 +146,18 @@ class SuffixForest:
     def arena(self) -> Arena:
         return Arena(self.states, self.edges, self.hashes, self.meta)
 
-    def tables(self) -> tuple[np.ndarray, ...]:
-        """The arena and its bookkeeping tables in the order the step kernels take them first: states, edges,
-        hashes, meta, trees, seqs, pool (read again after any growth: growing replaces arrays)."""
-        return (self.states, self.edges, self.hashes, self.meta, self.trees, self.seqs, self.pool)
+    def tables(self) -> Forest:
+        """The arena and its bookkeeping tables as the step kernels take them (read again after any growth:
+        growing replaces arrays)."""
+        return Forest(
+            states=self.states,
+            edges=self.edges,
+            hashes=self.hashes,
+            meta=self.meta,
+            trees=self.trees,
+            seqs=self.seqs,
+            pool=self.pool,
+        )
 
     def next_version(self) -> int:
         self._version += 1
@@ -430,31 +439,21 @@ class SuffixTree:
         state, length = K.advance_match(
             f.states, f.edges, f.hashes, root, root, 0, ctx, 0, ctx.shape[0], cfg.max_depth
         )
-        out_tok, tmp_tok = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
-        out_prob, tmp_prob = np.empty((1, budget), np.float32), np.empty(budget, np.float32)
-        out_sup, tmp_sup = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
+        out = DraftOutputs(
+            tok=np.empty((1, budget), np.int32),
+            prob=np.empty((1, budget), np.float32),
+            sup=np.empty((1, budget), np.int32),
+            info=np.empty((1, K.INFO_FIELDS), np.int32),
+            score=np.empty(1),
+        )
+        scratch = DraftPath(
+            tok=np.empty(budget, np.int32), prob=np.empty(budget, np.float32), sup=np.empty(budget, np.int32)
+        )
         n, match_len, score = K.draft_best(
-            f.states,
-            root,
-            state,
-            length,
-            budget,
-            cfg.max_spec_factor,
-            cfg.max_spec_offset,
-            cfg.min_token_prob,
-            cfg.escape,
-            cfg.all_matches,
-            0.0,
-            out_tok,
-            out_prob,
-            out_sup,
-            0,
-            tmp_tok,
-            tmp_prob,
-            tmp_sup,
+            f.states, root, state, length, budget, cfg.params(), 0.0, out, 0, scratch
         )
         return Draft(
-            out_tok[0, :n].copy(), out_prob[0, :n].copy(), out_sup[0, :n].copy(), int(match_len), float(score)
+            out.tok[0, :n].copy(), out.prob[0, :n].copy(), out.sup[0, :n].copy(), int(match_len), float(score)
         )
 
     def to_bytes(self) -> bytes:

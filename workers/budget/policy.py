@@ -35,6 +35,7 @@ from numba import njit
 
 from history_store.automaton.kernels import _slot
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, COST_MODEL_COEFFICIENT, LENGTH_CLASSES
+from workers.budget.state import AcceptanceState, CostState, Drafted, LengthState, PolicyBuffers, PolicyState
 
 # Length classes, for dashboards: short = not worth drafting this step, long = likelier than average to be
 # the batch's last request, medium = the rest.
@@ -176,9 +177,11 @@ def _solve_nonnegative(sums, target, ridge, coef):
 
 
 @njit(cache=True)
-def _cost_observe(ring, sums, state, prior, coef, active, tokens, seconds, min_fit_steps, refit_every, ridge):
-    """Adds a step to the window (ring buffer `ring`, its running sums `sums`) and refits when due into
-    `coef`. Returns whether `coef` changed."""
+def _cost_observe(cost, active, tokens, seconds):
+    """Adds a step to the window (ring buffer `ring`, its running sums `sums`) of `cost` (a CostState) and
+    refits when due into its coefficients. Returns whether they changed."""
+    ring, sums, state, prior, coef = cost.ring, cost.sums, cost.state, cost.prior, cost.coefficients
+    min_fit_steps, refit_every = cost.min_fit_steps, cost.refit_every
     window = ring.shape[0]
     at = state[_C_NEXT]
     if state[_C_COUNT] == window:
@@ -217,7 +220,7 @@ def _cost_observe(ring, sums, state, prior, coef, active, tokens, seconds, min_f
     if state[_C_COUNT] < min_fit_steps:
         coef[:] = target  # too few steps to fit: the prior's split at the measured scale
     else:
-        _solve_nonnegative(sums, target, ridge, coef)
+        _solve_nonnegative(sums, target, cost.ridge, coef)
         state[_C_SINCE] = 0
     return True
 
@@ -248,20 +251,7 @@ class CostModel:
         """Adds one measured step; refits every `refit_every` steps."""
         if active <= 0 or tokens < active or not math.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
-        config = self._config
-        if _cost_observe(
-            self._ring,
-            self._sums,
-            self._state,
-            self._prior,
-            self.coefficients,
-            int(active),
-            int(tokens),
-            float(seconds),
-            config.min_fit_steps,
-            config.refit_every,
-            config.ridge,
-        ):
+        if _cost_observe(self.kernel_state(), int(active), int(tokens), float(seconds)):
             self.publish()
 
     def publish(self) -> None:
@@ -269,19 +259,19 @@ class CostModel:
         for gauge, value in zip(self._gauges, self.coefficients.tolist(), strict=True):
             gauge.set(value)
 
-    def kernel_state(self) -> tuple:
-        """The fit's arrays and settings in `_cost_observe`'s order after the step (ring, sums, state, prior,
-        coefficients, min_fit_steps, refit_every, ridge), for a caller that observes from its own kernel."""
+    def kernel_state(self) -> CostState:
+        """The fit's arrays and settings, for `_cost_observe` here and for a caller that observes from its own
+        kernel."""
         config = self._config
-        return (
-            self._ring,
-            self._sums,
-            self._state,
-            self._prior,
-            self.coefficients,
-            config.min_fit_steps,
-            config.refit_every,
-            config.ridge,
+        return CostState(
+            ring=self._ring,
+            sums=self._sums,
+            state=self._state,
+            prior=self._prior,
+            coefficients=self.coefficients,
+            min_fit_steps=config.min_fit_steps,
+            refit_every=config.refit_every,
+            ridge=config.ridge,
         )
 
     def predict(self, active: int, tokens: int) -> float:
@@ -323,7 +313,7 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
     request furthest behind, not the one whose lengths were extrapolated furthest.
 
     remaining and mass (at least n x 4q) and below (n x n_bins) are scratch, which the step keeps per batch
-    size (`BudgetPolicy.tail_scratch`): allocated here, they took half a megabyte a step at batch 256.
+    size (`BudgetPolicy.step_buffers`): allocated here, they took half a megabyte a step at batch 256.
     """
     n, q = quantiles.shape
     if n == 1:  # the only row is the last: what the rest computes too (acc / acc), without its arrays
@@ -426,33 +416,21 @@ def critical_weights(quantiles, pool, atypical, outputs, speeds, caps, n_bins, o
 
 
 @njit(cache=True)
-def _budgets_kernel(
-    slots,
-    output_lens,
-    headroom,
-    slot_problem,
-    length_count,
-    quantile_table,
-    length_stats,
-    accepted_rate,
-    outlived,
-    max_length,
-    coefficients,
-    n_bins,
-    k,
-    weights,
-    value,
-    classes,
-    budgets,
-    quantiles,
-    remaining,
-    mass,
-    below,
-):
+def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients, buffers):
     """`BudgetPolicy.budgets` in one call: each row's critical weight, the value of one of its accepted tokens,
-    its class and budget. Marks the slots that just outlived their problem's lengths in `outlived` and
-    returns how many did. quantiles (n x q), remaining, mass and below are scratch
-    (`_StepBuffers.tail_scratch`)."""
+    its class and budget (into `buffers`, a PolicyBuffers). Marks the slots that just outlived their problem's
+    lengths in `policy.outlived` and returns how many did. `lengths` is a LengthState, `coefficients` the cost
+    model's."""
+    slot_problem, accepted_rate, outlived, max_length = (
+        policy.slot_problem,
+        policy.accepted_rate,
+        policy.outlived,
+        policy.max_length,
+    )
+    length_count, quantile_table = lengths.count, lengths.quantiles
+    weights, value, classes, budgets = buffers.weights, buffers.value, buffers.classes, buffers.budgets
+    quantiles = buffers.tail_quantiles
+    k = policy.max_tokens
     n = slots.shape[0]
     q = quantile_table.shape[1]
     outputs = np.empty(n)
@@ -469,17 +447,17 @@ def _budgets_kernel(
         speeds[i] = 1.0 + accepted_rate[s]
         caps[i] = max_length[s]
     critical_weights(
-        quantiles,
-        quantile_table[0],
-        _atypical(length_stats),
-        outputs,
-        speeds,
-        caps,
-        n_bins,
-        weights,
-        remaining,
-        mass,
-        below,
+        quantiles=quantiles,
+        pool=quantile_table[0],
+        atypical=_atypical(lengths.stats),
+        outputs=outputs,
+        speeds=speeds,
+        caps=caps,
+        n_bins=policy.n_bins,
+        out=weights,
+        remaining=buffers.tail_remaining,
+        mass=buffers.tail_mass,
+        below=buffers.tail_below,
     )
     c_base, c_seq, c_tok = coefficients[0], coefficients[1], coefficients[2]
     promoted = 0
@@ -511,21 +489,7 @@ def _log_odds_gain(outcomes, row):
 
 
 @njit(cache=True)
-def _features_of(
-    probs,
-    support,
-    i,
-    j,
-    previous,
-    log_match,
-    source,
-    request_gain,
-    problem_gain,
-    agreement,
-    token_gain,
-    out,
-    s,
-):
+def _features_of(drafted, i, j, previous, log_match, request_gain, problem_gain, token_gain, out, s):
     """Features of row i's draft token j, into out[s, j], for its acceptance given token j-1 was accepted:
     which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
     about another, e.g. siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional
@@ -538,7 +502,8 @@ def _features_of(
     the model picks a token varies with the token, which no tree's counts say).
     log_match is the row's log1p(match length) / 4. Every array is indexed by row rather than passed as a row
     view: a view costs two atomic reference counts, and this runs per draft token."""
-    ratio = probs[i, j] / previous if previous > 0 else 0.0
+    source, agreement = drafted.sources[i], drafted.agreement
+    ratio = drafted.probs[i, j] / previous if previous > 0 else 0.0
     ratio = min(max(ratio, 0.02), 0.98)
     out[s, j, 0] = 1.0 if source == SOURCE_PROBLEM else 0.0
     out[s, j, 1] = 1.0 if source == SOURCE_LIVE else 0.0
@@ -548,7 +513,7 @@ def _features_of(
     out[s, j, 5] = _LOG_POSITION[j] if j < _LOG_POSITION.shape[0] else np.log1p(j) / 2.0
     out[s, j, 6] = request_gain
     out[s, j, 7] = problem_gain
-    out[s, j, 8] = np.log1p(support[i, j]) / 4.0
+    out[s, j, 8] = np.log1p(drafted.support[i, j]) / 4.0
     out[s, j, 9] = ((agreement[i, 0] > j) + (agreement[i, 1] > j)) / 2.0
     out[s, j, 10] = token_gain
 
@@ -581,37 +546,10 @@ def _recalibrated(p, table, prior, prior_mean):
 
 
 @njit(cache=True)
-def _truncate_kernel(
-    probs,
-    support,
-    lengths,
-    match_lens,
-    sources,
-    agreement,
-    drafted,
-    slots,
-    slot_problem,
-    request_outcomes,
-    problem_outcomes,
-    token_outcomes,
-    drafted_bucket,
-    weights,
-    recalibration,
-    path_recalibration,
-    value,
-    c_tok,
-    features,
-    kept_store,
-    model_p,
-    path_p,
-    first_past,
-    accepted_rate,
-    rate_decay,
-    predicted,
-    kept,
-):
-    """Per row: each draft token's path acceptance probability (predicted[i, j]) and the kept prefix, the
-    tokens whose probability times the row's value pays for their verification (c_tok). Stores each slot's
+def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
+    """Per row of `drafted` (a Drafted): each draft token's path acceptance probability (buffers.predicted[i,
+    j]) and the kept prefix (buffers.kept), the tokens whose probability times the row's value
+    (buffers.value) pays for their verification (c_tok). Stores each slot's
     features, the model's conditional probabilities (model_p: the learning step reuses them) and kept length
     for learning, and decays the speed of rows that draft nothing.
 
@@ -619,7 +557,33 @@ def _truncate_kernel(
     through `path_recalibration` instead: what paths so predicted turned out to be. The product of conditionals
     overstated those paths, so drafting freedom beyond the match was paid for with waste (`--max-spec-factor 4`
     in the README's replay figures); the raw path (`path_p`) and where the row's past tokens
-    start (`first_past`) are kept for the learning step."""
+    start (`first_past`) are kept for the learning step. `policy` is the PolicyState, `acceptance` the
+    AcceptanceState."""
+    probs, lengths, match_lens, tokens = drafted.probs, drafted.lengths, drafted.match_lens, drafted.tokens
+    slot_problem, request_outcomes, problem_outcomes = (
+        policy.slot_problem,
+        policy.request_outcomes,
+        policy.problem_outcomes,
+    )
+    token_outcomes, drafted_bucket, features, kept_store = (
+        policy.token_outcomes,
+        policy.drafted_bucket,
+        policy.features,
+        policy.kept,
+    )
+    model_p, path_p, first_past, accepted_rate, rate_decay = (
+        policy.model_p,
+        policy.path_p,
+        policy.first_past,
+        policy.accepted_rate,
+        policy.rate_decay,
+    )
+    weights, recalibration, path_recalibration = (
+        acceptance.weights,
+        acceptance.recalibration,
+        acceptance.path_recalibration,
+    )
+    value, predicted, kept = buffers.value, buffers.predicted, buffers.kept
     n, k = predicted.shape
     f = weights.shape[0]
     for i in range(n):
@@ -643,22 +607,19 @@ def _truncate_kernel(
             if j >= lengths[i]:
                 predicted[i, j] = 0.0
                 continue
-            bucket = _slot(drafted[i, j], TOKEN_BUCKETS - 1)  # the arena's hash
+            bucket = _slot(tokens[i, j], TOKEN_BUCKETS - 1)  # the arena's hash
             drafted_bucket[s, j] = bucket
             _features_of(
-                probs,
-                support,
-                i,
-                j,
-                previous,
-                log_match,
-                sources[i],
-                request_gain,
-                problem_gain,
-                agreement,
-                _log_odds_gain(token_outcomes, bucket),
-                features,
-                s,
+                drafted=drafted,
+                i=i,
+                j=j,
+                previous=previous,
+                log_match=log_match,
+                request_gain=request_gain,
+                problem_gain=problem_gain,
+                token_gain=_log_odds_gain(token_outcomes, bucket),
+                out=features,
+                s=s,
             )
             previous = probs[i, j]
             z = 0.0
@@ -683,36 +644,43 @@ def _truncate_kernel(
 
 
 @njit(cache=True)
-def _observe_kernel(
-    slots,
-    accepted,
-    kept_store,
-    features,
-    model_p,
-    slot_problem,
-    request_outcomes,
-    problem_outcomes,
-    problem_stamp,
-    token_outcomes,
-    drafted_bucket,
-    recalibration,
-    path_p,
-    first_past,
-    path_recalibration,
-    step,
-    request_decay,
-    problem_decay,
-    token_decay,
-    accepted_rate,
-    rate_decay,
-    gradient,
-    curvature,
-):
-    """Learns from verified drafts: slots[i] had its first accepted[i] kept tokens accepted. Token j is a trial
+def _observe_kernel(slots, accepted, policy, acceptance, step):
+    """Learns from verified drafts: slots[i] had its first accepted[i] kept tokens accepted (`policy` is the
+    PolicyState, `acceptance` the AcceptanceState, `step` the observe step's number). Token j is a trial
     of its conditional acceptance when tokens 0..j-1 were accepted (j <= accepted), a success when it was
     accepted too. Adds the log-likelihood gradient and curvature, and updates the slot's, its problem's and
     each tried token's (accepted, predicted, tried) sums and the slot's accepted tokens per step. Returns the
     trials."""
+    kept_store, features, model_p, slot_problem = (
+        policy.kept,
+        policy.features,
+        policy.model_p,
+        policy.slot_problem,
+    )
+    request_outcomes, problem_outcomes, problem_stamp = (
+        policy.request_outcomes,
+        policy.problem_outcomes,
+        policy.problem_stamp,
+    )
+    token_outcomes, drafted_bucket, path_p, first_past, accepted_rate = (
+        policy.token_outcomes,
+        policy.drafted_bucket,
+        policy.path_p,
+        policy.first_past,
+        policy.accepted_rate,
+    )
+    request_decay, problem_decay, token_decay, rate_decay = (
+        policy.request_decay,
+        policy.problem_decay,
+        policy.token_decay,
+        policy.rate_decay,
+    )
+    recalibration, path_recalibration, gradient, curvature = (
+        acceptance.recalibration,
+        acceptance.path_recalibration,
+        acceptance.gradient,
+        acceptance.curvature,
+    )
     f = features.shape[2]
     trials = 0
     outcome = np.zeros(3)
@@ -770,24 +738,25 @@ _A_TRIALS, _A_PENDING = 0, 1
 
 
 @njit(cache=True)
-def _acceptance_added(
-    state,
-    trials,
-    min_trials,
-    forgetting,
-    ridge,
-    accumulated,
-    curvature,
-    gradient,
-    recalibration,
-    path_recalibration,
-    weights,
-):
-    """`trials` more verified tokens are in gradient and curvature: once min_trials are pending, folds them
-    into the forgetting curvature and takes a Newton step on `weights` in place. Returns whether it stepped."""
+def _acceptance_added(acceptance, trials):
+    """`trials` more verified tokens are in the AcceptanceState's gradient and curvature: once min_trials are
+    pending, folds them into the forgetting curvature and takes a Newton step on its weights in place.
+    Returns whether it stepped."""
+    state, forgetting, accumulated, curvature, gradient = (
+        acceptance.state,
+        acceptance.forgetting,
+        acceptance.accumulated,
+        acceptance.curvature,
+        acceptance.gradient,
+    )
+    recalibration, path_recalibration, weights = (
+        acceptance.recalibration,
+        acceptance.path_recalibration,
+        acceptance.weights,
+    )
     state[_A_TRIALS] += trials
     state[_A_PENDING] += trials
-    if state[_A_PENDING] < min_trials:
+    if state[_A_PENDING] < acceptance.min_trials:
         return False
     f = weights.shape[0]
     a = np.empty((f, f + 1))
@@ -795,7 +764,7 @@ def _acceptance_added(
         for j in range(f):
             accumulated[i, j] = forgetting * accumulated[i, j] + curvature[i, j]
             a[i, j] = accumulated[i, j]
-        a[i, i] += ridge
+        a[i, i] += acceptance.ridge
         a[i, f] = gradient[i]
     for r in range(recalibration.shape[0]):
         recalibration[r, 0] *= forgetting
@@ -856,21 +825,24 @@ class AcceptanceModel:
         """Verified tokens learned from."""
         return int(self.state[_A_TRIALS])
 
+    def kernel_state(self) -> AcceptanceState:
+        """The model as its kernels take it (its arrays are shared, not copied)."""
+        return AcceptanceState(
+            weights=self.weights,
+            recalibration=self.recalibration,
+            path_recalibration=self.path_recalibration,
+            gradient=self.gradient,
+            curvature=self.curvature,
+            accumulated=self.accumulated,
+            state=self.state,
+            min_trials=self.MIN_TRIALS,
+            forgetting=self.forgetting,
+            ridge=self.ridge,
+        )
+
     def added(self, trials: int) -> None:
         """`trials` more verified tokens are in `gradient` and `curvature`: a Newton step once enough are."""
-        _acceptance_added(
-            self.state,
-            trials,
-            self.MIN_TRIALS,
-            self.forgetting,
-            self.ridge,
-            self.accumulated,
-            self.curvature,
-            self.gradient,
-            self.recalibration,
-            self.path_recalibration,
-            self.weights,
-        )
+        _acceptance_added(self.kernel_state(), trials)
 
 
 # ---------------------------------------------------------------------------------------------- the policy
@@ -980,6 +952,10 @@ class LengthModel:
                 self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
         return p
 
+    def kernel_state(self) -> LengthState:
+        """The arrays a step reads (replaced when the model grows: ask again after `problem`)."""
+        return LengthState(count=self.count, quantiles=self.quantiles, stats=self.stats)
+
     def window(self, problem: int) -> np.ndarray:
         return self._lengths[problem, : self.count[problem]]
 
@@ -1014,52 +990,37 @@ class LengthModel:
         return int(p50), int(p90)
 
 
-class _StepBuffers:
-    """Per-row outputs of a step (`budgets`, `truncate`), allocated for the largest batch seen and reused; the
-    views of the last batch size are kept too (a view costs about as much as a small numpy operation)."""
+class _PolicyRows:
+    """`PolicyBuffers` allocated for the largest batch seen and reused; the views of the last batch size are
+    kept too (a view costs about as much as a small numpy operation)."""
 
     def __init__(self, k: int, quantiles: int, bins: int) -> None:
-        self._k, self._q, self._bins = k, quantiles, bins
+        self._widths = {"predicted": k, "tail_quantiles": quantiles, "tail_remaining": 4 * quantiles}
+        self._widths.update(tail_mass=4 * quantiles, tail_below=bins)
         self._rows = 0
-        self._arrays: tuple[np.ndarray, ...] = ()
-        self._scratch: tuple[np.ndarray, ...] = ()
+        self._arrays: PolicyBuffers | None = None
         self._n = -1
-        self._views: tuple[np.ndarray, ...] = ()
-        self._scratch_views: tuple[np.ndarray, ...] = ()
+        self._views: PolicyBuffers | None = None
 
-    def _resize(self, n: int) -> None:
-        if n == self._n:
-            return
-        if n > self._rows:
+    def views(self, n: int) -> PolicyBuffers:
+        """The buffers for n rows: valid until the next step."""
+        if n == self._n and self._views is not None:
+            return self._views
+        if n > self._rows or self._arrays is None:
             self._rows = max(n, 2 * self._rows, 64)
-            rows = self._rows
-            self._arrays = (
-                np.zeros(rows),  # critical weights
-                np.zeros(rows),  # value of an accepted token
-                np.zeros(rows, np.int64),  # class
-                np.zeros(rows, np.int32),  # budget
-                np.zeros((rows, self._k)),  # predicted path acceptance
-                np.zeros(rows, np.int32),  # kept draft tokens
-            )
-            self._scratch = (
-                np.zeros((rows, self._q)),  # each row's length quantiles
-                np.zeros((rows, 4 * self._q)),  # remaining steps of each (length, speed) outcome
-                np.zeros((rows, 4 * self._q)),  # its probability
-                np.zeros((rows, self._bins)),  # P(ends before each grid bin)
+            dtypes = {"classes": np.int64, "budgets": np.int32, "kept": np.int32}
+            self._arrays = PolicyBuffers(
+                *(
+                    np.zeros(
+                        (self._rows, self._widths[name]) if name in self._widths else self._rows,
+                        dtypes.get(name, np.float64),
+                    )
+                    for name in PolicyBuffers._fields
+                )
             )
         self._n = n
-        self._views = tuple(a[:n] for a in self._arrays)
-        self._scratch_views = tuple(a[:n] for a in self._scratch)
-
-    def views(self, n: int) -> tuple[np.ndarray, ...]:
-        """(weights, value, classes, budgets, predicted, kept) for n rows: valid until the next step."""
-        self._resize(n)
+        self._views = PolicyBuffers(*(a[:n] for a in self._arrays))
         return self._views
-
-    def tail_scratch(self, n: int) -> tuple[np.ndarray, ...]:
-        """The critical-path weights' scratch for n rows (`_budgets_kernel`'s last four arguments)."""
-        self._resize(n)
-        return self._scratch_views
 
 
 class BudgetPolicy:
@@ -1102,7 +1063,7 @@ class BudgetPolicy:
         # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
-        self._buffers = _StepBuffers(k, LengthModel.QUANTILES, self.BINS)
+        self._buffers = _PolicyRows(k, LengthModel.QUANTILES, self.BINS)
         self._promotions = CLASS_PROMOTIONS.labels(length_class=LENGTH_CLASSES[LONG])
         self.last_predicted = np.zeros((0, k))
         self.last_classes = np.zeros(0, np.int64)
@@ -1150,6 +1111,33 @@ class BudgetPolicy:
         """Ends a request (its slot may be reused by `start`)."""
         self.kept[slot] = 0
 
+    def kernel_state(self) -> PolicyState:
+        """The per-slot and per-problem arrays and the settings, as the kernels take them (arrays shared, not
+        copied; `start` may replace them, so ask again after it)."""
+        config = self.config
+        return PolicyState(
+            slot_problem=self.slot_problem,
+            request_outcomes=self.request_outcomes,
+            accepted_rate=self.accepted_rate,
+            outlived=self.outlived,
+            max_length=self.max_length,
+            features=self.features,
+            kept=self.kept,
+            model_p=self.model_p,
+            path_p=self.path_p,
+            first_past=self.first_past,
+            drafted_bucket=self.drafted_bucket,
+            problem_outcomes=self.problem_outcomes,
+            problem_stamp=self.problem_stamp,
+            token_outcomes=self.token_outcomes,
+            n_bins=self.BINS,
+            max_tokens=config.max_tokens,
+            request_decay=config.request_decay,
+            problem_decay=config.problem_decay,
+            token_decay=config.token_decay,
+            rate_decay=config.rate_decay,
+        )
+
     # ---- the step
 
     def budgets(
@@ -1166,42 +1154,26 @@ class BudgetPolicy:
                 must not draft, e.g. partial prefills); negative values count as 0.
         """
         slots = np.asarray(slots)
-        weights, value, classes, budgets, _, _ = self._buffers.views(slots.shape[0])
-        lengths = self.lengths
+        buffers = self._buffers.views(slots.shape[0])
         promoted = _budgets_kernel(
-            slots,
-            np.asarray(output_lens),
-            np.asarray(headroom),
-            self.slot_problem,
-            lengths.count,
-            lengths.quantiles,
-            lengths.stats,
-            self.accepted_rate,
-            self.outlived,
-            self.max_length,
-            self.cost.coefficients,
-            self.BINS,
-            self.config.max_tokens,
-            weights,
-            value,
-            classes,
-            budgets,
-            *self._buffers.tail_scratch(slots.shape[0]),
+            slots=slots,
+            output_lens=np.asarray(output_lens),
+            headroom=np.asarray(headroom),
+            policy=self.kernel_state(),
+            lengths=self.lengths.kernel_state(),
+            coefficients=self.cost.coefficients,
+            buffers=buffers,
         )
         self.count_promotions(promoted)
-        self._value = value
+        self._value = buffers.value
         self._slots = slots
-        self.last_classes = classes
-        return budgets, classes
+        self.last_classes = buffers.classes
+        return buffers.budgets, buffers.classes
 
-    def step_buffers(self, n: int) -> tuple[np.ndarray, ...]:
-        """(weights, value, classes, budgets, predicted, kept) buffers for n rows, for a caller that runs the
-        policy's kernels from its own (then `drafted` records what they computed)."""
+    def step_buffers(self, n: int) -> PolicyBuffers:
+        """The per-row buffers for n rows, for a caller that runs the policy's kernels from its own (then
+        `drafted` records what they computed)."""
         return self._buffers.views(n)
-
-    def tail_scratch(self, n: int) -> tuple[np.ndarray, ...]:
-        """The budget kernel's scratch for n rows, for the same callers."""
-        return self._buffers.tail_scratch(n)
 
     def count_promotions(self, promoted: int) -> None:
         """Counts requests that just outlived their problem's lengths (`_budgets_kernel` returns how many)."""
@@ -1240,40 +1212,28 @@ class BudgetPolicy:
         n = len(lengths)
         if n != slots.shape[0]:
             raise ValueError(f"truncate got {n} rows but the last budgets call had {slots.shape[0]}")
-        *_, predicted, kept = self._buffers.views(n)
+        buffers = self._buffers.views(n)
         # No dtype conversions: the kernel compiles for the index's own (float32 probabilities, int32 counts),
         # which widen to float64 exactly inside it.
-        _truncate_kernel(
-            np.asarray(probs),
-            np.asarray(support),
-            np.asarray(lengths),
-            np.asarray(match_lens),
-            np.asarray(sources),
-            np.asarray(agreement),
-            np.asarray(tokens),
-            slots,
-            self.slot_problem,
-            self.request_outcomes,
-            self.problem_outcomes,
-            self.token_outcomes,
-            self.drafted_bucket,
-            self.acceptance.weights,
-            self.acceptance.recalibration,
-            self.acceptance.path_recalibration,
-            self._value,
-            float(self.cost.coefficients[2]),
-            self.features,
-            self.kept,
-            self.model_p,
-            self.path_p,
-            self.first_past,
-            self.accepted_rate,
-            self.config.rate_decay,
-            predicted,
-            kept,
+        drafted = Drafted(
+            tokens=np.asarray(tokens),
+            probs=np.asarray(probs),
+            support=np.asarray(support),
+            lengths=np.asarray(lengths),
+            match_lens=np.asarray(match_lens),
+            sources=np.asarray(sources),
+            agreement=np.asarray(agreement),
         )
-        self.last_predicted = predicted
-        return kept
+        _truncate_kernel(
+            drafted=drafted,
+            slots=slots,
+            policy=self.kernel_state(),
+            acceptance=self.acceptance.kernel_state(),
+            c_tok=float(self.cost.coefficients[2]),
+            buffers=buffers._replace(value=self._value),
+        )
+        self.last_predicted = buffers.predicted
+        return buffers.kept
 
     def observe_acceptance(self, slots: np.ndarray, accepted: np.ndarray) -> None:
         """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed.
@@ -1281,29 +1241,11 @@ class BudgetPolicy:
         requests' and their problems' recent outcomes, and the requests' accepted tokens per step."""
         self.observe_step_no += 1
         trials = _observe_kernel(
-            np.asarray(slots),
-            np.asarray(accepted),
-            self.kept,
-            self.features,
-            self.model_p,
-            self.slot_problem,
-            self.request_outcomes,
-            self.problem_outcomes,
-            self.problem_stamp,
-            self.token_outcomes,
-            self.drafted_bucket,
-            self.acceptance.recalibration,
-            self.path_p,
-            self.first_past,
-            self.acceptance.path_recalibration,
-            self.observe_step_no,
-            self.config.request_decay,
-            self.config.problem_decay,
-            self.config.token_decay,
-            self.accepted_rate,
-            self.config.rate_decay,
-            self.acceptance.gradient,
-            self.acceptance.curvature,
+            slots=np.asarray(slots),
+            accepted=np.asarray(accepted),
+            policy=self.kernel_state(),
+            acceptance=self.acceptance.kernel_state(),
+            step=self.observe_step_no,
         )
         if trials:
             self.acceptance.added(trials)

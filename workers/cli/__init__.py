@@ -86,4 +86,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{args._prog}: {describe(exc)}", file=sys.stderr)
         return 1
-

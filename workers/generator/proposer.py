@@ -64,6 +64,7 @@ from workers.generator.step import DirectCall, StepTables, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
 from workers.generator.step import draft_step as _draft_step_dispatcher
 from workers.generator.step_book import END, MetricsFlush, StepBook
+from workers.generator.step_tables import Reply, StepGroups
 
 # The step's kernels, called past numba's dispatcher while the tables keep their type (`DirectCall`).
 decode_step = DirectCall(_decode_step_dispatcher)
@@ -260,7 +261,7 @@ class DasProposer:
         self._step_tables: StepTables | None = None
         self._tables_rows = -1
         # The kept drafts as the kernel packs them (`_pack_reply`): tokens, and where each row's start.
-        self._reply = (np.zeros(0, np.int32), np.zeros(0, np.int64))
+        self._reply = Reply(tokens=np.zeros(0, np.int32), bounds=np.zeros(0, np.int64))
         # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
         self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
         self._step_no = 0
@@ -514,79 +515,32 @@ class DasProposer:
         """The step kernels' tables for a batch of n rows: packed again only when the batch size changed or
         something outside the kernels may have replaced an array since (`_stale` says so)."""
         if self._step_tables is None or self._tables_rows != n:
-            self._step_tables = pack_tables(*self._table_sources(n))
+            self._step_tables = pack_tables(self._table_sources(n))
             self._tables_rows = n
         return self._step_tables
 
-    def _table_sources(self, n: int) -> tuple[Any, ...]:
-        """`pack_tables`' arguments for n rows (the per-batch buffers, reused while n stays, included)."""
-        policy, book, index = self.policy, self._book, self.index
-        config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
+    def _table_sources(self, n: int) -> StepGroups:
+        """`pack_tables`' groups for n rows (the per-batch buffers, reused while n stays, included)."""
+        policy, index = self.policy, self.index
         _, outputs = index.step_buffers(n)
         self._buffers = policy.step_buffers(n)
-        scratch = policy.tail_scratch(n)
-        if self._reply[1].shape[0] != n + 1:
-            self._reply = (np.zeros(n * self.k, np.int32), np.zeros(n + 1, np.int64))
-        return (
-            index.forest.tables(),
-            index.slots,
-            outputs,
-            (*self.draft_config.kernel_args(), index.draft_threads),
-            (
-                book.drafted_at,
-                book.length,
-                book.prompt_len,
-                book.rows,
-                book.accepted,
-                book.accepted_by_position,
-                book.drafted_by_position,
-                book.totals,
-                book.per_row(n),
-                book.bounds,
-                book.by_source,
-                book.by_bucket,
-                book.sum_by_class,
-            ),
-            (
-                policy.kept,
-                policy.features,
-                policy.model_p,
-                policy.path_p,
-                policy.first_past,
-                policy.slot_problem,
-                policy.request_outcomes,
-                policy.problem_outcomes,
-                policy.problem_stamp,
-                policy.token_outcomes,
-                policy.drafted_bucket,
-                policy.accepted_rate,
-                policy.outlived,
-                policy.max_length,
-                policy.BINS,
-                config.max_tokens,
-                config.request_decay,
-                config.problem_decay,
-                config.token_decay,
-                config.rate_decay,
-            ),
-            (*self._buffers, *scratch),
-            self._reply,
-            (lengths.count, lengths.quantiles, lengths.stats),
-            (
-                acceptance.recalibration,
-                acceptance.path_recalibration,
-                acceptance.gradient,
-                acceptance.curvature,
-                acceptance.state,
-                acceptance.MIN_TRIALS,
-                acceptance.forgetting,
-                acceptance.ridge,
-                acceptance.accumulated,
-                acceptance.weights,
-            ),
-            policy.cost.kernel_state(),
-            self.k,
-            self.max_model_len,
+        if self._reply.bounds.shape[0] != n + 1:
+            self._reply = Reply(tokens=np.zeros(n * self.k, np.int32), bounds=np.zeros(n + 1, np.int64))
+        return StepGroups(
+            arena=index.forest.tables(),
+            slot_table=index.slots,
+            outputs=outputs,
+            params=self.draft_config.params(),
+            draft_threads=index.draft_threads,
+            book=self._book.kernel_state(n),
+            policy=policy.kernel_state(),
+            buffers=self._buffers,
+            reply=self._reply,
+            lengths=policy.lengths.kernel_state(),
+            acceptance=policy.acceptance.kernel_state(),
+            cost=policy.cost.kernel_state(),
+            k=self.k,
+            max_model_len=self.max_model_len,
         )
 
     def _stale(self) -> None:
@@ -636,8 +590,8 @@ class DasProposer:
                 self._tables(n), budget_on, True, row, slots, bases, src, self._step_no
             )
         self._last_tokens = tokens
-        _, value, classes, _, predicted, _ = self._buffers
-        policy.drafted(slots, value, classes, predicted)
+        buffers = self._buffers
+        policy.drafted(slots, buffers.value, buffers.classes, buffers.predicted)
         return tokens
 
     def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:

@@ -33,6 +33,7 @@ from monitoring.metrics import (
     STEP_DURATION,
     position_label,
 )
+from workers.generator.step_tables import BookState
 
 SOURCE_NAMES = ("none", "problem", "live", "global")  # ProblemIndex's SOURCE_* numbering
 # Running totals, one slot each in `StepBook.totals`.
@@ -55,25 +56,19 @@ FLUSH_INTERVAL_S = 1.0
 
 
 @njit(cache=True)
-def _prepare(
-    slots,
-    num_tokens,
-    have,
-    step_no,
-    k,
-    max_model_len,
-    drafted_at,
-    length,
-    prompt_len,
-    rows,
-    accepted,
-    accepted_by_position,
-    totals,
-    out,
-):
+def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
     """Per row: tokens after this step (END), committed now (NEW), draft headroom (HEADROOM: none for a row
-    that committed nothing, a partial prefill), output length (OUTPUT); and the verified previous drafts.
-    Returns (verified rows, whether every row committed something)."""
+    that committed nothing, a partial prefill), output length (OUTPUT) into book.per_row; and the verified
+    previous drafts into book.rows and book.accepted. Returns (verified rows, whether every row committed
+    something)."""
+    drafted_at, length, prompt_len, rows, accepted = (
+        book.drafted_at,
+        book.length,
+        book.prompt_len,
+        book.rows,
+        book.accepted,
+    )
+    accepted_by_position, totals, out = book.accepted_by_position, book.totals, book.per_row
     m = 0
     every_row_new = True
     for i in range(slots.shape[0]):
@@ -99,22 +94,21 @@ def _prepare(
 
 
 @njit(cache=True)
-def _record(
-    slots,
-    lengths,
-    classes,
-    sources,
-    budgets,
-    step_no,
-    bounds,
-    drafted_at,
-    length,
-    drafted_by_position,
-    by_source,
-    by_bucket,
-    sum_by_class,
-    totals,
-):
+def _record(slots, lengths, classes, sources, budgets, step_no, book):
+    """Remembers each row's draft (lengths[i] tokens from source sources[i]) for the next step's `_prepare`
+    and adds it to the book's running totals. Returns the step's draft tokens."""
+    bounds, drafted_at, length, drafted_by_position = (
+        book.bounds,
+        book.drafted_at,
+        book.length,
+        book.drafted_by_position,
+    )
+    by_source, by_bucket, sum_by_class, totals = (
+        book.by_source,
+        book.by_bucket,
+        book.sum_by_class,
+        book.totals,
+    )
     step_tokens = 0
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -173,6 +167,25 @@ class StepBook:
                 setattr(self, name, new)
         self.prompt_len[slot] = prompt_len
         self.drafted_at[slot] = -2
+
+    def kernel_state(self, n: int) -> BookState:
+        """The book's arrays as the step kernels take them, for a batch of n rows (shared, not copied)."""
+        self.per_row(n)  # grows the per-row table to n rows
+        return BookState(
+            drafted_at=self.drafted_at,
+            length=self.length,
+            prompt_len=self.prompt_len,
+            rows=self.rows,
+            accepted=self.accepted,
+            accepted_by_position=self.accepted_by_position,
+            drafted_by_position=self.drafted_by_position,
+            totals=self.totals,
+            per_row=self._per_row,
+            bounds=self.bounds,
+            by_source=self.by_source,
+            by_bucket=self.by_bucket,
+            sum_by_class=self.sum_by_class,
+        )
 
     def per_row(self, n: int) -> np.ndarray:
         """The reused int64 [4, n] table `_prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
