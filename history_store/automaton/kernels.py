@@ -37,6 +37,9 @@ on every call (a tuple's members cost more than plain arguments), and at batch 1
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from enum import IntEnum
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -54,22 +57,83 @@ HASHED_DEGREE = 4
 _HASHED = np.int32(-(2**31))  # MASK's sign bit: the state's edges are in the hash
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
-LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK = 0, 1, 2, 3, 4, 5, 6, 7
-STATE_FIELDS = 8
-TOK, TO, NEXT = 0, 1, 2
-H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
-ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
-TREE_FIELDS = 6
-Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
-SEQ_FIELDS = 5
-N_CANDIDATES = 3
-R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
-R_STATE, R_MLEN, R_MVER = 6, 9, 12
-SLOT_FIELDS = 15
-# Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft), and the
-# agreement of the other two candidates with the draft (`_agreement`, two columns).
-I_LEN, I_MATCH, I_SOURCE, I_AGREE = 0, 1, 2, 3
-INFO_FIELDS = 5
+
+class Source(IntEnum):
+    """Where a draft came from: the candidate tree that drafted it (candidate index + 1), in the order a
+    request's slot lists its candidates (`ProblemIndex`); NONE: no draft."""
+
+    NONE = 0
+    HISTORY = 1  # the problem's history tree
+    LIVE = 2  # the request's live tree (its own context and its in-flight siblings')
+    GLOBAL = 3  # the global tree
+
+    @property
+    def label(self) -> str:
+        """The source's name in reports and statistics."""
+        return self.name.lower()
+
+
+N_CANDIDATES = len(Source) - 1
+
+
+def candidate(source: Source) -> int:
+    """The candidate index of a draft source (its column offset in the slot table's candidate fields)."""
+    return int(source) - 1
+
+
+def columns(layout: Sequence[tuple[str, int]]) -> tuple[int, ...]:
+    """The first column of each (name, width) field of a table's row, then the row's width."""
+    starts = [0]
+    for _name, width in layout:
+        assert width >= 1, f"field {_name} has width {width}"
+        starts.append(starts[-1] + width)
+    return tuple(starts)
+
+
+# Each table's row layout: one list of (name, width) per table, whose first columns the kernels index by
+# name. Unpacked here so that numba sees plain integer constants.
+STATE_LAYOUT = (
+    ("LEN", 1),
+    ("LINK", 1),
+    ("COUNT", 1),
+    ("EDGE", 1),
+    ("BEST", 1),
+    ("TOTAL", 1),
+    ("TOKEN", 1),
+    ("MASK", 1),
+)
+LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK, STATE_FIELDS = columns(STATE_LAYOUT)
+EDGE_LAYOUT = (("TOK", 1), ("TO", 1), ("NEXT", 1))
+TOK, TO, NEXT, EDGE_FIELDS = columns(EDGE_LAYOUT)
+HASH_LAYOUT = (("H_STATE", 1), ("H_TOKEN", 1), ("H_EDGE", 1))
+H_STATE, H_TOKEN, H_EDGE, HASH_FIELDS = columns(HASH_LAYOUT)
+TREE_LAYOUT = (("ROOT", 1), ("VERSION", 1), ("T_STATES", 1), ("T_EDGES", 1), ("T_HASHED", 1), ("T_TOKENS", 1))
+ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS, TREE_FIELDS = columns(TREE_LAYOUT)
+SEQ_LAYOUT = (("Q_OFF", 1), ("Q_LEN", 1), ("Q_CAP", 1), ("Q_LAST", 1), ("Q_EXT", 1))
+Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT, SEQ_FIELDS = columns(SEQ_LAYOUT)
+# A request's slot: its sequence, live tree, candidate trees (-1: none), how far its match states have read
+# its sequence, and per candidate the match state, its length and the tree version it was matched against.
+SLOT_LAYOUT = (
+    ("R_SEQ", 1),
+    ("R_LIVE", 1),
+    ("R_CAND", N_CANDIDATES),
+    ("R_MATCHED", 1),
+    ("R_STATE", N_CANDIDATES),
+    ("R_MLEN", N_CANDIDATES),
+    ("R_MVER", N_CANDIDATES),
+)
+R_SEQ, R_LIVE, R_CAND, R_MATCHED, R_STATE, R_MLEN, R_MVER, SLOT_FIELDS = columns(SLOT_LAYOUT)
+# Per drafted row: draft length, match length used, source (a Source), and how many of its tokens each other
+# candidate repeats (`_agreement`, in candidate order).
+INFO_LAYOUT = (("I_LEN", 1), ("I_MATCH", 1), ("I_SOURCE", 1), ("I_AGREE", N_CANDIDATES - 1))
+I_LEN, I_MATCH, I_SOURCE, I_AGREE, INFO_FIELDS = columns(INFO_LAYOUT)
+# The layouts the arena's serialized and packed forms assume (83 bytes per token): fail at import, not later.
+assert (STATE_FIELDS, EDGE_FIELDS, HASH_FIELDS, TREE_FIELDS, SEQ_FIELDS) == (8, 3, 3, 6, 5)
+assert (R_MATCHED, SLOT_FIELDS, INFO_FIELDS) == (
+    R_CAND + N_CANDIDATES,
+    3 + 4 * N_CANDIDATES,
+    2 + N_CANDIDATES,
+)
 # What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
 DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
 # Below this many rows a step drafts on one thread: waking a second costs about what it saves.
@@ -541,7 +605,7 @@ def _agreement(states, trees, slots, s, c, drafted, r, n):
     repeats on its own likeliest path from its longest matched suffix with a continuation. A draft token that
     other trees would also draft is accepted far more often than its probability in any one tree says
     (dev_rollouts, ad hoc, first tokens at a conditional ratio of 0.4-0.8: 0.24 -> 0.33 -> 0.45 accepted with
-    0, 1, 2 agreeing), so the budget takes it as evidence (`budget._features_of`). One `states` row per
+    0, 1, 2 agreeing), so the budget takes it as evidence (`workers.budget.acceptance._features_of`). One `states` row per
     agreeing token, on states the match just visited (and `_prefetch_ahead` fetched)."""
     tid = slots[s, R_CAND + c]
     if tid < 0:

@@ -23,7 +23,6 @@ from history_store.automaton.bundles import DraftOutputs, StepRows
 from history_store.automaton.draft_threads import usable_draft_threads
 from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
 
-SOURCE_NONE, SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL = 0, 1, 2, 3
 # A live tree is rebuilt from its active requests once finished ones hold this many times their tokens. Each
 # rebuild re-inserts the active tokens, so its cost per finished request falls as 1/DEAD_PER_LIVE; the
 # finished ones mostly sit in their problem's history too. Going from 1 to 4 moved every makespan in the
@@ -52,7 +51,7 @@ class BatchDrafts:
     support: np.ndarray  # int32 (n, K)
     match_lens: np.ndarray  # int32 (n,)
     scores: np.ndarray  # float64 (n,)
-    sources: np.ndarray  # int32 (n,): SOURCE_*
+    sources: np.ndarray  # int32 (n,): a kernels.Source
     agreement: np.ndarray  # int32 (n, 2): draft tokens each other tree's likeliest path repeats
 
     def draft(self, row: int) -> list[int]:
@@ -91,7 +90,7 @@ class _StepBuffers:
                 match_lens=info[:, K.I_MATCH],
                 scores=out.score,
                 sources=info[:, K.I_SOURCE],
-                agreement=info[:, K.I_AGREE : K.I_AGREE + 2],
+                agreement=info[:, K.I_AGREE : K.I_AGREE + K.N_CANDIDATES - 1],
             )
             self._n, self._views = n, (drafts, out)
         return self._views
@@ -107,7 +106,7 @@ class _Problem:
 
 
 @dataclass
-class _Live:
+class _LiveTree:
     """In-flight requests of one problem (or one request without a problem)."""
 
     tree: SuffixTree
@@ -156,7 +155,7 @@ class ProblemIndex:
         self._global_fifo: deque[tuple[tuple[str, int, int], int]] = deque()  # (key, tokens), arrival order
         self._global_next = 0
         self._global_newest = -1
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _LiveTree] = {}
         self._requests: dict[str, _Request] = {}
         self._free_slots: list[int] = []
         self.slots = np.zeros((0, K.SLOT_FIELDS), np.int64)  # the kernel's per-request table (see _kernels)
@@ -226,7 +225,7 @@ class ProblemIndex:
             if self.use_history:
                 for req in self._requests.values():  # live requests of a problem that had no history yet
                     if req.problem_id == problem_id:
-                        self.slots[req.slot, K.R_CAND] = problem.tree.tid
+                        self.slots[req.slot, K.R_CAND + K.candidate(K.Source.HISTORY)] = problem.tree.tid
         if (epoch, sample) in problem.seq_of or epoch < self.window_start(problem_id, problem.newest_epoch):
             return False
         if self._global is not None and epoch > self._global_newest:
@@ -379,7 +378,7 @@ class ProblemIndex:
             live_key = f"r:{request_key}"
         live = self._live.get(live_key)
         if live is None:
-            live = self._live[live_key] = _Live(SuffixTree(self.config, self.forest))
+            live = self._live[live_key] = _LiveTree(SuffixTree(self.config, self.forest))
         seq_id = live.next_seq
         live.next_seq += 1
         live.active.add(seq_id)
@@ -395,9 +394,10 @@ class ProblemIndex:
         row[K.R_SEQ] = q
         row[K.R_LIVE] = live.tree.tid
         problem = self._problems.get(problem_id) if problem_id is not None else None
-        row[K.R_CAND] = problem.tree.tid if problem is not None and self.use_history else -1
-        row[K.R_CAND + 1] = live.tree.tid
-        row[K.R_CAND + 2] = self._global.tid if self._global is not None else -1
+        history = problem.tree.tid if problem is not None and self.use_history else -1
+        row[K.R_CAND + K.candidate(K.Source.HISTORY)] = history
+        row[K.R_CAND + K.candidate(K.Source.LIVE)] = live.tree.tid
+        row[K.R_CAND + K.candidate(K.Source.GLOBAL)] = self._global.tid if self._global is not None else -1
         return slot
 
     def slot(self, request_key: str) -> int:

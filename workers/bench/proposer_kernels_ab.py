@@ -11,7 +11,8 @@ step, so the run also says whether the change left the drafts as they were.
 Only the native step differs between the sides. REV's step kernel modules (`KERNEL_MODULES`) are imported as
 a temporary package (`das_rev_kernels`, their imports of each other rewritten to it), while the proposer,
 index and policy around them, and the bundles the kernels take (`history_store.automaton.bundles`,
-`workers.budget.state`, `workers.generator.step_tables`), are this checkout's on both sides. REV must
+`workers.budget.state`, `workers.generator.step_tables`) and the budget's config, are this checkout's on both
+sides. REV must
 therefore be a revision of this layout: kernels in these modules taking these bundles (a revision from before
 the bundles took positional arrays instead), and the arena's layout unchanged; one that does not fails in
 numba's typing, with numba's message.
@@ -40,6 +41,10 @@ PACKAGE = "das_rev_kernels"
 # The step's kernel modules; each is imported in the package under its last name.
 KERNEL_MODULES = (
     "history_store.automaton.kernels",
+    "workers.budget.cost",
+    "workers.budget.tail_weights",
+    "workers.budget.lengths",
+    "workers.budget.acceptance",
     "workers.budget.policy",
     "workers.generator.step_book",
     "workers.generator.step",

@@ -1,5 +1,5 @@
 """The budget's state as its kernels take it: named bundles of the policy's arrays and settings (see
-`history_store.automaton.bundles`). Each owner builds its own by keyword (`CostModel.kernel_state`, ...)."""
+`history_store.automaton.bundles`). Each owner builds its own by keyword (`FittedCostModel.kernel_state`, ...)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from history_store.automaton.bundles import B1, F1, F2, F3, FLOAT, I1, I2, I32_1
 
 
 class CostState(NamedTuple):
-    """The cost model's fit as its kernel takes it (`CostModel.kernel_state`)."""
+    """The cost model's fit as its kernel takes it (`FittedCostModel.kernel_state`)."""
 
     ring: F2  # [window, 4]: (1, active, tokens, seconds) of each measured step
     sums: F2  # [3, 4]: the window's Gram matrix and its products with the step times
@@ -95,5 +95,5 @@ class Drafted(NamedTuple):
     support: np.ndarray  # [rows, K] occurrences behind each draft token
     lengths: np.ndarray  # [rows] tokens drafted (at most the budget)
     match_lens: np.ndarray  # [rows] context suffix length the draft was matched on
-    sources: np.ndarray  # [rows] which tree drafted it (ProblemIndex.SOURCE_*)
+    sources: np.ndarray  # [rows] which tree drafted it (a kernels.Source)
     agreement: np.ndarray  # [rows, 2] draft tokens each other tree's likeliest path repeats

@@ -59,7 +59,8 @@ from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig
 from history_store.indexed_history import follow, load_index
-from workers.budget.policy import BudgetConfig, BudgetPolicy
+from workers.budget.config import BudgetConfig
+from workers.budget.policy import BudgetPolicy
 from workers.generator.step import DirectCall, StepTables, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
 from workers.generator.step import draft_step as _draft_step_dispatcher

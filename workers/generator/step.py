@@ -2,9 +2,9 @@
 to grow mid-step).
 
 `before_draft` works out what the previous step's verification did (`step_book._prepare`) and teaches the
-budget policy (`budget._observe_kernel`, the acceptance model's Newton step, `budget._cost_observe`);
-`draft_step` asks the policy for budgets (`budget._budgets_kernel`), commits every row's new
-tokens and drafts (`_kernels.step_rows`), applies the pay-off rule (`budget._truncate_kernel`) and counts the
+budget policy (`acceptance._observe_kernel`, the acceptance model's Newton step, `cost._cost_observe`);
+`draft_step` asks the policy for budgets (`policy._budgets_kernel`), commits every row's new
+tokens and drafts (`kernels.step_rows`), applies the pay-off rule (`acceptance._truncate_kernel`) and counts the
 drafts (`step_book._record`). They compose the same kernels the replay and the per-part APIs call one by one,
 so the engine runs exactly the replay's policy.
 
@@ -25,14 +25,9 @@ from numba.experimental import structref
 
 from history_store.automaton import kernels as K
 from history_store.automaton.bundles import StepRows, members
-from workers.budget.policy import (
-    MEDIUM,
-    _acceptance_added,
-    _budgets_kernel,
-    _cost_observe,
-    _observe_kernel,
-    _truncate_kernel,
-)
+from workers.budget.acceptance import _acceptance_added, _observe_kernel, _truncate_kernel
+from workers.budget.cost import _cost_observe
+from workers.budget.policy import MEDIUM, _budgets_kernel
 from workers.budget.state import Drafted
 from workers.generator.step_book import END, HEADROOM, OUTPUT, _prepare, _record
 from workers.generator.step_tables import StepGroups
@@ -155,7 +150,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
             lengths=info[:, K.I_LEN],
             match_lens=info[:, K.I_MATCH],
             sources=sources,
-            agreement=info[:, K.I_AGREE : K.I_AGREE + 2],
+            agreement=info[:, K.I_AGREE : K.I_AGREE + K.N_CANDIDATES - 1],
         )
         _truncate_kernel(
             drafted=drafted,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from history_store.automaton.kernels import Source
 from monitoring.metrics import (
     ACCEPTED_TOKENS,
     ACCEPTED_TOKENS_BY_POSITION,
@@ -35,7 +36,6 @@ from monitoring.metrics import (
 )
 from workers.generator.step_tables import BookState
 
-SOURCE_NAMES = ("none", "problem", "live", "global")  # ProblemIndex's SOURCE_* numbering
 # Running totals, one slot each in `StepBook.totals`.
 STEPS, ROWS, DRAFTED, DRAFT_TOKEN_TOTAL, ACCEPTED, VERIFIED, BUDGET_TOKENS = range(7)
 TOTAL_NAMES = (
@@ -151,7 +151,7 @@ class StepBook:
         self.totals = np.zeros(len(TOTAL_NAMES), np.int64)
         self.accepted_by_position = np.zeros(k, np.int64)
         self.drafted_by_position = np.zeros(k, np.int64)
-        self.by_source = np.zeros(len(SOURCE_NAMES), np.int64)
+        self.by_source = np.zeros(len(Source), np.int64)
         self.by_bucket = np.zeros((len(LENGTH_CLASSES), self.bounds.shape[0]), np.int64)
         self.sum_by_class = np.zeros(len(LENGTH_CLASSES), np.int64)
 
@@ -211,7 +211,8 @@ class StepBook:
         out: dict[str, Any] = dict(zip(TOTAL_NAMES, (self.totals - base["totals"]).tolist(), strict=True))
         out["accepted_by_position"] = (self.accepted_by_position - base["accepted_by_position"]).tolist()
         out["drafted_by_position"] = (self.drafted_by_position - base["drafted_by_position"]).tolist()
-        out["sources"] = dict(zip(SOURCE_NAMES, (self.by_source - base["by_source"]).tolist(), strict=True))
+        drafts = (self.by_source - base["by_source"]).tolist()
+        out["sources"] = {source.label: drafts[source] for source in Source}
         return out
 
 

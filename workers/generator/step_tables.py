@@ -32,7 +32,7 @@ class BookState(NamedTuple):
     totals: I1  # [len(TOTAL_NAMES)]
     per_row: I2  # [4, >= rows] END, NEW, HEADROOM, OUTPUT of each row (the first n columns are the batch's)
     bounds: F1  # the budget histogram's upper bounds
-    by_source: I1  # [len(SOURCE_NAMES)]
+    by_source: I1  # [len(Source)] drafts by source
     by_bucket: I2  # [len(LENGTH_CLASSES), len(bounds)]
     sum_by_class: I1  # [len(LENGTH_CLASSES)]
 
@@ -61,6 +61,6 @@ class StepGroups(NamedTuple):
     reply: numba_type(Reply)
     lengths: numba_type(LengthState)  # the length model (LengthModel.kernel_state)
     acceptance: numba_type(AcceptanceState)  # the acceptance model (AcceptanceModel.kernel_state)
-    cost: numba_type(CostState)  # the cost model (CostModel.kernel_state)
+    cost: numba_type(CostState)  # the cost model (FittedCostModel.kernel_state)
     k: INT  # the engine's num_speculative_tokens
     max_model_len: INT
