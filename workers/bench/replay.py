@@ -41,7 +41,7 @@ from history_store.automaton.kernels import Source
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
-from workers.budget.config import BudgetConfig
+from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
 from workers.budget.policy import BudgetPolicy
 
 STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgeted", "das", "oracle")
@@ -157,7 +157,9 @@ def _index_for(strategy: str, config: DraftConfig, window: int) -> ProblemIndex 
     if strategy in ("das", "oracle"):
         # The budget (or foresight) decides where a draft ends, not the tree's raw probability floor: as in
         # the engine (workers/generator/proposer.py) with the budget on.
-        return ProblemIndex(window_epochs=window, config=dataclasses.replace(config, min_token_prob=0.0))
+        return ProblemIndex(
+            window_epochs=window, config=dataclasses.replace(config, min_token_prob=BUDGET_MIN_TOKEN_PROB)
+        )
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The tree's probability floor for drafts the budget cuts: none. With the budget on, its calibrated pay-off rule
+# decides where a draft ends, and a fixed floor on the tree's raw probabilities would cut first (one trajectory
+# of history halves them per token). The proposer's default and the replay's budgeted strategies read it here.
+BUDGET_MIN_TOKEN_PROB = 0.0
+
 
 @dataclass(frozen=True)
 class BudgetConfig:

@@ -59,7 +59,7 @@ from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig
 from history_store.indexed_history import follow, load_index
-from workers.budget.config import BudgetConfig
+from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
 from workers.budget.policy import BudgetPolicy
 from workers.generator.step import DirectCall, StepTables, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
@@ -79,7 +79,7 @@ MAX_PROBLEM_ID_LEN = 512
 _RUNNER_SEARCH_DEPTH = 8
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -102,16 +102,17 @@ class ProposerSettings:
 
     budget: use the length-aware budget policy (off: every row may draft up to K, cut only by the tree's
         min_token_prob, SuffixDecoding's rule).
+    min_token_prob: the tree's probability floor; None takes the default for `budget` (BUDGET_MIN_TOKEN_PROB
+        with the budget on, DraftConfig's without). The drafting defaults are DraftConfig's.
     history_dir: the node's history replica (distributed mode); None in embedded mode.
     """
 
     budget: bool = True
     window_epochs: int = 3
-    # SuffixDecoding's defaults except depth: 64 lets long reasoning repeats match deep (see DraftConfig).
-    max_depth: int = 64
-    min_token_prob: float = 0.1
-    max_spec_factor: float = 1.0
-    max_spec_offset: float = 0.0
+    max_depth: int = DraftConfig.max_depth
+    min_token_prob: float | None = None
+    max_spec_factor: float = DraftConfig.max_spec_factor
+    max_spec_offset: float = DraftConfig.max_spec_offset
     history_dir: str | None = None
     # Secondary catch-up costs a RocksDB manifest read (~1 ms): a few per second keep history fresher than the
     # one-second freshness target without taxing every step.
@@ -119,6 +120,11 @@ class ProposerSettings:
     # Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the drafts do not
     # depend on it. One unless asked: more helped only on a machine measured here, and hurt in vLLM's CPU engine.
     draft_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_token_prob is None:
+            default = BUDGET_MIN_TOKEN_PROB if self.budget else DraftConfig.min_token_prob
+            object.__setattr__(self, "min_token_prob", default)
 
     @classmethod
     def from_env(cls) -> ProposerSettings:
@@ -129,12 +135,10 @@ class ProposerSettings:
         return cls(
             budget=budget == "on",
             window_epochs=int(_env_float("DAS_WINDOW_EPOCHS", 3)),
-            max_depth=int(_env_float("DAS_MAX_DEPTH", 64)),
-            # With the budget on, its calibrated pay-off rule decides where a draft ends: a fixed floor on the
-            # tree's raw probabilities would cut first (one trajectory of history halves them per token).
-            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", 0.0 if budget == "on" else 0.1),
-            max_spec_factor=_env_float("DAS_MAX_SPEC_FACTOR", 1.0),
-            max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", 0.0),
+            max_depth=int(_env_float("DAS_MAX_DEPTH", cls.max_depth)),
+            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", None),
+            max_spec_factor=_env_float("DAS_MAX_SPEC_FACTOR", cls.max_spec_factor),
+            max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", cls.max_spec_offset),
             history_dir=os.environ.get("DAS_HISTORY_DIR") or None,
             catch_up_interval_s=_env_float("DAS_CATCH_UP_INTERVAL_S", 0.2),
             draft_threads=_env_threads("DAS_DRAFT_THREADS"),
