@@ -10,7 +10,7 @@ keyword (`Forest(states=..., ...)`) so no caller restates the order.
 from __future__ import annotations
 
 import typing
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from numba import types
 
@@ -21,6 +21,24 @@ F1, F2, F3 = types.float64[::1], types.float64[:, ::1], types.float64[:, :, ::1]
 F32_1, F32_2 = types.float32[::1], types.float32[:, ::1]
 B1 = types.boolean[::1]
 INT, FLOAT, BOOL = types.int64, types.float64, types.boolean
+
+
+B = TypeVar("B", bound=tuple)
+
+
+def gather(bundle: type[B], *owners: Any, **given: Any) -> B:
+    """A bundle whose members are `given`, or else the first owner's attributes of the same names: how each
+    owner builds its bundle without restating the members' order."""
+    values = {}
+    for name in bundle._fields:
+        if name in given:
+            values[name] = given[name]
+        else:
+            owner = next((o for o in owners if hasattr(o, name)), None)
+            if owner is None:
+                raise AttributeError(f"{bundle.__name__}.{name}: no owner has it")
+            values[name] = getattr(owner, name)
+    return bundle(**values)
 
 
 def members(bundle: type) -> tuple[tuple[str, types.Type], ...]:

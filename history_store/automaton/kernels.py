@@ -627,21 +627,10 @@ def _agreement(states, trees, slots, s, c, drafted, r, n):
 def _draft_range(arena, slots, rows, lo, hi, params, out):
     """Advances the matches of rows lo..hi-1 and keeps each row's best draft. Reads the arena and writes only
     the rows' own slots and outputs, so disjoint ranges may run on different threads."""
-    states, edges, hashes, trees, seqs, pool = (
-        arena.states,
-        arena.edges,
-        arena.hashes,
-        arena.trees,
-        arena.seqs,
-        arena.pool,
-    )
-    req_slots, budgets, info, scores, max_depth = (
-        rows.slots,
-        rows.budgets,
-        out.info,
-        out.score,
-        params.max_depth,
-    )
+    states, edges, hashes, trees, seqs = arena.states, arena.edges, arena.hashes, arena.trees, arena.seqs
+    pool = arena.pool
+    req_slots, budgets, info, scores = rows.slots, rows.budgets, out.info, out.score
+    max_depth = params.max_depth
     out_tok = out.tok
     k = out_tok.shape[1]
     scratch = DraftPath(tok=np.empty(k, np.int32), prob=np.empty(k, np.float32), sup=np.empty(k, np.int32))

@@ -503,16 +503,8 @@ class ProblemIndex:
         params = self.config.params()
         row = 0
         while True:
-            row, status = K.step_rows(
-                arena=self.forest.tables(),
-                slots=self.slots,
-                rows=rows,
-                row=row,
-                draft=draft,
-                params=params,
-                out=out,
-                threads=self.draft_threads,
-            )
+            arena = self.forest.tables()  # again after growth: growing replaces arrays
+            row, status = K.step_rows(arena, self.slots, rows, row, draft, params, out, self.draft_threads)
             if status == K.DONE:
                 return drafts
             self.make_room(status, slots, row, end)

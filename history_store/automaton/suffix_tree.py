@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from history_store.automaton import kernels as K
-from history_store.automaton.bundles import DraftOutputs, DraftParams, DraftPath, Forest
+from history_store.automaton.bundles import DraftOutputs, DraftParams, DraftPath, Forest, gather
 
 MAX_TOKEN_ID = 2**31 - 1
 _SERIAL_MAGIC = b"DAST"
@@ -53,13 +53,12 @@ class DraftConfig:
 
     def params(self) -> DraftParams:
         """The drafting parameters as the step kernels take them."""
-        return DraftParams(
-            max_depth=self.max_depth,
+        return gather(
+            DraftParams,
+            self,
             spec_factor=self.max_spec_factor,
             spec_offset=self.max_spec_offset,
             min_prob=self.min_token_prob,
-            escape=self.escape,
-            all_matches=self.all_matches,
         )
 
     def __post_init__(self) -> None:
@@ -151,15 +150,7 @@ class SuffixForest:
     def tables(self) -> Forest:
         """The arena and its bookkeeping tables as the step kernels take them (read again after any growth:
         growing replaces arrays)."""
-        return Forest(
-            states=self.states,
-            edges=self.edges,
-            hashes=self.hashes,
-            meta=self.meta,
-            trees=self.trees,
-            seqs=self.seqs,
-            pool=self.pool,
-        )
+        return gather(Forest, self)
 
     def next_version(self) -> int:
         self._version += 1

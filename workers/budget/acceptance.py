@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from history_store.automaton.bundles import gather
 from history_store.automaton.kernels import N_CANDIDATES, _slot, columns
 from workers.budget.config import BudgetConfig
 from workers.budget.cost import solve_augmented
@@ -117,29 +118,14 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
     start (`first_past`) are kept for the learning step. `policy` is the PolicyState, `acceptance` the
     AcceptanceState."""
     probs, lengths, match_lens, tokens = drafted.probs, drafted.lengths, drafted.match_lens, drafted.tokens
-    slot_problem, request_outcomes, problem_outcomes = (
-        policy.slot_problem,
-        policy.request_outcomes,
-        policy.problem_outcomes,
-    )
-    token_outcomes, drafted_bucket, features, kept_store = (
-        policy.token_outcomes,
-        policy.drafted_bucket,
-        policy.features,
-        policy.kept,
-    )
-    model_p, path_p, first_past, accepted_rate, rate_decay = (
-        policy.model_p,
-        policy.path_p,
-        policy.first_past,
-        policy.accepted_rate,
-        policy.rate_decay,
-    )
-    weights, recalibration, path_recalibration = (
-        acceptance.weights,
-        acceptance.recalibration,
-        acceptance.path_recalibration,
-    )
+    slot_problem, request_outcomes = policy.slot_problem, policy.request_outcomes
+    problem_outcomes = policy.problem_outcomes
+    token_outcomes, drafted_bucket, features = policy.token_outcomes, policy.drafted_bucket, policy.features
+    kept_store = policy.kept
+    model_p, path_p, first_past = policy.model_p, policy.path_p, policy.first_past
+    accepted_rate, rate_decay = policy.accepted_rate, policy.rate_decay
+    weights, recalibration = acceptance.weights, acceptance.recalibration
+    path_recalibration = acceptance.path_recalibration
     value, predicted, kept = buffers.value, buffers.predicted, buffers.kept
     n, k = predicted.shape
     f = weights.shape[0]
@@ -166,17 +152,9 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
                 continue
             bucket = _slot(tokens[i, j], TOKEN_BUCKETS - 1)  # the arena's hash
             drafted_bucket[s, j] = bucket
+            token_gain = _log_odds_gain(token_outcomes, bucket)
             _features_of(
-                drafted=drafted,
-                i=i,
-                j=j,
-                previous=previous,
-                log_match=log_match,
-                request_gain=request_gain,
-                problem_gain=problem_gain,
-                token_gain=_log_odds_gain(token_outcomes, bucket),
-                out=features,
-                s=s,
+                drafted, i, j, previous, log_match, request_gain, problem_gain, token_gain, features, s
             )
             previous = probs[i, j]
             z = 0.0
@@ -208,36 +186,16 @@ def _observe_kernel(slots, accepted, policy, acceptance, step):
     accepted too. Adds the log-likelihood gradient and curvature, and updates the slot's, its problem's and
     each tried token's (accepted, predicted, tried) sums and the slot's accepted tokens per step. Returns the
     trials."""
-    kept_store, features, model_p, slot_problem = (
-        policy.kept,
-        policy.features,
-        policy.model_p,
-        policy.slot_problem,
-    )
-    request_outcomes, problem_outcomes, problem_stamp = (
-        policy.request_outcomes,
-        policy.problem_outcomes,
-        policy.problem_stamp,
-    )
-    token_outcomes, drafted_bucket, path_p, first_past, accepted_rate = (
-        policy.token_outcomes,
-        policy.drafted_bucket,
-        policy.path_p,
-        policy.first_past,
-        policy.accepted_rate,
-    )
-    request_decay, problem_decay, token_decay, rate_decay = (
-        policy.request_decay,
-        policy.problem_decay,
-        policy.token_decay,
-        policy.rate_decay,
-    )
-    recalibration, path_recalibration, gradient, curvature = (
-        acceptance.recalibration,
-        acceptance.path_recalibration,
-        acceptance.gradient,
-        acceptance.curvature,
-    )
+    kept_store, features, model_p = policy.kept, policy.features, policy.model_p
+    slot_problem = policy.slot_problem
+    request_outcomes, problem_outcomes = policy.request_outcomes, policy.problem_outcomes
+    problem_stamp = policy.problem_stamp
+    token_outcomes, drafted_bucket, path_p = policy.token_outcomes, policy.drafted_bucket, policy.path_p
+    first_past, accepted_rate = policy.first_past, policy.accepted_rate
+    request_decay, problem_decay = policy.request_decay, policy.problem_decay
+    token_decay, rate_decay = policy.token_decay, policy.rate_decay
+    recalibration, path_recalibration = acceptance.recalibration, acceptance.path_recalibration
+    gradient, curvature = acceptance.gradient, acceptance.curvature
     f = features.shape[2]
     trials = 0
     outcome = np.zeros(3)
@@ -299,18 +257,10 @@ def _acceptance_added(acceptance, trials):
     """`trials` more verified tokens are in the AcceptanceState's gradient and curvature: once min_trials are
     pending, folds them into the forgetting curvature and takes a Newton step on its weights in place.
     Returns whether it stepped."""
-    state, forgetting, accumulated, curvature, gradient = (
-        acceptance.state,
-        acceptance.forgetting,
-        acceptance.accumulated,
-        acceptance.curvature,
-        acceptance.gradient,
-    )
-    recalibration, path_recalibration, weights = (
-        acceptance.recalibration,
-        acceptance.path_recalibration,
-        acceptance.weights,
-    )
+    state, forgetting, accumulated = acceptance.state, acceptance.forgetting, acceptance.accumulated
+    curvature, gradient = acceptance.curvature, acceptance.gradient
+    recalibration, path_recalibration = acceptance.recalibration, acceptance.path_recalibration
+    weights = acceptance.weights
     state[_A_TRIALS] += trials
     state[_A_PENDING] += trials
     if state[_A_PENDING] < acceptance.min_trials:
@@ -384,18 +334,7 @@ class AcceptanceModel:
 
     def kernel_state(self) -> AcceptanceState:
         """The model as its kernels take it (its arrays are shared, not copied)."""
-        return AcceptanceState(
-            weights=self.weights,
-            recalibration=self.recalibration,
-            path_recalibration=self.path_recalibration,
-            gradient=self.gradient,
-            curvature=self.curvature,
-            accumulated=self.accumulated,
-            state=self.state,
-            min_trials=self.MIN_TRIALS,
-            forgetting=self.forgetting,
-            ridge=self.ridge,
-        )
+        return gather(AcceptanceState, self, min_trials=self.MIN_TRIALS)
 
     def added(self, trials: int) -> None:
         """`trials` more verified tokens are in `gradient` and `curvature`: a Newton step once enough are."""

@@ -8,6 +8,7 @@ import math
 import numpy as np
 from numba import njit
 
+from history_store.automaton.bundles import gather
 from monitoring.metrics import COST_COEFFICIENTS, COST_MODEL_COEFFICIENT
 from workers.budget.config import BudgetConfig
 from workers.budget.state import CostState
@@ -145,19 +146,20 @@ class FittedCostModel:
     """
 
     def __init__(self, config: BudgetConfig) -> None:
-        self._config = config
-        self._prior = np.array([config.prior_c_base, config.prior_c_seq, config.prior_c_tok])
-        self._ring = np.zeros((config.cost_window, 4))
-        self._sums = np.zeros((3, 4))
-        self._state = np.zeros(3, np.int64)
+        prior = np.array([config.prior_c_base, config.prior_c_seq, config.prior_c_tok])
+        # The fit's arrays never change identity, so the bundle is built once.
+        ring, sums, state = np.zeros((config.cost_window, 4)), np.zeros((3, 4)), np.zeros(3, np.int64)
+        self._fit = gather(
+            CostState, config, ring=ring, sums=sums, state=state, prior=prior, coefficients=prior.copy()
+        )
         self._gauges = [COST_MODEL_COEFFICIENT.labels(coefficient=name) for name in COST_COEFFICIENTS]
-        self.coefficients = self._prior.copy()  # refitted in place by `_cost_observe`
+        self.coefficients = self._fit.coefficients  # refitted in place by `_cost_observe`
         self.publish()
 
     @property
     def steps(self) -> int:
         """Steps currently in the fitting window."""
-        return int(self._state[_C_COUNT])
+        return int(self._fit.state[_C_COUNT])
 
     def observe(self, active: int, tokens: int, seconds: float) -> None:
         """Adds one measured step; refits every `refit_every` steps."""
@@ -174,17 +176,7 @@ class FittedCostModel:
     def kernel_state(self) -> CostState:
         """The fit's arrays and settings, for `_cost_observe` here and for a caller that observes from its own
         kernel."""
-        config = self._config
-        return CostState(
-            ring=self._ring,
-            sums=self._sums,
-            state=self._state,
-            prior=self._prior,
-            coefficients=self.coefficients,
-            min_fit_steps=config.min_fit_steps,
-            refit_every=config.refit_every,
-            ridge=config.ridge,
-        )
+        return self._fit
 
     def predict(self, active: int, tokens: int) -> float:
         """Predicted seconds of a step with `active` requests verifying `tokens` tokens in total."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from history_store.automaton.bundles import gather
 from workers.budget.state import LengthState
 
 # Fields of `LengthModel.stats`: ratios seen, responses past every predicted quantile, responses predicted.
@@ -113,7 +114,7 @@ class LengthModel:
 
     def kernel_state(self) -> LengthState:
         """The arrays a step reads (replaced when the model grows: ask again after `problem`)."""
-        return LengthState(count=self.count, quantiles=self.quantiles, stats=self.stats)
+        return gather(LengthState, self)
 
     def window(self, problem: int) -> np.ndarray:
         return self._lengths[problem, : self.count[problem]]

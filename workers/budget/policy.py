@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from history_store.automaton.bundles import gather
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, LENGTH_CLASSES
 from workers.budget.acceptance import (
     N_FEATURES,
@@ -55,12 +56,8 @@ def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients,
     its class and budget (into `buffers`, a PolicyBuffers). Marks the slots that just outlived their problem's
     lengths in `policy.outlived` and returns how many did. `lengths` is a LengthState, `coefficients` the cost
     model's."""
-    slot_problem, accepted_rate, outlived, max_length = (
-        policy.slot_problem,
-        policy.accepted_rate,
-        policy.outlived,
-        policy.max_length,
-    )
+    slot_problem, accepted_rate, outlived = policy.slot_problem, policy.accepted_rate, policy.outlived
+    max_length = policy.max_length
     length_count, quantile_table = lengths.count, lengths.quantiles
     weights, value, classes, budgets = buffers.weights, buffers.value, buffers.classes, buffers.budgets
     quantiles = buffers.tail_quantiles
@@ -238,29 +235,7 @@ class BudgetPolicy:
     def kernel_state(self) -> PolicyState:
         """The per-slot and per-problem arrays and the settings, as the kernels take them (arrays shared, not
         copied; `start` may replace them, so ask again after it)."""
-        config = self.config
-        return PolicyState(
-            slot_problem=self.slot_problem,
-            request_outcomes=self.request_outcomes,
-            accepted_rate=self.accepted_rate,
-            outlived=self.outlived,
-            max_length=self.max_length,
-            features=self.features,
-            kept=self.kept,
-            model_p=self.model_p,
-            path_p=self.path_p,
-            first_past=self.first_past,
-            drafted_bucket=self.drafted_bucket,
-            problem_outcomes=self.problem_outcomes,
-            problem_stamp=self.problem_stamp,
-            token_outcomes=self.token_outcomes,
-            n_bins=self.BINS,
-            max_tokens=config.max_tokens,
-            request_decay=config.request_decay,
-            problem_decay=config.problem_decay,
-            token_decay=config.token_decay,
-            rate_decay=config.rate_decay,
-        )
+        return gather(PolicyState, self, self.config, n_bins=self.BINS)
 
     # ---- the step
 

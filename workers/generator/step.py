@@ -128,16 +128,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
                 classes[i] = MEDIUM
     out = t.outputs
     rows = StepRows(slots=slots, bases=bases, ends=per_row[END], budgets=budgets, src=src)
-    row, status = K.step_rows(
-        arena=t.arena,
-        slots=t.slot_table,
-        rows=rows,
-        row=row,
-        draft=True,
-        params=t.params,
-        out=out,
-        threads=t.draft_threads,
-    )
+    row, status = K.step_rows(t.arena, t.slot_table, rows, row, True, t.params, out, t.draft_threads)
     if status != K.DONE:
         return status, row, promoted, 0
     info = out.info
@@ -152,26 +143,11 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
             sources=sources,
             agreement=info[:, K.I_AGREE : K.I_AGREE + K.N_CANDIDATES - 1],
         )
-        _truncate_kernel(
-            drafted=drafted,
-            slots=slots,
-            policy=policy,
-            acceptance=t.acceptance,
-            c_tok=t.cost.coefficients[2],
-            buffers=buffers,
-        )
+        _truncate_kernel(drafted, slots, policy, t.acceptance, t.cost.coefficients[2], buffers)
         lengths = buffers.kept
     else:
         lengths = info[:, K.I_LEN]
-    tokens = _record(
-        slots=slots,
-        lengths=lengths,
-        classes=classes,
-        sources=sources,
-        budgets=budgets,
-        step_no=step_no,
-        book=t.book,
-    )
+    tokens = _record(slots, lengths, classes, sources, budgets, step_no, t.book)
     _pack_reply(out.tok, lengths, t.reply)
     return status, row, promoted, tokens
 

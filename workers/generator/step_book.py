@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from history_store.automaton.bundles import gather
 from history_store.automaton.kernels import Source
 from monitoring.metrics import (
     ACCEPTED_TOKENS,
@@ -61,13 +62,8 @@ def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
     that committed nothing, a partial prefill), output length (OUTPUT) into book.per_row; and the verified
     previous drafts into book.rows and book.accepted. Returns (verified rows, whether every row committed
     something)."""
-    drafted_at, length, prompt_len, rows, accepted = (
-        book.drafted_at,
-        book.length,
-        book.prompt_len,
-        book.rows,
-        book.accepted,
-    )
+    drafted_at, length, prompt_len, rows = book.drafted_at, book.length, book.prompt_len, book.rows
+    accepted = book.accepted
     accepted_by_position, totals, out = book.accepted_by_position, book.totals, book.per_row
     m = 0
     every_row_new = True
@@ -97,18 +93,10 @@ def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
 def _record(slots, lengths, classes, sources, budgets, step_no, book):
     """Remembers each row's draft (lengths[i] tokens from source sources[i]) for the next step's `_prepare`
     and adds it to the book's running totals. Returns the step's draft tokens."""
-    bounds, drafted_at, length, drafted_by_position = (
-        book.bounds,
-        book.drafted_at,
-        book.length,
-        book.drafted_by_position,
-    )
-    by_source, by_bucket, sum_by_class, totals = (
-        book.by_source,
-        book.by_bucket,
-        book.sum_by_class,
-        book.totals,
-    )
+    bounds, drafted_at, length = book.bounds, book.drafted_at, book.length
+    drafted_by_position = book.drafted_by_position
+    by_source, by_bucket, sum_by_class = book.by_source, book.by_bucket, book.sum_by_class
+    totals = book.totals
     step_tokens = 0
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -171,21 +159,7 @@ class StepBook:
     def kernel_state(self, n: int) -> BookState:
         """The book's arrays as the step kernels take them, for a batch of n rows (shared, not copied)."""
         self.per_row(n)  # grows the per-row table to n rows
-        return BookState(
-            drafted_at=self.drafted_at,
-            length=self.length,
-            prompt_len=self.prompt_len,
-            rows=self.rows,
-            accepted=self.accepted,
-            accepted_by_position=self.accepted_by_position,
-            drafted_by_position=self.drafted_by_position,
-            totals=self.totals,
-            per_row=self._per_row,
-            bounds=self.bounds,
-            by_source=self.by_source,
-            by_bucket=self.by_bucket,
-            sum_by_class=self.sum_by_class,
-        )
+        return gather(BookState, self, per_row=self._per_row)
 
     def per_row(self, n: int) -> np.ndarray:
         """The reused int64 [4, n] table `_prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
