@@ -7,17 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from history_store.automaton.kernels import Source
 from monitoring.metrics import CLASS_PROMOTIONS, COST_MODEL_COEFFICIENT
-from workers.budget.policy import (
-    LONG,
-    SHORT,
-    SOURCE_LIVE,
-    SOURCE_PROBLEM,
-    BudgetConfig,
-    BudgetPolicy,
-    CostModel,
-    critical_weights,
-)
+from workers.budget.config import BudgetConfig
+from workers.budget.cost import FittedCostModel
+from workers.budget.policy import LONG, SHORT, BudgetPolicy
+from workers.budget.tail_weights import critical_weights
 
 
 def _weights(
@@ -184,7 +179,7 @@ def test_critical_weights_equal_the_definition(lengths, data, atypical, n_bins) 
 
 
 def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() -> None:
-    model = CostModel(BudgetConfig())
+    model = FittedCostModel(BudgetConfig())
     rng = np.random.default_rng(0)
     for _ in range(200):
         active = int(rng.integers(1, 16))
@@ -197,7 +192,7 @@ def test_cost_model_recovers_the_step_time_coefficients_from_measured_steps() ->
 def test_cost_model_takes_the_scale_from_the_data_even_when_the_prior_is_far_off() -> None:
     # A GPU-like verifier (8 ms a step, 35 us a token) against the CPU-like prior, with a batch size that never
     # changes and no drafts: only the scale is identified, and the split keeps the prior's proportions.
-    model = CostModel(BudgetConfig())
+    model = FittedCostModel(BudgetConfig())
     for _ in range(40):
         model.observe(96, 96, 0.008 + 0.0001 * 96 + 0.000035 * 96)
     assert model.predict(96, 96) == pytest.approx(0.008 + 0.0001 * 96 + 0.000035 * 96, rel=0.01)
@@ -205,7 +200,7 @@ def test_cost_model_takes_the_scale_from_the_data_even_when_the_prior_is_far_off
 
 
 def test_cost_model_stays_defined_when_the_batch_size_never_changes() -> None:
-    model = CostModel(BudgetConfig())
+    model = FittedCostModel(BudgetConfig())
     for tokens in range(1, 60):
         model.observe(1, 1 + tokens % 9, 0.05 + 0.001 * (1 + tokens % 9))
     assert np.all(np.isfinite(model.coefficients)) and np.all(model.coefficients >= 0)
@@ -240,7 +235,7 @@ def _least_squares_from_scratch(rows: np.ndarray, config: BudgetConfig, previous
 @pytest.mark.parametrize("c_tok", [0.0005, -0.0004])  # the second's tokens "save" time: c_tok pinned at 0
 def test_cost_model_incremental_fit_equals_a_fit_from_scratch(c_tok: float) -> None:
     config = BudgetConfig(cost_window=40, min_fit_steps=5, refit_every=3)
-    model = CostModel(config)
+    model = FittedCostModel(config)
     rng = np.random.default_rng(1)
     rows: list[tuple[float, float, float, float]] = []
     fitted = model.coefficients
@@ -260,7 +255,7 @@ def test_cost_model_incremental_fit_equals_a_fit_from_scratch(c_tok: float) -> N
 
 def test_cost_model_rejects_impossible_steps() -> None:
     with pytest.raises(ValueError, match="invalid step"):
-        CostModel(BudgetConfig()).observe(2, 1, 0.1)
+        FittedCostModel(BudgetConfig()).observe(2, 1, 0.1)
 
 
 def _start(policy: BudgetPolicy, problems: list[str | None], first: int = 0) -> list[int]:
@@ -276,7 +271,7 @@ def _tokens(n: int, k: int, first: int = 7) -> np.ndarray:
     return np.tile(np.arange(first, first + k, dtype=np.int32), (n, 1))
 
 
-def _step(policy: BudgetPolicy, slots, outputs, probs, sources=SOURCE_PROBLEM, match=8):
+def _step(policy: BudgetPolicy, slots, outputs, probs, sources=Source.HISTORY, match=8):
     n = len(slots)
     budgets, _ = policy.budgets(np.asarray(slots), np.asarray(outputs), np.full(n, 100))
     probs = np.asarray(probs, float)
@@ -321,9 +316,9 @@ def test_acceptance_model_learns_deep_positions_of_underconfident_thin_history()
     # One sighting each: the tree halves its path probability per token, yet every drafted token is right.
     probs = np.tile(0.5 ** np.arange(1, 9), (20, 1))
     for _ in range(30):
-        _, kept = _step(policy, slots, [0] * 20, probs, sources=SOURCE_LIVE, match=3)
+        _, kept = _step(policy, slots, [0] * 20, probs, sources=Source.LIVE, match=3)
         policy.observe_acceptance(np.array(slots), kept)
-    _step(policy, slots, [0] * 20, probs, sources=SOURCE_LIVE, match=3)
+    _step(policy, slots, [0] * 20, probs, sources=Source.LIVE, match=3)
     assert policy.last_predicted[0, -1] > 0.7
     assert np.all(np.diff(policy.last_predicted[0]) <= 0)
 
@@ -337,7 +332,7 @@ def _rows_step(policy: BudgetPolicy, slots, probs, agreement=None, tokens=None) 
         np.minimum(budgets, k),
         probs,
         np.full(n, 8),
-        np.full(n, SOURCE_PROBLEM),
+        np.full(n, Source.HISTORY),
         np.full((n, k), 3),
         np.zeros((n, 2), np.int32) if agreement is None else agreement,
         _tokens(n, k) if tokens is None else tokens,
@@ -489,7 +484,7 @@ def test_budgets_and_truncation_stay_within_k_headroom_and_draft_length(outputs,
         budgets,
         probs,
         np.full(n, 4),
-        np.full(n, SOURCE_PROBLEM),
+        np.full(n, Source.HISTORY),
         np.ones((n, k)),
         np.zeros((n, 2), np.int32),
         _tokens(n, k),
@@ -524,7 +519,7 @@ def test_cost_model_keeps_what_it_learned_when_drafting_stops_varying() -> None:
     active requests), the fit keeps the per-token cost it learned while drafts varied, instead of sliding back
     to the prior's split (a verified token as dear as a request)."""
     config = BudgetConfig()
-    model = CostModel(config)
+    model = FittedCostModel(config)
     rng = np.random.default_rng(0)
     c_base, c_seq, c_tok = 0.008, 1e-4, 1e-5
     for step in range(2000):
@@ -554,7 +549,7 @@ def test_tokens_drafted_past_the_match_length_are_priced_by_what_such_paths_did(
             np.minimum(budgets, 8),
             probs,
             match,
-            np.full(20, SOURCE_PROBLEM),
+            np.full(20, Source.HISTORY),
             support,
             np.zeros((20, 2), np.int32),
             _tokens(20, 8),

@@ -210,7 +210,7 @@ def test_the_compose_topology_trains_on_loopback(kafka_servers: list[str], tmp_p
     assert second["before"]["history_problems"] == 2
     # It drafted from that history (its problem trees or the global tree of all problems, both built from the
     # replica; the composed drafter takes the better), and the verifier accepted the drafts.
-    history_drafts = second["after"]["sources"]["problem"] + second["after"]["sources"]["global"]
+    history_drafts = second["after"]["sources"]["history"] + second["after"]["sources"]["global"]
     assert history_drafts > 0 and second["after"]["accepted_tokens"] > 0
     assert second["after"]["errors"] == 0
     # Greedy, and drafting is lossless: the second pass repeats the first.

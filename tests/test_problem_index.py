@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from history_store.automaton.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
+from history_store.automaton.kernels import Source
+from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig, SuffixTree
 
 CFG = DraftConfig(max_depth=6, max_spec_tokens=5, min_token_prob=0.0)
@@ -79,6 +80,7 @@ def test_batched_drafts_equal_the_best_single_tree_draft(history, requests, step
         if (pid, epoch, sample) in kept and epoch >= global_seen - 1:
             global_kept[(pid, epoch, sample)] = kept[(pid, epoch, sample)]
     global_kept = {k: v for k, v in global_kept.items() if k[1] >= global_seen - 1}
+    index.forest.check_arena()
     contexts = {}
     for i, (pid, prompt) in enumerate(requests):
         index.start_request(f"r{i}", pid, prompt)
@@ -92,15 +94,16 @@ def test_batched_drafts_equal_the_best_single_tree_draft(history, requests, step
             index.append_batch(keys, [step] * len(keys))
         for key in keys:
             contexts[key][1].extend(step)
+        index.forest.check_arena()
         drafts = index.draft_batch(keys, [budget] * len(keys))
         for row, key in enumerate(keys):
             pid, ctx = contexts[key]
             history_seqs = [v for k, v in kept.items() if k[0] == pid] if pid else []
             live = [c for k2, (p2, c) in contexts.items() if (pid is not None and p2 == pid) or k2 == key]
             candidates = [
-                (SOURCE_HISTORY, history_seqs),
-                (SOURCE_LIVE, live),
-                (SOURCE_GLOBAL, list(global_kept.values())),
+                (Source.HISTORY, history_seqs),
+                (Source.LIVE, live),
+                (Source.GLOBAL, list(global_kept.values())),
             ]
             expected, source = best_single_tree_draft(candidates, ctx, budget)
             assert drafts.draft(row) == expected
@@ -126,6 +129,7 @@ def test_evicted_epochs_are_never_drafted_again():
     assert index.draft_batch(["r"], [8]).draft(0) == old[20:28].tolist()
     for epoch in range(1, 4):  # the window slides past epoch 0
         index.add_trajectory("p", epoch, 0, [1, 2, 3], rng.integers(300, 400, 300))
+        index.forest.check_arena()
     drafted = index.draft_batch(["r"], [8]).draft(0)
     assert not set(drafted) & set(old[20:].tolist())
     assert index.problem_stats("p")["epochs"] == [2, 3]
@@ -148,6 +152,8 @@ def test_bulk_loading_drafts_like_adding_one_by_one(history, context):
     one_by_one, bulk = ProblemIndex(window_epochs=2, config=CFG), ProblemIndex(window_epochs=2, config=CFG)
     added = sum(one_by_one.add_trajectory(*r) for r in ordered)
     assert bulk.add_trajectories(ordered) == added
+    one_by_one.forest.check_arena()
+    bulk.forest.check_arena()
     for pid in ("p", "q", None):
         one_by_one.start_request("r", pid, context)
         bulk.start_request("r", pid, context)
@@ -155,6 +161,7 @@ def test_bulk_loading_drafts_like_adding_one_by_one(history, context):
         assert (a.draft(0), a.sources.tolist()) == (b.draft(0), b.sources.tolist())
         one_by_one.finish_request("r")
         bulk.finish_request("r")
+        bulk.forest.check_arena()
 
 
 def test_bulk_loading_past_the_global_cap_keeps_the_newest_rollouts():
@@ -172,4 +179,5 @@ def test_the_global_tree_forgets_rollouts_that_left_the_window():
     for epoch in range(50):
         for sample in range(4):
             index.add_trajectory(f"p{sample}", epoch, 0, [1], [epoch, sample, 7])
+        index.forest.check_arena()
     assert len(index._global_fifo) <= 2 * 4, "bookkeeping stays bounded by the window, not the run"

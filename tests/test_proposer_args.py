@@ -3,6 +3,8 @@ input is named and falls back to own-context drafting, never an exception."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from workers.generator.proposer import ProposerSettings, parse_extra_args
@@ -47,6 +49,17 @@ def test_settings_come_from_das_environment_variables(monkeypatch) -> None:
     monkeypatch.setenv("DAS_HISTORY_DIR", "/tmp/replica")
     settings = ProposerSettings.from_env()
     assert (settings.budget, settings.min_token_prob, settings.history_dir) == (False, 0.2, "/tmp/replica")
+
+
+def test_the_probability_floor_follows_the_budget_alike_in_code_and_in_the_environment(monkeypatch) -> None:
+    # One rule: with the budget on, no floor on the tree's probabilities (its pay-off rule cuts drafts);
+    # settings built in code (`das bench fidelity` does) must not contradict what the engine reads.
+    for name in [n for n in os.environ if n.startswith("DAS_")]:
+        monkeypatch.delenv(name)
+    for budget in (True, False):
+        monkeypatch.setenv("DAS_BUDGET", "on" if budget else "off")
+        assert ProposerSettings.from_env() == ProposerSettings(budget=budget)
+    assert (ProposerSettings().min_token_prob, ProposerSettings(budget=False).min_token_prob) == (0.0, 0.1)
 
 
 def test_unparsable_settings_name_the_variable(monkeypatch) -> None:

@@ -74,7 +74,9 @@ def test_kernels_against_a_revision_pairs_steps_in_one_process(capsys: pytest.Ca
     assert row["batch"] == 2 and 0 < row["steady_steps_paired"] <= 8
     assert row["this_checkout_median_us_per_request"] > 0 and row["against_median_us_per_request"] > 0
     assert row["ratio_p25"] <= row["ratio_median"] <= row["ratio_p75"]
-    kernels = [str(REPO / path) for path in proposer_kernels_ab.KERNEL_FILES.values()]
+    kernels = [
+        str(REPO / (module.replace(".", "/") + ".py")) for module in proposer_kernels_ab.KERNEL_MODULES
+    ]
     if subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", *kernels]).returncode == 0:
         assert row["drafts_identical"] and row["first_differing_step"] is None  # the same kernels
     # Nothing of the run is left behind: the proposer steps through this checkout's kernels again.

@@ -98,7 +98,7 @@ def test_das_outputs_equal_plain_decoding_with_cold_and_warm_history(plain, das_
 def test_second_epoch_drafts_from_the_first_and_accepts_more_per_step_than_ngram(ngram, das_epochs) -> None:
     ngram_report, _ = ngram
     (first, _), (second, _) = das_epochs
-    assert second.proposer["sources"]["problem"] > 0, "epoch 1 never drafted from its problem's history"
+    assert second.proposer["sources"]["history"] > 0, "epoch 1 never drafted from its problem's history"
     assert second.mean_accepted_per_step > first.mean_accepted_per_step
     assert second.mean_accepted_per_step > ngram_report.mean_accepted_per_step, (
         f"das {second.mean_accepted_per_step} vs ngram {ngram_report.mean_accepted_per_step} accepted per step"

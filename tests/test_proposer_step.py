@@ -14,6 +14,7 @@ from _store_workload import Workload
 from numba import njit, types
 from rocksdict import Options, Rdict
 
+from history_store.automaton.bundles import members
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable import layout
 from history_store.durable.store import HistoryStore
@@ -23,8 +24,9 @@ from workers.bench.proposer import _build, _engine_for, decoding
 from workers.bench.replay import load_traces
 from workers.generator import proposer as proposer_module
 from workers.generator.proposer import DasProposer
-from workers.generator.step import _FIELDS, DirectCall, pack_tables
+from workers.generator.step import DirectCall, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
+from workers.generator.step_tables import StepGroups
 
 K = 8
 MAX_LEN = 4096
@@ -327,10 +329,16 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
     extra = [r for r in records if r.epoch == last_epoch][:12]
 
     # Every field of packed tables, as numbers: an array's address and size, a setting's value.
-    fields = [
-        f"t.{name}.ctypes.data, t.{name}.size" if isinstance(kind, types.Array) else f"t.{name}"
-        for name, kind in _FIELDS
-    ]
+    def leaves(path: str, kind: types.Type) -> list[str]:
+        if isinstance(kind, types.BaseNamedTuple):  # a bundle: its members
+            return [
+                leaf
+                for name, member in zip(kind.fields, kind, strict=True)
+                for leaf in leaves(f"{path}.{name}", member)
+            ]
+        return [f"{path}.ctypes.data, {path}.size" if isinstance(kind, types.Array) else path]
+
+    fields = [leaf for name, kind in members(StepGroups) for leaf in leaves(f"t.{name}", kind)]
     namespace: dict = {}
     exec(f"def contents(t):\n    return ({', '.join(fields)},)", namespace)
     contents = njit(namespace["contents"])
@@ -343,7 +351,7 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
         tables = pack(self, n)
         if tables is before:
             reused += 1
-            assert contents(tables) == contents(pack_tables(*self._table_sources(n))), (
+            assert contents(tables) == contents(pack_tables(self._table_sources(n))), (
                 "reused tables hold a replaced array"
             )
         return tables

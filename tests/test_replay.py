@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from history_store.automaton.kernels import Source
 from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
@@ -164,7 +165,7 @@ def test_by_source_splits_every_epochs_drafts_and_accepted_tokens_between_the_tr
         by_source = result["by_source"]
         assert [row["epoch"] for row in by_source] == [e["epoch"] for e in result["per_epoch"]]
         for row, epoch in zip(by_source, result["per_epoch"], strict=True):
-            trees = [row[name] for name in replay.SOURCE_NAMES.values()]
+            trees = [row[source.label] for source in Source if source != Source.NONE]
             assert sum(t["draft_tokens"] for t in trees) == epoch["draft_tokens"]
             assert sum(t["accepted_tokens"] for t in trees) == epoch["accepted_tokens"]
             assert all(

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from history_store.automaton import kernels as K
 from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree
 
 
@@ -105,6 +106,7 @@ def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, cont
         elif seq_id in seqs:
             tree.remove(seq_id)
             del seqs[seq_id]
+        tree.forest.check_arena()
         for context in contexts:
             assert_same_as_reference(tree, seqs, context, cfg.max_spec_tokens)
     assert tree.num_tokens == sum(len(s) for s in seqs.values())
@@ -125,6 +127,7 @@ def test_tokens_sharing_a_mask_bit_draft_as_the_brute_force_says(seqs, contexts,
     tree = SuffixTree(cfg, SuffixForest(capacity_tokens=1))
     for seq_id, tokens in seqs.items():
         tree.extend(seq_id, tokens)
+        tree.forest.check_arena()
     for context in contexts:
         assert_same_as_reference(tree, seqs, context, cfg.max_spec_tokens)
 
@@ -156,6 +159,7 @@ def test_growing_the_arena_keeps_every_transition(degree):
     tree.extend(0, list(range(1, degree + 2)))  # the root gets degree + 1 continuations
     before = [tree.speculate([t]).tokens.tolist() for t in range(1, degree + 1)]
     forest.grow(states=0, edges=10_000)  # forces a rehash into a larger table
+    forest.check_arena()
     assert [tree.speculate([t]).tokens.tolist() for t in range(1, degree + 1)] == before
     assert all(before)
 
@@ -165,7 +169,9 @@ def test_removing_every_sequence_returns_to_an_empty_tree():
     rng = np.random.default_rng(0)
     for seq_id in range(5):
         tree.extend(seq_id, rng.integers(0, 50, 200))
+    tree.forest.check_arena()
     tree.remove_many(range(5))
+    tree.forest.check_arena()
     assert tree.num_tokens == 0 and len(tree) == 0 and tree.num_states == 1
     assert tree.speculate(rng.integers(0, 50, 20)).tokens.size == 0
 
@@ -178,9 +184,32 @@ def test_trees_sharing_a_forest_stay_independent_through_growth_and_compaction()
     for i in range(200):  # forces growth, rebuilds and garbage
         b.extend(i + 1, list(range(100, 140)))
         b.remove(i + 1)
+        forest.check_arena()
     forest.compact()
+    forest.check_arena()
     assert a.speculate([1, 2]).tokens.tolist() == [3, 4]
     assert b.speculate([1, 2]).tokens.tolist() == [9, 9]
+
+
+@pytest.mark.parametrize(
+    ("field", "broken"),
+    [
+        (K.TOTAL, "TOTAL"),
+        (K.BEST, "BEST"),
+        (K.LINK, "suffix link"),
+        (K.MASK, "not found"),
+        (K.COUNT, "COUNT"),
+    ],
+)
+def test_the_arena_check_names_a_broken_invariant(field, broken):
+    # check_arena is what the property tests lean on after every mutation: it must catch what it claims to.
+    tree = SuffixTree()
+    tree.extend(0, [1, 2, 1, 3, 1, 2])
+    tree.forest.check_arena()
+    state = tree.root if field == K.COUNT else int(tree.forest.states[tree.root, K.BEST])
+    tree.forest.states[state, field] = {K.LINK: tree.root + 1, K.MASK: 0}.get(field, 99)
+    with pytest.raises(AssertionError, match=broken):
+        tree.forest.check_arena()
 
 
 @pytest.mark.parametrize(

@@ -367,7 +367,7 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     # RPC went through our worker extension.
     das = stats[0]
     assert das["history_problems"] == 1 and das["drafting_rank"]
-    assert das["sources"]["problem"] > 0 and das["accepted_tokens"] > 0
+    assert das["sources"]["history"] > 0 and das["accepted_tokens"] > 0
     assert das["errors"] == 0 and das["malformed_requests"] == 0
     # The proposer's own finish-time add took the complete sibling of the aborted request, not the cut one.
     assert added == [0, 1]

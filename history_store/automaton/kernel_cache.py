@@ -7,7 +7,7 @@ cached `decode_step` running the old automaton layout on the new arrays, which c
 engine's step (seen while developing). An installed wheel rewrites every file, so only checkouts (editable
 installs, a mounted source tree) meet this; they are exactly where the sources change.
 
-So the first import of either package hashes every kernel source together and, when the hash differs from
+So the first import of either package hashes every kernel source together (`kernel_sources` finds them) and, when the hash differs from
 the one stored beside the caches, deletes the cached kernels of those files before any of them is loaded
 (numba reads a cache at a kernel's first call, not at import). numba then compiles and caches them afresh.
 """
@@ -20,17 +20,21 @@ from collections.abc import Iterable
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[2]
-# Every module with `@njit(cache=True)` kernels; a test checks the list is complete.
-KERNEL_SOURCES = (
-    "history_store/automaton/kernels.py",
-    "history_store/automaton/draft_threads.py",
-    "workers/budget/policy.py",
-    "workers/generator/step_book.py",
-    "workers/generator/step.py",
-    "workers/bench/replay.py",
-)
 _STAMP = "das_kernel_sources.sha256"
 _checked = False
+
+
+def kernel_sources(root: Path) -> list[Path]:
+    """Every module of the checkout's packages (the folders under `root` with an `__init__.py`) whose source
+    asks numba to cache a kernel: found, not listed, so a package that adds kernels is guarded without
+    this module naming its files."""
+    return sorted(
+        path
+        for package in root.iterdir()
+        if (package / "__init__.py").is_file()
+        for path in package.rglob("*.py")
+        if path.name != "kernel_cache.py" and "cache=True" in path.read_text(encoding="utf-8")
+    )
 
 
 def sources_digest(sources: Iterable[Path]) -> str:
@@ -80,6 +84,4 @@ def guard() -> None:
     _checked = True
     if os.environ.get("NUMBA_CACHE_DIR"):
         return  # caches live elsewhere, keyed by the user's own scheme
-    sources = [_ROOT / name for name in KERNEL_SOURCES]
-    if all(path.is_file() for path in sources):
-        drop_stale_caches(sources, _ROOT / "history_store" / "__pycache__")
+    drop_stale_caches(kernel_sources(_ROOT), _ROOT / "history_store" / "__pycache__")

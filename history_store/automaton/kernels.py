@@ -37,12 +37,16 @@ on every call (a tuple's members cost more than plain arguments), and at batch 1
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from enum import IntEnum
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from history_store.automaton.bundles import DraftPath
 from history_store.automaton.draft_threads import start_threading_layer
 
 # Before any kernel compiles or loads (see draft_threads): GNU OpenMP would abort vLLM's forked workers, and a
@@ -53,22 +57,83 @@ HASHED_DEGREE = 4
 _HASHED = np.int32(-(2**31))  # MASK's sign bit: the state's edges are in the hash
 _MUL = np.uint64(0x9E3779B97F4A7C15)
 
-LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK = 0, 1, 2, 3, 4, 5, 6, 7
-STATE_FIELDS = 8
-TOK, TO, NEXT = 0, 1, 2
-H_STATE, H_TOKEN, H_EDGE = 0, 1, 2
-ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS = 0, 1, 2, 3, 4, 5
-TREE_FIELDS = 6
-Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT = 0, 1, 2, 3, 4
-SEQ_FIELDS = 5
-N_CANDIDATES = 3
-R_SEQ, R_LIVE, R_CAND, R_MATCHED = 0, 1, 2, 5
-R_STATE, R_MLEN, R_MVER = 6, 9, 12
-SLOT_FIELDS = 15
-# Per drafted row: draft length, match length used, source (candidate index + 1; 0: no draft), and the
-# agreement of the other two candidates with the draft (`_agreement`, two columns).
-I_LEN, I_MATCH, I_SOURCE, I_AGREE = 0, 1, 2, 3
-INFO_FIELDS = 5
+
+class Source(IntEnum):
+    """Where a draft came from: the candidate tree that drafted it (candidate index + 1), in the order a
+    request's slot lists its candidates (`ProblemIndex`); NONE: no draft."""
+
+    NONE = 0
+    HISTORY = 1  # the problem's history tree
+    LIVE = 2  # the request's live tree (its own context and its in-flight siblings')
+    GLOBAL = 3  # the global tree
+
+    @property
+    def label(self) -> str:
+        """The source's name in reports and statistics."""
+        return self.name.lower()
+
+
+N_CANDIDATES = len(Source) - 1
+
+
+def candidate(source: Source) -> int:
+    """The candidate index of a draft source (its column offset in the slot table's candidate fields)."""
+    return int(source) - 1
+
+
+def columns(layout: Sequence[tuple[str, int]]) -> tuple[int, ...]:
+    """The first column of each (name, width) field of a table's row, then the row's width."""
+    starts = [0]
+    for _name, width in layout:
+        assert width >= 1, f"field {_name} has width {width}"
+        starts.append(starts[-1] + width)
+    return tuple(starts)
+
+
+# Each table's row layout: one list of (name, width) per table, whose first columns the kernels index by
+# name. Unpacked here so that numba sees plain integer constants.
+STATE_LAYOUT = (
+    ("LEN", 1),
+    ("LINK", 1),
+    ("COUNT", 1),
+    ("EDGE", 1),
+    ("BEST", 1),
+    ("TOTAL", 1),
+    ("TOKEN", 1),
+    ("MASK", 1),
+)
+LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK, STATE_FIELDS = columns(STATE_LAYOUT)
+EDGE_LAYOUT = (("TOK", 1), ("TO", 1), ("NEXT", 1))
+TOK, TO, NEXT, EDGE_FIELDS = columns(EDGE_LAYOUT)
+HASH_LAYOUT = (("H_STATE", 1), ("H_TOKEN", 1), ("H_EDGE", 1))
+H_STATE, H_TOKEN, H_EDGE, HASH_FIELDS = columns(HASH_LAYOUT)
+TREE_LAYOUT = (("ROOT", 1), ("VERSION", 1), ("T_STATES", 1), ("T_EDGES", 1), ("T_HASHED", 1), ("T_TOKENS", 1))
+ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS, TREE_FIELDS = columns(TREE_LAYOUT)
+SEQ_LAYOUT = (("Q_OFF", 1), ("Q_LEN", 1), ("Q_CAP", 1), ("Q_LAST", 1), ("Q_EXT", 1))
+Q_OFF, Q_LEN, Q_CAP, Q_LAST, Q_EXT, SEQ_FIELDS = columns(SEQ_LAYOUT)
+# A request's slot: its sequence, live tree, candidate trees (-1: none), how far its match states have read
+# its sequence, and per candidate the match state, its length and the tree version it was matched against.
+SLOT_LAYOUT = (
+    ("R_SEQ", 1),
+    ("R_LIVE", 1),
+    ("R_CAND", N_CANDIDATES),
+    ("R_MATCHED", 1),
+    ("R_STATE", N_CANDIDATES),
+    ("R_MLEN", N_CANDIDATES),
+    ("R_MVER", N_CANDIDATES),
+)
+R_SEQ, R_LIVE, R_CAND, R_MATCHED, R_STATE, R_MLEN, R_MVER, SLOT_FIELDS = columns(SLOT_LAYOUT)
+# Per drafted row: draft length, match length used, source (a Source), and how many of its tokens each other
+# candidate repeats (`_agreement`, in candidate order).
+INFO_LAYOUT = (("I_LEN", 1), ("I_MATCH", 1), ("I_SOURCE", 1), ("I_AGREE", N_CANDIDATES - 1))
+I_LEN, I_MATCH, I_SOURCE, I_AGREE, INFO_FIELDS = columns(INFO_LAYOUT)
+# The layouts the arena's serialized and packed forms assume (83 bytes per token): fail at import, not later.
+assert (STATE_FIELDS, EDGE_FIELDS, HASH_FIELDS, TREE_FIELDS, SEQ_FIELDS) == (8, 3, 3, 6, 5)
+assert (R_MATCHED, SLOT_FIELDS, INFO_FIELDS) == (
+    R_CAND + N_CANDIDATES,
+    3 + 4 * N_CANDIDATES,
+    2 + N_CANDIDATES,
+)
 # What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
 DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
 # Below this many rows a step drafts on one thread: waking a second costs about what it saves.
@@ -393,12 +458,15 @@ def _best_child(states, state):
 
 
 @njit(cache=True)
-def _draft_path(states, state, cap, scored, min_prob, escape, floor, out_tok, out_prob, out_sup):
-    """The most frequent continuation from `state` while its path probability >= min_prob, up to cap tokens.
+def _draft_path(states, state, cap, scored, params, floor, out):
+    """The most frequent continuation from `state` into `out` (a DraftPath) while its path probability >=
+    params.min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
     the smaller token id. out_sup gets each token's count (its support). The score is the sum of the first
     `scored` tokens' probabilities. Returns (tokens, score), or (0, 0.0) as soon as the score cannot beat
     `floor` (path probabilities never grow, so at most p per scored token left)."""
+    out_tok, out_prob, out_sup = out.tok, out.prob, out.sup
+    escape, min_prob = params.escape, params.min_prob
     prob = 1.0
     score = 0.0
     n = 0
@@ -423,66 +491,39 @@ def _draft_path(states, state, cap, scored, min_prob, escape, floor, out_tok, ou
 
 
 @njit(cache=True)
-def draft_best(
-    states,
-    root,
-    state,
-    length,
-    budget,
-    spec_factor,
-    spec_offset,
-    min_prob,
-    escape,
-    all_matches,
-    floor,
-    out_tok,
-    out_prob,
-    out_sup,
-    r,
-    tmp_tok,
-    tmp_prob,
-    tmp_sup,
-):
-    """Drafts from a match state and, with `all_matches`, from every shorter match along its suffix links
+def draft_best(states, root, state, length, budget, params, floor, out, r, scratch):
+    """Drafts from a match state and, with `params.all_matches`, from every shorter match along its suffix links
     (SuffixDecoding scores every match length and keeps the best draft). Each match of length m drafts at
     most min(budget, spec_factor * m + spec_offset) tokens. A draft replaces what out_* hold only when its
     score beats `floor`, and earlier (longer) matches win ties. The score is the sum of path probabilities of
     the draft's first m tokens (at most as long as its match): tokens past that only extend the chosen
     draft, so a larger spec_factor never trades a long match's draft for a short match's longer, shakier one
     (the budget then decides how much of the extension is worth verifying).
-    The kept draft goes to row r of out_*, indexed rather than through a row view: a view costs two atomic
-    reference counts, and three candidates per row made them about 8% of a batch-256 step.
+    The kept draft goes to row r of `out` (DraftOutputs; `scratch`, a DraftPath, holds a candidate's draft),
+    indexed rather than through a row view: a view costs two atomic reference counts, and three candidates per
+    row made them about 8% of a batch-256 step.
     Returns (tokens, match length, score) of the kept draft, (0, 0, floor) when none beat the floor.
     """
     best_n = 0
     best_len = 0
     best = floor
+    out_tok, out_prob, out_sup = out.tok, out.prob, out.sup
+    tmp_tok, tmp_prob, tmp_sup = scratch.tok, scratch.prob, scratch.sup
     k = out_tok.shape[1]
     while state != root:
         if states[state, EDGE] != -1:
-            cap = min(budget, np.int64(spec_factor * length + spec_offset), k)
+            cap = min(budget, np.int64(params.spec_factor * length + params.spec_offset), k)
             scored = min(cap, length)
             if scored <= best:  # a score never exceeds its scored length, and shorter matches score fewer
                 break
-            n, score = _draft_path(
-                states,
-                state,
-                cap,
-                scored,
-                min_prob,
-                escape,
-                best,
-                tmp_tok,
-                tmp_prob,
-                tmp_sup,
-            )
+            n, score = _draft_path(states, state, cap, scored, params, best, scratch)
             if n > 0 and score > best:
                 for j in range(n):
                     out_tok[r, j] = tmp_tok[j]
                     out_prob[r, j] = tmp_prob[j]
                     out_sup[r, j] = tmp_sup[j]
                 best_n, best_len, best = n, length, score
-            if not all_matches:
+            if not params.all_matches:
                 break
         state = np.int64(states[state, LINK])
         length = np.int64(states[state, LEN])
@@ -500,19 +541,20 @@ def committed(seqs, slots, req_slots):
 
 
 @njit(cache=True)
-def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row):
+def _commit_rows(arena, slots, rows, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""
-    n_rows = req_slots.shape[0]
+    seqs, pool, src = arena.seqs, arena.pool, rows.src
+    n_rows = rows.slots.shape[0]
     while row < n_rows:
-        s = req_slots[row]
+        s = rows.slots[row]
         q = slots[s, R_SEQ]
         have = seqs[q, Q_LEN]
-        end = ends[row]
+        end = rows.ends[row]
         if end > have:
             if end > seqs[q, Q_CAP]:
                 return row, NEED_POOL
-            base = bases[row]
+            base = rows.bases[row]
             off = seqs[q, Q_OFF]
             for j in range(have, end):
                 t = src[base + j]
@@ -520,7 +562,9 @@ def _commit_rows(states, edges, hashes, meta, trees, seqs, pool, slots, req_slot
                     return row, BAD_TOKEN
                 pool[off + j] = t
             seqs[q, Q_LEN] = end
-        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, slots[s, R_LIVE], q)
+        status = _extend_seq(
+            arena.states, arena.edges, arena.hashes, arena.meta, arena.trees, seqs, pool, slots[s, R_LIVE], q
+        )
         if status != DONE:
             return row, status
         row += 1
@@ -561,7 +605,7 @@ def _agreement(states, trees, slots, s, c, drafted, r, n):
     repeats on its own likeliest path from its longest matched suffix with a continuation. A draft token that
     other trees would also draft is accepted far more often than its probability in any one tree says
     (dev_rollouts, ad hoc, first tokens at a conditional ratio of 0.4-0.8: 0.24 -> 0.33 -> 0.45 accepted with
-    0, 1, 2 agreeing), so the budget takes it as evidence (`budget._features_of`). One `states` row per
+    0, 1, 2 agreeing), so the budget takes it as evidence (`workers.budget.acceptance._features_of`). One `states` row per
     agreeing token, on states the match just visited (and `_prefetch_ahead` fetched)."""
     tid = slots[s, R_CAND + c]
     if tid < 0:
@@ -580,36 +624,16 @@ def _agreement(states, trees, slots, s, c, drafted, r, n):
 
 
 @njit(cache=True)
-def _draft_range(
-    states,
-    edges,
-    hashes,
-    trees,
-    seqs,
-    pool,
-    slots,
-    req_slots,
-    budgets,
-    lo,
-    hi,
-    max_depth,
-    spec_factor,
-    spec_offset,
-    min_prob,
-    escape,
-    all_matches,
-    out_tok,
-    out_prob,
-    out_sup,
-    out_info,
-    out_score,
-):
+def _draft_range(arena, slots, rows, lo, hi, params, out):
     """Advances the matches of rows lo..hi-1 and keeps each row's best draft. Reads the arena and writes only
     the rows' own slots and outputs, so disjoint ranges may run on different threads."""
+    states, edges, hashes, trees, seqs = arena.states, arena.edges, arena.hashes, arena.trees, arena.seqs
+    pool = arena.pool
+    req_slots, budgets, info, scores = rows.slots, rows.budgets, out.info, out.score
+    max_depth = params.max_depth
+    out_tok = out.tok
     k = out_tok.shape[1]
-    tmp_tok = np.empty(k, np.int32)
-    tmp_prob = np.empty(k, np.float32)
-    tmp_sup = np.empty(k, np.int32)
+    scratch = DraftPath(tok=np.empty(k, np.int32), prob=np.empty(k, np.float32), sup=np.empty(k, np.int32))
     for r in range(lo, hi):
         _prefetch_ahead(states, edges, slots, req_slots, r, hi)
         s = req_slots[r]
@@ -617,11 +641,9 @@ def _draft_range(
         q = slots[s, R_SEQ]
         off = seqs[q, Q_OFF]
         end = off + seqs[q, Q_LEN]
-        out_info[r, I_LEN] = 0
-        out_info[r, I_MATCH] = 0
-        out_info[r, I_SOURCE] = 0
-        out_info[r, I_AGREE] = out_info[r, I_AGREE + 1] = 0
-        out_score[r] = 0.0
+        for f in range(INFO_FIELDS):
+            info[r, f] = 0
+        scores[r] = 0.0
         for c in range(N_CANDIDATES):
             tid = slots[s, R_CAND + c]
             if tid < 0:
@@ -661,191 +683,54 @@ def _draft_range(
             slots[s, R_MLEN + c] = ln
             if budget <= 0:
                 continue
-            n, used, score = draft_best(
-                states,
-                root,
-                st,
-                ln,
-                budget,
-                spec_factor,
-                spec_offset,
-                min_prob,
-                escape,
-                all_matches,
-                out_score[r],
-                out_tok,
-                out_prob,
-                out_sup,
-                r,
-                tmp_tok,
-                tmp_prob,
-                tmp_sup,
-            )
+            n, used, score = draft_best(states, root, st, ln, budget, params, scores[r], out, r, scratch)
             if n > 0:
-                out_info[r, I_LEN] = n
-                out_info[r, I_MATCH] = used
-                out_info[r, I_SOURCE] = c + 1
-                out_score[r] = score
-        n = out_info[r, I_LEN]
-        if n > 0:  # the other two trees, in candidate order
-            chosen = out_info[r, I_SOURCE] - 1
-            first = 1 if chosen == 0 else 0
-            out_info[r, I_AGREE] = _agreement(states, trees, slots, s, first, out_tok, r, n)
-            out_info[r, I_AGREE + 1] = _agreement(states, trees, slots, s, 3 - chosen - first, out_tok, r, n)
+                info[r, I_LEN] = n
+                info[r, I_MATCH] = used
+                info[r, I_SOURCE] = c + 1
+                scores[r] = score
+        n = info[r, I_LEN]
+        if n > 0:  # the other candidates' agreement, in candidate order
+            chosen = info[r, I_SOURCE] - 1
+            column = I_AGREE
+            for c in range(N_CANDIDATES):
+                if c != chosen:
+                    info[r, column] = _agreement(states, trees, slots, s, c, out_tok, r, n)
+                    column += 1
         slots[s, R_MATCHED] = end - off
 
 
 @njit(cache=True, parallel=True)
-def _draft_blocks(
-    states,
-    edges,
-    hashes,
-    trees,
-    seqs,
-    pool,
-    slots,
-    req_slots,
-    budgets,
-    max_depth,
-    spec_factor,
-    spec_offset,
-    min_prob,
-    escape,
-    all_matches,
-    out_tok,
-    out_prob,
-    out_sup,
-    out_info,
-    out_score,
-    blocks,
-):
+def _draft_blocks(arena, slots, rows, params, out, blocks):
     """`_draft_range` over `blocks` contiguous blocks of rows, one per thread."""
-    n_rows = req_slots.shape[0]
+    n_rows = rows.slots.shape[0]
     for b in prange(blocks):
-        _draft_range(
-            states,
-            edges,
-            hashes,
-            trees,
-            seqs,
-            pool,
-            slots,
-            req_slots,
-            budgets,
-            b * n_rows // blocks,
-            (b + 1) * n_rows // blocks,
-            max_depth,
-            spec_factor,
-            spec_offset,
-            min_prob,
-            escape,
-            all_matches,
-            out_tok,
-            out_prob,
-            out_sup,
-            out_info,
-            out_score,
-        )
+        _draft_range(arena, slots, rows, b * n_rows // blocks, (b + 1) * n_rows // blocks, params, out)
 
 
 @njit(cache=True)
-def step_rows(
-    states,
-    edges,
-    hashes,
-    meta,
-    trees,
-    seqs,
-    pool,
-    slots,
-    req_slots,
-    bases,
-    ends,
-    budgets,
-    src,
-    row,
-    draft,
-    max_depth,
-    spec_factor,
-    spec_offset,
-    min_prob,
-    escape,
-    all_matches,
-    out_tok,
-    out_prob,
-    out_sup,
-    out_info,
-    out_score,
-    threads,
-):
+def step_rows(arena, slots, rows, row, draft, params, out, threads):
     """A decode step for a whole batch in one call: commits every row's new tokens (resuming at `row`), then,
     with `draft`, advances every row's match in each candidate tree and keeps its best-scoring draft.
 
-    Row r's request is slot req_slots[r]; after the step it holds ends[r] tokens, token j of it being
-    src[bases[r] + j], and budgets[r] caps its draft. Its candidate c's match state persists in the slot table and
-    advances over the tokens committed since the last draft; a candidate whose tree version changed
-    re-matches from the last `max_depth` tokens. The best draft over all candidates and match lengths wins
-    (earlier candidates and longer matches win ties); out_info[r] holds its length, match length and
-    source (candidate + 1; 0: none), out_sup the count behind each draft token. Drafting a batch of at least
-    PARALLEL_MIN_ROWS rows uses `threads` threads (the drafts are the same); committing always runs on one,
-    since rows of a problem share its live tree and all trees share the arena.
+    `arena` is a Forest, `slots` the index's slot table, `rows` a StepRows, `params` a DraftParams and `out`
+    the DraftOutputs. Row r's request is slot rows.slots[r]; after the step it holds rows.ends[r] tokens,
+    token j of it being rows.src[rows.bases[r] + j], and rows.budgets[r] caps its draft. Its candidate c's
+    match state persists in the slot table and advances over the tokens committed since the last draft; a
+    candidate whose tree version changed re-matches from the last `max_depth` tokens. The best draft over all
+    candidates and match lengths wins (earlier candidates and longer matches win ties); out.info[r] holds its
+    length, match length and source (candidate + 1; 0: none), out.sup the count behind each draft token.
+    Drafting a batch of at least PARALLEL_MIN_ROWS rows uses `threads` threads (the drafts are the same);
+    committing always runs on one, since rows of a problem share its live tree and all trees share the arena.
     Returns (row reached, status): anything but DONE means the caller must grow and call again.
     """
-    row, status = _commit_rows(
-        states, edges, hashes, meta, trees, seqs, pool, slots, req_slots, bases, ends, src, row
-    )
+    row, status = _commit_rows(arena, slots, rows, row)
     if status != DONE or not draft:
         return row, status
-    n_rows = req_slots.shape[0]
     # Threads only where a batch pays for waking them; a single thread never runs parallel work, so TBB's
     # workers never start.
-    if threads > 1 and n_rows >= PARALLEL_MIN_ROWS:
-        _draft_blocks(
-            states,
-            edges,
-            hashes,
-            trees,
-            seqs,
-            pool,
-            slots,
-            req_slots,
-            budgets,
-            max_depth,
-            spec_factor,
-            spec_offset,
-            min_prob,
-            escape,
-            all_matches,
-            out_tok,
-            out_prob,
-            out_sup,
-            out_info,
-            out_score,
-            threads,
-        )
+    if threads > 1 and rows.slots.shape[0] >= PARALLEL_MIN_ROWS:
+        _draft_blocks(arena, slots, rows, params, out, threads)
     else:
-        _draft_range(
-            states,
-            edges,
-            hashes,
-            trees,
-            seqs,
-            pool,
-            slots,
-            req_slots,
-            budgets,
-            0,
-            n_rows,
-            max_depth,
-            spec_factor,
-            spec_offset,
-            min_prob,
-            escape,
-            all_matches,
-            out_tok,
-            out_prob,
-            out_sup,
-            out_info,
-            out_score,
-        )
+        _draft_range(arena, slots, rows, 0, rows.slots.shape[0], params, out)
     return row, DONE

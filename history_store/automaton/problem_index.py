@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from history_store.automaton import kernels as K
+from history_store.automaton.bundles import DraftOutputs, StepRows
 from history_store.automaton.draft_threads import usable_draft_threads
 from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
 
-SOURCE_NONE, SOURCE_HISTORY, SOURCE_LIVE, SOURCE_GLOBAL = 0, 1, 2, 3
 # A live tree is rebuilt from its active requests once finished ones hold this many times their tokens. Each
 # rebuild re-inserts the active tokens, so its cost per finished request falls as 1/DEAD_PER_LIVE; the
 # finished ones mostly sit in their problem's history too. Going from 1 to 4 moved every makespan in the
@@ -51,7 +51,7 @@ class BatchDrafts:
     support: np.ndarray  # int32 (n, K)
     match_lens: np.ndarray  # int32 (n,)
     scores: np.ndarray  # float64 (n,)
-    sources: np.ndarray  # int32 (n,): SOURCE_*
+    sources: np.ndarray  # int32 (n,): a kernels.Source
     agreement: np.ndarray  # int32 (n, 2): draft tokens each other tree's likeliest path repeats
 
     def draft(self, row: int) -> list[int]:
@@ -69,22 +69,28 @@ class _StepBuffers:
         self.info = np.zeros((rows, K.INFO_FIELDS), np.int32)
         self.scores = np.zeros(rows, np.float64)
         self._n = -1
-        self._views: tuple[BatchDrafts, tuple[np.ndarray, ...]] | None = None
+        self._views: tuple[BatchDrafts, DraftOutputs] | None = None
 
-    def views(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
+    def views(self, n: int) -> tuple[BatchDrafts, DraftOutputs]:
         """The drafts of a batch of n rows, and the kernel's output arrays they view."""
         if n != self._n or self._views is None:
-            out = (self.tokens[:n], self.probs[:n], self.support[:n], self.info[:n], self.scores[:n])
-            info = out[3]
+            out = DraftOutputs(
+                tok=self.tokens[:n],
+                prob=self.probs[:n],
+                sup=self.support[:n],
+                info=self.info[:n],
+                score=self.scores[:n],
+            )
+            info = out.info
             drafts = BatchDrafts(
-                tokens=out[0],
+                tokens=out.tok,
                 lengths=info[:, K.I_LEN],
-                probs=out[1],
-                support=out[2],
+                probs=out.prob,
+                support=out.sup,
                 match_lens=info[:, K.I_MATCH],
-                scores=out[4],
+                scores=out.score,
                 sources=info[:, K.I_SOURCE],
-                agreement=info[:, K.I_AGREE : K.I_AGREE + 2],
+                agreement=info[:, K.I_AGREE : K.I_AGREE + K.N_CANDIDATES - 1],
             )
             self._n, self._views = n, (drafts, out)
         return self._views
@@ -100,7 +106,7 @@ class _Problem:
 
 
 @dataclass
-class _Live:
+class _LiveTree:
     """In-flight requests of one problem (or one request without a problem)."""
 
     tree: SuffixTree
@@ -149,7 +155,7 @@ class ProblemIndex:
         self._global_fifo: deque[tuple[tuple[str, int, int], int]] = deque()  # (key, tokens), arrival order
         self._global_next = 0
         self._global_newest = -1
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _LiveTree] = {}
         self._requests: dict[str, _Request] = {}
         self._free_slots: list[int] = []
         self.slots = np.zeros((0, K.SLOT_FIELDS), np.int64)  # the kernel's per-request table (see _kernels)
@@ -219,7 +225,7 @@ class ProblemIndex:
             if self.use_history:
                 for req in self._requests.values():  # live requests of a problem that had no history yet
                     if req.problem_id == problem_id:
-                        self.slots[req.slot, K.R_CAND] = problem.tree.tid
+                        self.slots[req.slot, K.R_CAND + K.candidate(K.Source.HISTORY)] = problem.tree.tid
         if (epoch, sample) in problem.seq_of or epoch < self.window_start(problem_id, problem.newest_epoch):
             return False
         if self._global is not None and epoch > self._global_newest:
@@ -372,7 +378,7 @@ class ProblemIndex:
             live_key = f"r:{request_key}"
         live = self._live.get(live_key)
         if live is None:
-            live = self._live[live_key] = _Live(SuffixTree(self.config, self.forest))
+            live = self._live[live_key] = _LiveTree(SuffixTree(self.config, self.forest))
         seq_id = live.next_seq
         live.next_seq += 1
         live.active.add(seq_id)
@@ -388,9 +394,10 @@ class ProblemIndex:
         row[K.R_SEQ] = q
         row[K.R_LIVE] = live.tree.tid
         problem = self._problems.get(problem_id) if problem_id is not None else None
-        row[K.R_CAND] = problem.tree.tid if problem is not None and self.use_history else -1
-        row[K.R_CAND + 1] = live.tree.tid
-        row[K.R_CAND + 2] = self._global.tid if self._global is not None else -1
+        history = problem.tree.tid if problem is not None and self.use_history else -1
+        row[K.R_CAND + K.candidate(K.Source.HISTORY)] = history
+        row[K.R_CAND + K.candidate(K.Source.LIVE)] = live.tree.tid
+        row[K.R_CAND + K.candidate(K.Source.GLOBAL)] = self._global.tid if self._global is not None else -1
         return slot
 
     def slot(self, request_key: str) -> int:
@@ -491,36 +498,20 @@ class ProblemIndex:
         budgets: np.ndarray | Sequence[int],
         draft: bool,
     ) -> BatchDrafts:
-        drafts, (out_tok, out_prob, out_sup, out_info, out_score) = self.step_buffers(slots.shape[0])
-        budgets = np.asarray(budgets)
-        f, cfg = self.forest, self.config
+        drafts, out = self.step_buffers(slots.shape[0])
+        rows = StepRows(slots=slots, bases=base, ends=end, budgets=np.asarray(budgets), src=src)
+        params = self.config.params()
         row = 0
         while True:
-            row, status = K.step_rows(
-                *f.tables(),
-                self.slots,
-                slots,
-                base,
-                end,
-                budgets,
-                src,
-                row,
-                draft,
-                *cfg.kernel_args(),
-                out_tok,
-                out_prob,
-                out_sup,
-                out_info,
-                out_score,
-                self.draft_threads,
-            )
+            arena = self.forest.tables()  # again after growth: growing replaces arrays
+            row, status = K.step_rows(arena, self.slots, rows, row, draft, params, out, self.draft_threads)
             if status == K.DONE:
                 return drafts
             self.make_room(status, slots, row, end)
 
-    def step_buffers(self, n: int) -> tuple[BatchDrafts, tuple[np.ndarray, ...]]:
-        """The drafts of a batch of n rows and the step kernel's output arrays they view (tokens, probs,
-        support, info, scores): reused buffers, valid until the next step."""
+    def step_buffers(self, n: int) -> tuple[BatchDrafts, DraftOutputs]:
+        """The drafts of a batch of n rows and the step kernel's output arrays they view: reused buffers,
+        valid until the next step."""
         buf = self._buffers
         if buf.tokens.shape[0] < n:
             buf = self._buffers = _StepBuffers(max(n, 2 * buf.tokens.shape[0]), self.config.max_spec_tokens)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from history_store.automaton import kernels as K
+from history_store.automaton.bundles import DraftOutputs, DraftParams, DraftPath, Forest, gather
 
 MAX_TOKEN_ID = 2**31 - 1
 _SERIAL_MAGIC = b"DAST"
@@ -50,15 +51,14 @@ class DraftConfig:
     escape: float = 1.0
     all_matches: bool = True
 
-    def kernel_args(self) -> tuple[int, float, float, float, float, bool]:
-        """The drafting parameters in the order the step kernels take them."""
-        return (
-            self.max_depth,
-            self.max_spec_factor,
-            self.max_spec_offset,
-            self.min_token_prob,
-            self.escape,
-            self.all_matches,
+    def params(self) -> DraftParams:
+        """The drafting parameters as the step kernels take them."""
+        return gather(
+            DraftParams,
+            self,
+            spec_factor=self.max_spec_factor,
+            spec_offset=self.max_spec_offset,
+            min_prob=self.min_token_prob,
         )
 
     def __post_init__(self) -> None:
@@ -136,8 +136,10 @@ class SuffixForest:
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
         self.states = np.zeros((2 * n, K.STATE_FIELDS), np.int32)
-        self.edges = np.zeros((3 * n, 3), np.int32)
-        self.hashes = np.full((_pow2(2 * n), 3), -1, np.int32)  # only high-degree states' edges are hashed
+        self.edges = np.zeros((3 * n, K.EDGE_FIELDS), np.int32)
+        self.hashes = np.full(
+            (_pow2(2 * n), K.HASH_FIELDS), -1, np.int32
+        )  # only high-degree states' edges are hashed
         self.meta = np.zeros(3, np.int64)
         self.garbage_states = 0
 
@@ -145,10 +147,10 @@ class SuffixForest:
     def arena(self) -> Arena:
         return Arena(self.states, self.edges, self.hashes, self.meta)
 
-    def tables(self) -> tuple[np.ndarray, ...]:
-        """The arena and its bookkeeping tables in the order the step kernels take them first: states, edges,
-        hashes, meta, trees, seqs, pool (read again after any growth: growing replaces arrays)."""
-        return (self.states, self.edges, self.hashes, self.meta, self.trees, self.seqs, self.pool)
+    def tables(self) -> Forest:
+        """The arena and its bookkeeping tables as the step kernels take them (read again after any growth:
+        growing replaces arrays)."""
+        return gather(Forest, self)
 
     def next_version(self) -> int:
         self._version += 1
@@ -301,6 +303,69 @@ class SuffixForest:
         for tid in list(self.live_trees):
             self.rebuild(tid, count_garbage=False)
 
+    def check_arena(self) -> None:
+        """Checks the automaton's invariants on every live tree (as ArcticInference's `check_integrity`), for
+        tests after any mutation: counters within the arrays; from each root, every reachable state's edges
+        carry distinct tokens that its MASK and (when hashed) the hash find, and lead to longer states ending
+        in that token whose counts sum to its TOTAL; its BEST is its most frequent continuation (ties: the
+        smaller token); its suffix link leads to a shorter state of the same tree; a root's COUNT is its
+        degree; a sequence's inserted tokens fit its length and its length its capacity. Raises
+        AssertionError naming the first broken invariant."""
+        states, edges, hashes, meta = self.states, self.edges, self.hashes, self.meta
+        assert 0 <= meta[0] <= states.shape[0] and 0 <= meta[1] <= edges.shape[0], (
+            f"meta {meta} out of bounds"
+        )
+        assert 2 * meta[2] <= hashes.shape[0], f"hash table over half full: {meta[2]} entries"
+        for tid, tree in self.live_trees.items():
+            root = int(self.trees[tid, K.ROOT])
+            assert states[root, K.LINK] == -1 and states[root, K.TOKEN] == -1, f"tree {tid}: bad root {root}"
+            children: dict[int, list[tuple[int, int]]] = {}
+            todo = [root]
+            while todo:
+                s = todo.pop()
+                out = children[s] = []
+                e = int(states[s, K.EDGE])
+                while e != -1:
+                    assert e < meta[1], f"state {s}: edge {e} past the edges in use"
+                    tok, to = int(edges[e, K.TOK]), int(edges[e, K.TO])
+                    assert K.find_edge(states, edges, hashes, s, tok) == e, (
+                        f"state {s}: token {tok} not found"
+                    )
+                    assert states[to, K.TOKEN] == tok, f"state {s}: edge {tok} leads to another token's state"
+                    assert states[to, K.LEN] > states[s, K.LEN], (
+                        f"state {s}: edge {tok} leads to a shorter state"
+                    )
+                    out.append((tok, to))
+                    if to not in children:
+                        children[to] = []
+                        todo.append(to)
+                    e = int(edges[e, K.NEXT])
+            for s, out in children.items():
+                tokens = [tok for tok, _ in out]
+                assert len(set(tokens)) == len(tokens), f"state {s}: duplicate continuations"
+                hashed = bool(states[s, K.MASK] < 0)
+                assert hashed == (len(out) > K.HASHED_DEGREE), (
+                    f"state {s}: hashed {hashed} at degree {len(out)}"
+                )
+                total = sum(int(states[to, K.COUNT]) for _, to in out)
+                assert states[s, K.TOTAL] == total, (
+                    f"state {s}: TOTAL {states[s, K.TOTAL]}, children sum {total}"
+                )
+                best = max(out, key=lambda c: (states[c[1], K.COUNT], -c[0]))[1] if out else -1
+                assert states[s, K.BEST] == best, f"state {s}: BEST {states[s, K.BEST]}, expected {best}"
+                if s == root:
+                    assert states[s, K.COUNT] == len(out), f"tree {tid}: the root's COUNT is not its degree"
+                    continue
+                link = int(states[s, K.LINK])
+                assert link in children, f"state {s}: suffix link {link} leaves tree {tid}"
+                assert states[link, K.LEN] < states[s, K.LEN], f"state {s}: suffix link {link} is not shorter"
+            for q in tree._seqs.values():
+                row = self.seqs[q]
+                ext, length, cap = int(row[K.Q_EXT]), int(row[K.Q_LEN]), int(row[K.Q_CAP])
+                assert 0 <= ext <= length <= cap, (
+                    f"sequence {q}: {ext} inserted, {length} held, room for {cap}"
+                )
+
 
 def _pow2(n: int) -> int:
     return 1 << max(6, (int(n) - 1).bit_length())
@@ -430,31 +495,21 @@ class SuffixTree:
         state, length = K.advance_match(
             f.states, f.edges, f.hashes, root, root, 0, ctx, 0, ctx.shape[0], cfg.max_depth
         )
-        out_tok, tmp_tok = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
-        out_prob, tmp_prob = np.empty((1, budget), np.float32), np.empty(budget, np.float32)
-        out_sup, tmp_sup = np.empty((1, budget), np.int32), np.empty(budget, np.int32)
+        out = DraftOutputs(
+            tok=np.empty((1, budget), np.int32),
+            prob=np.empty((1, budget), np.float32),
+            sup=np.empty((1, budget), np.int32),
+            info=np.empty((1, K.INFO_FIELDS), np.int32),
+            score=np.empty(1),
+        )
+        scratch = DraftPath(
+            tok=np.empty(budget, np.int32), prob=np.empty(budget, np.float32), sup=np.empty(budget, np.int32)
+        )
         n, match_len, score = K.draft_best(
-            f.states,
-            root,
-            state,
-            length,
-            budget,
-            cfg.max_spec_factor,
-            cfg.max_spec_offset,
-            cfg.min_token_prob,
-            cfg.escape,
-            cfg.all_matches,
-            0.0,
-            out_tok,
-            out_prob,
-            out_sup,
-            0,
-            tmp_tok,
-            tmp_prob,
-            tmp_sup,
+            f.states, root, state, length, budget, cfg.params(), 0.0, out, 0, scratch
         )
         return Draft(
-            out_tok[0, :n].copy(), out_prob[0, :n].copy(), out_sup[0, :n].copy(), int(match_len), float(score)
+            out.tok[0, :n].copy(), out.prob[0, :n].copy(), out.sup[0, :n].copy(), int(match_len), float(score)
         )
 
     def to_bytes(self) -> bytes:

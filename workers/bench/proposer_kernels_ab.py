@@ -8,11 +8,14 @@ each steady step (no request started or finished) is compared with its
 partner: a burst from another tenant falls on both alike. The drafts of the two sides are compared every
 step, so the run also says whether the change left the drafts as they were.
 
-Only the native step differs between the sides. REV's `history_store/automaton/kernels.py`, `workers/budget/policy.py`,
-`workers/generator/step_book.py` and `workers/generator/step.py` are imported as a temporary package (`das_rev_kernels`,
-its imports of each other rewritten to it), while the proposer, index and policy around them are this
-checkout's on both sides. REV must therefore keep the step's contract with them (`pack_tables`' groups,
-the arena's layout); a revision that does not fails in numba's typing, with numba's message.
+Only the native step differs between the sides. REV's step kernel modules (`KERNEL_MODULES`) are imported as
+a temporary package (`das_rev_kernels`, their imports of each other rewritten to it), while the proposer,
+index and policy around them, and the bundles the kernels take (`history_store.automaton.bundles`,
+`workers.budget.state`, `workers.generator.step_tables`) and the budget's config, are this checkout's on both
+sides. REV must
+therefore be a revision of this layout: kernels in these modules taking these bundles (a revision from before
+the bundles took positional arrays instead), and the arena's layout unchanged; one that does not fails in
+numba's typing, with numba's message.
 """
 
 from __future__ import annotations
@@ -35,37 +38,47 @@ from workers.bench.replay import load_traces
 from workers.generator import proposer as proposer_module
 
 PACKAGE = "das_rev_kernels"
-# The step's kernel modules, by the name they are imported under in the package.
-KERNEL_FILES = {
-    "_kernels": "history_store/automaton/kernels.py",
-    "budget": "workers/budget/policy.py",
-    "step_book": "workers/generator/step_book.py",
-    "step_kernels": "workers/generator/step.py",
-}
-_IMPORTS = (
-    (
-        re.compile(r"^from history_store.automaton import kernels as _kernels\b", re.M),
-        f"from {PACKAGE} import _kernels",
-    ),
-    (re.compile(r"^from workers\.(budget|step_book) import", re.M), rf"from {PACKAGE}.\1 import"),
+# The step's kernel modules; each is imported in the package under its last name.
+KERNEL_MODULES = (
+    "history_store.automaton.kernels",
+    "workers.budget.cost",
+    "workers.budget.tail_weights",
+    "workers.budget.lengths",
+    "workers.budget.acceptance",
+    "workers.budget.policy",
+    "workers.generator.step_book",
+    "workers.generator.step",
 )
+
+
+def _rewritten(source: str) -> str:
+    """A kernel module's source with its imports of the other kernel modules pointed into the package
+    (`from a.b import c` and `from a.b.c import ...` alike)."""
+    for module in KERNEL_MODULES:
+        parent, _, name = module.rpartition(".")
+        source = re.sub(
+            rf"^from {re.escape(module)} import", f"from {PACKAGE}.{name} import", source, flags=re.M
+        )
+        source = re.sub(
+            rf"^from {re.escape(parent)} import {name}\b", f"from {PACKAGE} import {name}", source, flags=re.M
+        )
+    return source
 
 
 def _revision_kernels(commit: str, folder: Path) -> ModuleType:
     """REV's step kernel modules as the package `das_rev_kernels` under `folder` (a normal import: numba's
-    on-disk cache cannot key a module loaded from a bare file path); returns its `step_kernels`."""
+    on-disk cache cannot key a module loaded from a bare file path); returns its `step`."""
     package = folder / PACKAGE
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name, path in KERNEL_FILES.items():
+    for module in KERNEL_MODULES:
+        path = module.replace(".", "/") + ".py"
         source = subprocess.run(
             ["git", "-C", str(REPO), "show", f"{commit}:{path}"], capture_output=True, text=True, check=True
         ).stdout
-        for pattern, replacement in _IMPORTS:
-            source = pattern.sub(replacement, source)
-        (package / f"{name}.py").write_text(source)
+        (package / f"{module.rpartition('.')[2]}.py").write_text(_rewritten(source))
     sys.path.insert(0, str(folder))
-    return importlib.import_module(f"{PACKAGE}.step_kernels")
+    return importlib.import_module(f"{PACKAGE}.step")
 
 
 def _unload(folder: Path) -> None:

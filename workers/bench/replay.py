@@ -37,11 +37,13 @@ import numpy as np
 from numba import njit
 from pydantic import ValidationError
 
-from history_store.automaton.problem_index import SOURCE_GLOBAL, SOURCE_HISTORY, SOURCE_LIVE, ProblemIndex
+from history_store.automaton.kernels import Source
+from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench.engines import Engines, Fleet
-from workers.budget.policy import BudgetConfig, BudgetPolicy
+from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
+from workers.budget.policy import BudgetPolicy
 
 STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgeted", "das", "oracle")
 # Strategies whose steps do not depend on the cost model.
@@ -156,7 +158,9 @@ def _index_for(strategy: str, config: DraftConfig, window: int) -> ProblemIndex 
     if strategy in ("das", "oracle"):
         # The budget (or foresight) decides where a draft ends, not the tree's raw probability floor: as in
         # the engine (workers/generator/proposer.py) with the budget on.
-        return ProblemIndex(window_epochs=window, config=dataclasses.replace(config, min_token_prob=0.0))
+        return ProblemIndex(
+            window_epochs=window, config=dataclasses.replace(config, min_token_prob=BUDGET_MIN_TOKEN_PROB)
+        )
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -240,10 +244,6 @@ class _AgreementTable:
         ]
 
 
-# The trees a draft can come from, by ProblemIndex's source number.
-SOURCE_NAMES = {SOURCE_HISTORY: "history", SOURCE_LIVE: "live", SOURCE_GLOBAL: "global"}
-
-
 @dataclass
 class _SourceTable:
     """Per epoch, what each tree's drafts brought: drafts verified, their tokens and the tokens accepted.
@@ -254,9 +254,9 @@ class _SourceTable:
     rows: dict[int, np.ndarray] = field(default_factory=dict)  # epoch -> (source number, 3 counts)
 
     def add(self, epoch: int, sources: np.ndarray, kept: np.ndarray, accepted: np.ndarray) -> None:
-        size = max(SOURCE_NAMES) + 1
+        size = len(Source)
         table = self.rows.setdefault(epoch, np.zeros((size, 3), np.int64))
-        drafted = kept > 0  # a row without a draft has source SOURCE_NONE and keeps nothing
+        drafted = kept > 0  # a row without a draft has source Source.NONE and keeps nothing
         source = sources[drafted]
         for c, values in enumerate((np.ones(source.shape[0]), kept[drafted], accepted[drafted])):
             table[:, c] += np.bincount(source, values, minlength=size).astype(np.int64)
@@ -268,8 +268,10 @@ class _SourceTable:
             {
                 "epoch": epoch,
                 **{
-                    name: {"drafts": int(d), "draft_tokens": int(t), "accepted_tokens": int(a)}
-                    for name, (d, t, a) in ((name, table[number]) for number, name in SOURCE_NAMES.items())
+                    source.label: {"drafts": int(d), "draft_tokens": int(t), "accepted_tokens": int(a)}
+                    for source, (d, t, a) in (
+                        (source, table[source]) for source in Source if source != Source.NONE
+                    )
                 },
             }
             for epoch, table in sorted(self.rows.items())

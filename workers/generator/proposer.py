@@ -59,11 +59,13 @@ from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig
 from history_store.indexed_history import follow, load_index
-from workers.budget.policy import BudgetConfig, BudgetPolicy
+from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
+from workers.budget.policy import BudgetPolicy
 from workers.generator.step import DirectCall, StepTables, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
 from workers.generator.step import draft_step as _draft_step_dispatcher
 from workers.generator.step_book import END, MetricsFlush, StepBook
+from workers.generator.step_tables import Reply, StepGroups
 
 # The step's kernels, called past numba's dispatcher while the tables keep their type (`DirectCall`).
 decode_step = DirectCall(_decode_step_dispatcher)
@@ -77,7 +79,7 @@ MAX_PROBLEM_ID_LEN = 512
 _RUNNER_SEARCH_DEPTH = 8
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -100,16 +102,17 @@ class ProposerSettings:
 
     budget: use the length-aware budget policy (off: every row may draft up to K, cut only by the tree's
         min_token_prob, SuffixDecoding's rule).
+    min_token_prob: the tree's probability floor; None takes the default for `budget` (BUDGET_MIN_TOKEN_PROB
+        with the budget on, DraftConfig's without). The drafting defaults are DraftConfig's.
     history_dir: the node's history replica (distributed mode); None in embedded mode.
     """
 
     budget: bool = True
     window_epochs: int = 3
-    # SuffixDecoding's defaults except depth: 64 lets long reasoning repeats match deep (see DraftConfig).
-    max_depth: int = 64
-    min_token_prob: float = 0.1
-    max_spec_factor: float = 1.0
-    max_spec_offset: float = 0.0
+    max_depth: int = DraftConfig.max_depth
+    min_token_prob: float | None = None
+    max_spec_factor: float = DraftConfig.max_spec_factor
+    max_spec_offset: float = DraftConfig.max_spec_offset
     history_dir: str | None = None
     # Secondary catch-up costs a RocksDB manifest read (~1 ms): a few per second keep history fresher than the
     # one-second freshness target without taxing every step.
@@ -117,6 +120,11 @@ class ProposerSettings:
     # Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the drafts do not
     # depend on it. One unless asked: more helped only on a machine measured here, and hurt in vLLM's CPU engine.
     draft_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_token_prob is None:
+            default = BUDGET_MIN_TOKEN_PROB if self.budget else DraftConfig.min_token_prob
+            object.__setattr__(self, "min_token_prob", default)
 
     @classmethod
     def from_env(cls) -> ProposerSettings:
@@ -127,12 +135,10 @@ class ProposerSettings:
         return cls(
             budget=budget == "on",
             window_epochs=int(_env_float("DAS_WINDOW_EPOCHS", 3)),
-            max_depth=int(_env_float("DAS_MAX_DEPTH", 64)),
-            # With the budget on, its calibrated pay-off rule decides where a draft ends: a fixed floor on the
-            # tree's raw probabilities would cut first (one trajectory of history halves them per token).
-            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", 0.0 if budget == "on" else 0.1),
-            max_spec_factor=_env_float("DAS_MAX_SPEC_FACTOR", 1.0),
-            max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", 0.0),
+            max_depth=int(_env_float("DAS_MAX_DEPTH", cls.max_depth)),
+            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", None),
+            max_spec_factor=_env_float("DAS_MAX_SPEC_FACTOR", cls.max_spec_factor),
+            max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", cls.max_spec_offset),
             history_dir=os.environ.get("DAS_HISTORY_DIR") or None,
             catch_up_interval_s=_env_float("DAS_CATCH_UP_INTERVAL_S", 0.2),
             draft_threads=_env_threads("DAS_DRAFT_THREADS"),
@@ -270,7 +276,7 @@ class DasProposer:
         self._step_tables: StepTables | None = None
         self._tables_rows = -1
         # The kept drafts as the kernel packs them (`_pack_reply`): tokens, and where each row's start.
-        self._reply = (np.zeros(0, np.int32), np.zeros(0, np.int64))
+        self._reply = Reply(tokens=np.zeros(0, np.int32), bounds=np.zeros(0, np.int64))
         # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
         self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
         self._step_no = 0
@@ -530,79 +536,32 @@ class DasProposer:
         """The step kernels' tables for a batch of n rows: packed again only when the batch size changed or
         something outside the kernels may have replaced an array since (`_stale` says so)."""
         if self._step_tables is None or self._tables_rows != n:
-            self._step_tables = pack_tables(*self._table_sources(n))
+            self._step_tables = pack_tables(self._table_sources(n))
             self._tables_rows = n
         return self._step_tables
 
-    def _table_sources(self, n: int) -> tuple[Any, ...]:
-        """`pack_tables`' arguments for n rows (the per-batch buffers, reused while n stays, included)."""
-        policy, book, index = self.policy, self._book, self.index
-        config, lengths, acceptance = policy.config, policy.lengths, policy.acceptance
+    def _table_sources(self, n: int) -> StepGroups:
+        """`pack_tables`' groups for n rows (the per-batch buffers, reused while n stays, included)."""
+        policy, index = self.policy, self.index
         _, outputs = index.step_buffers(n)
         self._buffers = policy.step_buffers(n)
-        scratch = policy.tail_scratch(n)
-        if self._reply[1].shape[0] != n + 1:
-            self._reply = (np.zeros(n * self.k, np.int32), np.zeros(n + 1, np.int64))
-        return (
-            index.forest.tables(),
-            index.slots,
-            outputs,
-            (*self.draft_config.kernel_args(), index.draft_threads),
-            (
-                book.drafted_at,
-                book.length,
-                book.prompt_len,
-                book.rows,
-                book.accepted,
-                book.accepted_by_position,
-                book.drafted_by_position,
-                book.totals,
-                book.per_row(n),
-                book.bounds,
-                book.by_source,
-                book.by_bucket,
-                book.sum_by_class,
-            ),
-            (
-                policy.kept,
-                policy.features,
-                policy.model_p,
-                policy.path_p,
-                policy.first_past,
-                policy.slot_problem,
-                policy.request_outcomes,
-                policy.problem_outcomes,
-                policy.problem_stamp,
-                policy.token_outcomes,
-                policy.drafted_bucket,
-                policy.accepted_rate,
-                policy.outlived,
-                policy.max_length,
-                policy.BINS,
-                config.max_tokens,
-                config.request_decay,
-                config.problem_decay,
-                config.token_decay,
-                config.rate_decay,
-            ),
-            (*self._buffers, *scratch),
-            self._reply,
-            (lengths.count, lengths.quantiles, lengths.stats),
-            (
-                acceptance.recalibration,
-                acceptance.path_recalibration,
-                acceptance.gradient,
-                acceptance.curvature,
-                acceptance.state,
-                acceptance.MIN_TRIALS,
-                acceptance.forgetting,
-                acceptance.ridge,
-                acceptance.accumulated,
-                acceptance.weights,
-            ),
-            policy.cost.kernel_state(),
-            self.k,
-            self.max_model_len,
+        if self._reply.bounds.shape[0] != n + 1:
+            self._reply = Reply(tokens=np.zeros(n * self.k, np.int32), bounds=np.zeros(n + 1, np.int64))
+        return StepGroups(
+            arena=index.forest.tables(),
+            slot_table=index.slots,
+            outputs=outputs,
+            params=self.draft_config.params(),
+            draft_threads=index.draft_threads,
+            book=self._book.kernel_state(n),
+            policy=policy.kernel_state(),
+            buffers=self._buffers,
+            reply=self._reply,
+            lengths=policy.lengths.kernel_state(),
+            acceptance=policy.acceptance.kernel_state(),
+            cost=policy.cost.kernel_state(),
+            k=self.k,
+            max_model_len=self.max_model_len,
         )
 
     def _stale(self) -> None:
@@ -652,8 +611,8 @@ class DasProposer:
                 self._tables(n), budget_on, True, row, slots, bases, src, self._step_no
             )
         self._last_tokens = tokens
-        _, value, classes, _, predicted, _ = self._buffers
-        policy.drafted(slots, value, classes, predicted)
+        buffers = self._buffers
+        policy.drafted(slots, buffers.value, buffers.classes, buffers.predicted)
         return tokens
 
     def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from history_store.automaton.bundles import gather
+from history_store.automaton.kernels import Source
 from monitoring.metrics import (
     ACCEPTED_TOKENS,
     ACCEPTED_TOKENS_BY_POSITION,
@@ -33,8 +35,8 @@ from monitoring.metrics import (
     STEP_DURATION,
     position_label,
 )
+from workers.generator.step_tables import BookState
 
-SOURCE_NAMES = ("none", "problem", "live", "global")  # ProblemIndex's SOURCE_* numbering
 # Running totals, one slot each in `StepBook.totals`.
 STEPS, ROWS, DRAFTED, DRAFT_TOKEN_TOTAL, ACCEPTED, VERIFIED, BUDGET_TOKENS = range(7)
 TOTAL_NAMES = (
@@ -55,25 +57,14 @@ FLUSH_INTERVAL_S = 1.0
 
 
 @njit(cache=True)
-def _prepare(
-    slots,
-    num_tokens,
-    have,
-    step_no,
-    k,
-    max_model_len,
-    drafted_at,
-    length,
-    prompt_len,
-    rows,
-    accepted,
-    accepted_by_position,
-    totals,
-    out,
-):
+def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
     """Per row: tokens after this step (END), committed now (NEW), draft headroom (HEADROOM: none for a row
-    that committed nothing, a partial prefill), output length (OUTPUT); and the verified previous drafts.
-    Returns (verified rows, whether every row committed something)."""
+    that committed nothing, a partial prefill), output length (OUTPUT) into book.per_row; and the verified
+    previous drafts into book.rows and book.accepted. Returns (verified rows, whether every row committed
+    something)."""
+    drafted_at, length, prompt_len, rows = book.drafted_at, book.length, book.prompt_len, book.rows
+    accepted = book.accepted
+    accepted_by_position, totals, out = book.accepted_by_position, book.totals, book.per_row
     m = 0
     every_row_new = True
     for i in range(slots.shape[0]):
@@ -99,22 +90,13 @@ def _prepare(
 
 
 @njit(cache=True)
-def _record(
-    slots,
-    lengths,
-    classes,
-    sources,
-    budgets,
-    step_no,
-    bounds,
-    drafted_at,
-    length,
-    drafted_by_position,
-    by_source,
-    by_bucket,
-    sum_by_class,
-    totals,
-):
+def _record(slots, lengths, classes, sources, budgets, step_no, book):
+    """Remembers each row's draft (lengths[i] tokens from source sources[i]) for the next step's `_prepare`
+    and adds it to the book's running totals. Returns the step's draft tokens."""
+    bounds, drafted_at, length = book.bounds, book.drafted_at, book.length
+    drafted_by_position = book.drafted_by_position
+    by_source, by_bucket, sum_by_class = book.by_source, book.by_bucket, book.sum_by_class
+    totals = book.totals
     step_tokens = 0
     for i in range(slots.shape[0]):
         s = slots[i]
@@ -157,7 +139,7 @@ class StepBook:
         self.totals = np.zeros(len(TOTAL_NAMES), np.int64)
         self.accepted_by_position = np.zeros(k, np.int64)
         self.drafted_by_position = np.zeros(k, np.int64)
-        self.by_source = np.zeros(len(SOURCE_NAMES), np.int64)
+        self.by_source = np.zeros(len(Source), np.int64)
         self.by_bucket = np.zeros((len(LENGTH_CLASSES), self.bounds.shape[0]), np.int64)
         self.sum_by_class = np.zeros(len(LENGTH_CLASSES), np.int64)
 
@@ -173,6 +155,11 @@ class StepBook:
                 setattr(self, name, new)
         self.prompt_len[slot] = prompt_len
         self.drafted_at[slot] = -2
+
+    def kernel_state(self, n: int) -> BookState:
+        """The book's arrays as the step kernels take them, for a batch of n rows (shared, not copied)."""
+        self.per_row(n)  # grows the per-row table to n rows
+        return gather(BookState, self, per_row=self._per_row)
 
     def per_row(self, n: int) -> np.ndarray:
         """The reused int64 [4, n] table `_prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
@@ -198,7 +185,8 @@ class StepBook:
         out: dict[str, Any] = dict(zip(TOTAL_NAMES, (self.totals - base["totals"]).tolist(), strict=True))
         out["accepted_by_position"] = (self.accepted_by_position - base["accepted_by_position"]).tolist()
         out["drafted_by_position"] = (self.drafted_by_position - base["drafted_by_position"]).tolist()
-        out["sources"] = dict(zip(SOURCE_NAMES, (self.by_source - base["by_source"]).tolist(), strict=True))
+        drafts = (self.by_source - base["by_source"]).tolist()
+        out["sources"] = {source.label: drafts[source] for source in Source}
         return out
 
 
