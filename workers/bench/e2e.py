@@ -215,7 +215,7 @@ def run(config: E2eConfig, progress: Any = None) -> dict[str, Any]:
                 ]
                 # The same per generated token. Sampling with drafts draws other random numbers than plain
                 # decoding, so each strategy samples other responses, of other lengths: at batch 1 one
-                # response is the epoch, and its length swings the wall ratio (README, end to end).
+                # response is the epoch, and its length swings the wall ratio (docs/benchmarks.md, end to end).
                 entry["speedup_vs_none_tokens_per_s_by_epoch"] = [
                     _spread([_rate(r, e) / _rate(b, e) for r, b in zip(rows, base, strict=True)])
                     for e in epochs

@@ -1,6 +1,6 @@
 """`das bench tree`: insertion speed, batched drafting speed and memory of the suffix trees.
 
-Workload (documented in the README): per problem, 16 sequences of 4,000 tokens from a skewed Markov token
+Workload (documented in docs/benchmarks.md): per problem, 16 sequences of 4,000 tokens from a skewed Markov token
 process (each next token is a Zipf-distributed pick among a few successors of the previous token), so
 contexts recur as they do in rollouts of one problem; depth 64; drafts of up to 16 tokens.
 """
