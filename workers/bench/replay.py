@@ -26,7 +26,6 @@ Strategies:
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +40,7 @@ from history_store.automaton.kernels import Source
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
+from pipeline.trace_files import open_trace
 from workers.bench.engines import Engines, Fleet
 from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
 from workers.budget.policy import BudgetPolicy
@@ -77,7 +77,7 @@ def load_traces(path: str | Path) -> list[TrajectoryRecord]:
     """Reads a JSON Lines trace (gzip if the name ends in .gz). Raises ValueError naming the first malformed
     line; never skips data."""
     records = []
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+    with open_trace(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

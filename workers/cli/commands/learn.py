@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.trace_files import trace_line, trace_writer
 from workers.cli.commands.rollout import _problems, shard
 from workers.cli.types import NON_NEGATIVE, POSITIVE, integer, number
 
@@ -80,18 +80,12 @@ def _learn(args: argparse.Namespace) -> int:
         if not args.json:
             print(json.dumps(line), flush=True)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
     scratch = tempfile.TemporaryDirectory(prefix="das-learn-") if args.work_dir is None else None
     work_dir = Path(scratch.name) if scratch is not None else args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
     llm = build_engine(options)
     try:
-        with (
-            gzip.open(tmp, "wt", encoding="utf-8")
-            if args.out.suffix == ".gz"
-            else open(tmp, "w", encoding="utf-8")
-        ) as handle:
+        with trace_writer(args.out) as handle:
             learn(
                 llm,
                 problems,
@@ -99,14 +93,13 @@ def _learn(args: argparse.Namespace) -> int:
                 learner,
                 tokenizer,
                 work_dir,
-                lambda record: handle.write(record.model_dump_json(exclude_none=True) + "\n"),
+                lambda record: handle.write(trace_line(record)),
                 on_epoch,
             )
     finally:
         shutdown_engine(llm)
         if scratch is not None:
             scratch.cleanup()
-    tmp.replace(args.out)
     if args.json:
         print(json.dumps({**header, "report": str(report_path), "epochs": epochs}))
     else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -12,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.trace_files import trace_line, trace_writer
 from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, integer, number, temperature_schedule
 from workers.rollout.worker import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
@@ -284,20 +284,8 @@ def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> d
 def _traces(args: argparse.Namespace) -> int:
     _check(args)
     problems = _problems(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    # A .gz name writes gzip: multi-epoch traces compress about 4x.
-    with (
-        gzip.open(tmp, "wt", encoding="utf-8")
-        if args.out.suffix == ".gz"
-        else open(tmp, "w", encoding="utf-8")
-    ) as handle:
-
-        def write(record: Any) -> None:
-            handle.write(record.model_dump_json(exclude_none=True) + "\n")
-
-        reports = _loop(args, problems, write)
-    tmp.replace(args.out)
+    with trace_writer(args.out) as handle:
+        reports = _loop(args, problems, lambda record: handle.write(trace_line(record)))
     report = _engine_report(args, reports)
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)

@@ -4,19 +4,15 @@ log probability (`response_logprobs`), from the model teacher-forced over it."""
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
+from pipeline.trace_files import open_trace, trace_writer
 from workers.cli.types import epoch_temperatures, number, temperature_schedule
-
-
-def _open(path: Path, mode: str, gzipped: bool) -> IO[str]:
-    return gzip.open(path, mode, encoding="utf-8") if gzipped else open(path, mode, encoding="utf-8")
 
 
 def _shortest(values: np.ndarray) -> list[float]:
@@ -45,20 +41,13 @@ def annotate(
         records, [by_epoch[r.epoch] for r in records]
     )
     seconds = time.perf_counter() - started
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    gz = ".gz"
-    with (
-        _open(trace, "rt", trace.name.endswith(gz)) as source,
-        _open(tmp, "wt", out.name.endswith(gz)) as sink,
-    ):
+    with open_trace(trace) as source, trace_writer(out) as sink:
         lines = (line for line in source if line.strip())
         # load_traces read the same non-blank lines in the same order.
         for line, values in zip(lines, logprobs, strict=True):
             fields = json.loads(line)
             fields["response_logprobs"] = _shortest(values)
             sink.write(json.dumps(fields, separators=(",", ":"), ensure_ascii=False) + "\n")
-    tmp.replace(out)
     tokens = sum(len(r.response_ids) for r in records)
     return {
         "trace": str(trace),

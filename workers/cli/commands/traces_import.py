@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 from collections import Counter
 from pathlib import Path
+
+from pipeline.trace_files import trace_line, trace_writer
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -20,16 +21,9 @@ def _import(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     records = import_dumps(args.dir, tokenizer)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    with (
-        gzip.open(tmp, "wt", encoding="utf-8")
-        if args.out.suffix == ".gz"
-        else open(tmp, "w", encoding="utf-8")
-    ) as handle:
+    with trace_writer(args.out) as handle:
         for record in records:
-            handle.write(record.model_dump_json(exclude_none=True) + "\n")
-    tmp.replace(args.out)
+            handle.write(trace_line(record))
     epochs = Counter(r.epoch for r in records)
     summary = {
         "out": str(args.out),
