@@ -458,14 +458,14 @@ def _best_child(states, state):
 
 
 @njit(cache=True)
-def _draft_path(states, state, cap, scored, params, floor, out):
-    """The most frequent continuation from `state` into `out` (a DraftPath) while its path probability >=
+def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, out_sup):
+    """The most frequent continuation from `state` into out_tok, out_prob, out_sup (a DraftPath's arrays: a
+    bundle argument costs a reference count per member per call) while its path probability >=
     params.min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
     the smaller token id. out_sup gets each token's count (its support). The score is the sum of the first
     `scored` tokens' probabilities. Returns (tokens, score), or (0, 0.0) as soon as the score cannot beat
     `floor` (path probabilities never grow, so at most p per scored token left)."""
-    out_tok, out_prob, out_sup = out.tok, out.prob, out.sup
     escape, min_prob = params.escape, params.min_prob
     prob = 1.0
     score = 0.0
@@ -490,7 +490,7 @@ def _draft_path(states, state, cap, scored, params, floor, out):
     return n, score
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def draft_best(states, root, state, length, budget, params, floor, out, r, scratch):
     """Drafts from a match state and, with `params.all_matches`, from every shorter match along its suffix links
     (SuffixDecoding scores every match length and keeps the best draft). Each match of length m drafts at
@@ -516,7 +516,7 @@ def draft_best(states, root, state, length, budget, params, floor, out, r, scrat
             scored = min(cap, length)
             if scored <= best:  # a score never exceeds its scored length, and shorter matches score fewer
                 break
-            n, score = _draft_path(states, state, cap, scored, params, best, scratch)
+            n, score = _draft_path(states, state, cap, scored, params, best, tmp_tok, tmp_prob, tmp_sup)
             if n > 0 and score > best:
                 for j in range(n):
                     out_tok[r, j] = tmp_tok[j]
@@ -544,17 +544,19 @@ def committed(seqs, slots, req_slots):
 def _commit_rows(arena, slots, rows, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""
-    seqs, pool, src = arena.seqs, arena.pool, rows.src
-    n_rows = rows.slots.shape[0]
+    states, edges, hashes, meta, trees = arena.states, arena.edges, arena.hashes, arena.meta, arena.trees
+    seqs, pool = arena.seqs, arena.pool
+    req_slots, bases, ends, src = rows.slots, rows.bases, rows.ends, rows.src
+    n_rows = req_slots.shape[0]
     while row < n_rows:
-        s = rows.slots[row]
+        s = req_slots[row]
         q = slots[s, R_SEQ]
         have = seqs[q, Q_LEN]
-        end = rows.ends[row]
+        end = ends[row]
         if end > have:
             if end > seqs[q, Q_CAP]:
                 return row, NEED_POOL
-            base = rows.bases[row]
+            base = bases[row]
             off = seqs[q, Q_OFF]
             for j in range(have, end):
                 t = src[base + j]
@@ -562,9 +564,7 @@ def _commit_rows(arena, slots, rows, row):
                     return row, BAD_TOKEN
                 pool[off + j] = t
             seqs[q, Q_LEN] = end
-        status = _extend_seq(
-            arena.states, arena.edges, arena.hashes, arena.meta, arena.trees, seqs, pool, slots[s, R_LIVE], q
-        )
+        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, slots[s, R_LIVE], q)
         if status != DONE:
             return row, status
         row += 1

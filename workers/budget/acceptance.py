@@ -45,7 +45,9 @@ def _log_odds_gain(outcomes, row):
 
 
 @njit(cache=True)
-def _features_of(drafted, i, j, previous, log_match, request_gain, problem_gain, token_gain, out, s):
+def _features_of(
+    ratio, support, agreement, source, i, j, log_match, request_gain, problem_gain, token_gain, out, s
+):
     """Features of row i's draft token j, into out[s, j], for its acceptance given token j-1 was accepted:
     which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
     about another, e.g. siblings of epoch 0 about the history of epoch 1), logit of the tree's conditional
@@ -56,10 +58,10 @@ def _features_of(drafted, i, j, previous, log_match, request_gain, problem_gain,
     likeliest path drafts the token too (`agreement`: the row's two counts of draft tokens they repeat), and
     how much better or worse than predicted the same token did when drafted before (`token_gain`: how freely
     the model picks a token varies with the token, which no tree's counts say).
-    log_match is the row's log1p(match length) / 4. Every array is indexed by row rather than passed as a row
-    view: a view costs two atomic reference counts, and this runs per draft token."""
-    source, agreement = drafted.sources[i], drafted.agreement
-    ratio = drafted.probs[i, j] / previous if previous > 0 else 0.0
+    ratio is the tree's p_j / p_(j-1) (0 without p_(j-1)) and log_match the row's log1p(match length) / 4. Every
+    array is indexed by row rather than passed as a row view, and the drafts' arrays come one by one rather than
+    as their Drafted bundle: a view costs two atomic reference counts and a bundle argument one per member per
+    call, and this runs per draft token."""
     ratio = min(max(ratio, 0.02), 0.98)
     for c in range(N_CANDIDATES):  # source c + 1 (a Source) drafted from candidate tree c
         out[s, j, F_SOURCE + c] = 1.0 if source == c + 1 else 0.0
@@ -68,7 +70,7 @@ def _features_of(drafted, i, j, previous, log_match, request_gain, problem_gain,
     out[s, j, F_POSITION] = _LOG_POSITION[j] if j < _LOG_POSITION.shape[0] else np.log1p(j) / 2.0
     out[s, j, F_REQUEST] = request_gain
     out[s, j, F_PROBLEM] = problem_gain
-    out[s, j, F_SUPPORT] = np.log1p(drafted.support[i, j]) / 4.0
+    out[s, j, F_SUPPORT] = np.log1p(support[i, j]) / 4.0
     agreeing = 0
     for c in range(N_CANDIDATES - 1):
         agreeing += agreement[i, c] > j
@@ -118,6 +120,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
     start (`first_past`) are kept for the learning step. `policy` is the PolicyState, `acceptance` the
     AcceptanceState."""
     probs, lengths, match_lens, tokens = drafted.probs, drafted.lengths, drafted.match_lens, drafted.tokens
+    support, agreement, sources = drafted.support, drafted.agreement, drafted.sources
     slot_problem, request_outcomes = policy.slot_problem, policy.request_outcomes
     problem_outcomes = policy.problem_outcomes
     token_outcomes, drafted_bucket, features = policy.token_outcomes, policy.drafted_bucket, policy.features
@@ -137,6 +140,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
             kept[i] = kept_store[s] = 0
             accepted_rate[s] *= rate_decay
             continue
+        source = sources[i]
         request_gain = _log_odds_gain(request_outcomes, s)
         problem_gain = _log_odds_gain(problem_outcomes, slot_problem[s])
         log_match = np.log1p(match_lens[i]) / 4.0
@@ -153,8 +157,20 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
             bucket = _slot(tokens[i, j], TOKEN_BUCKETS - 1)  # the arena's hash
             drafted_bucket[s, j] = bucket
             token_gain = _log_odds_gain(token_outcomes, bucket)
+            ratio = probs[i, j] / previous if previous > 0 else 0.0
             _features_of(
-                drafted, i, j, previous, log_match, request_gain, problem_gain, token_gain, features, s
+                ratio,
+                support,
+                agreement,
+                source,
+                i,
+                j,
+                log_match,
+                request_gain,
+                problem_gain,
+                token_gain,
+                features,
+                s,
             )
             previous = probs[i, j]
             z = 0.0
