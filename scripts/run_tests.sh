@@ -15,7 +15,20 @@ bash scripts/kafka.sh up-secure   # a TLS + SASL/PLAIN broker for tests/test_kaf
 source .kafka/env.sh   # exports DAS_KAFKA_BOOTSTRAP (single broker) and DAS_KAFKA_CLUSTER_BOOTSTRAP (three brokers)
 # shellcheck disable=SC1091
 source .kafka/secure/env.sh   # DAS_KAFKA_SECURE_BOOTSTRAP, _CAFILE, _USERNAME, _PASSWORD
-# Three workers on two cores: much of the suite waits (brokers, Ray, engine start-ups), so modules overlap their
-# waits; tests/conftest.py keeps each module on one worker and serialises the modules that share a cluster.
-# The slowest tests are listed at the end, for whoever makes the suite faster next.
-python -m pytest -q -n "${DAS_TEST_WORKERS:-3}" --dist loadgroup --durations=25 "$@"
+if [ "$#" -gt 0 ]; then
+  python -m pytest -q "$@"
+  exit 0
+fi
+# The modules that start a local Ray cluster or stop brokers of the three-broker cluster run one at a time,
+# after the rest. The rest run on three xdist workers, a module per worker (module-scoped engines and brokers
+# stay shared): much of the suite waits on brokers and engine start-ups, and those waits overlap. Each run
+# lists its slowest tests, for whoever makes the suite faster next.
+serial=(tests/test_compose.py tests/test_compose_head.py tests/test_compose_rehearsal.py tests/test_verl_integration.py
+  tests/test_verl_ray.py tests/test_verl_readme.py tests/test_kafka_cluster.py tests/test_kafka_outage.py
+  tests/test_monitoring_kafka_jmx.py)
+ignored=()
+for module in "${serial[@]}"; do ignored+=(--ignore "$module"); done
+status=0
+python -m pytest -q -n "${DAS_TEST_WORKERS:-3}" --dist loadfile --durations=15 "${ignored[@]}" || status=$?
+python -m pytest -q --durations=10 "${serial[@]}" || status=$?
+exit "$status"

@@ -198,19 +198,3 @@ def topic_keys(servers: list[str], topic: str) -> list[bytes]:
     finally:
         consumer.close()
 
-
-# The suite runs on several xdist workers (scripts/run_tests.sh) so that modules waiting on brokers, Ray or
-# engine start-ups overlap. A module's tests stay on one worker (module-scoped engines and brokers are shared);
-# modules that stop brokers of the three-broker cluster, or that read its brokers' series, share one worker so
-# an outage test never lands under another's feet; so do the modules that start a local Ray cluster.
-_SERIAL_GROUPS = {
-    "kafka-cluster": ("test_kafka_cluster", "test_kafka_outage", "test_monitoring_kafka_jmx"),
-    "ray": ("test_compose", "test_compose_rehearsal", "test_verl_integration", "test_verl_ray"),
-}
-_GROUP_OF = {module: group for group, modules in _SERIAL_GROUPS.items() for module in modules}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(_GROUP_OF.get(module, module)))
