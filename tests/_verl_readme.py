@@ -51,3 +51,14 @@ def readme_overrides(tmp_path: Path) -> tuple[str, str, list[str]]:
             arg = arg.replace(placeholder, value)
         overrides.append(arg.replace("$PWD", str(REPO)))
     return config_path, config_name, overrides
+
+
+def measuring_overrides() -> list[str]:
+    """The runtime-environment overrides of the documented measuring runs (the bash block of docs/verl.md's
+    "Trade-offs to measure on a GPU" section), as the shell hands them to Hydra."""
+    text = (REPO / "docs" / "verl.md").read_text()
+    section = text[text.index("## Trade-offs to measure on a GPU") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block is not None, "docs/verl.md's trade-offs section has no measuring block"
+    words = shlex.split(block.group(1).replace("\\\n", " "))
+    return [word for word in words if word.startswith("+ray_kwargs.ray_init.runtime_env.env_vars.")]

@@ -197,4 +197,3 @@ def topic_keys(servers: list[str], topic: str) -> list[bytes]:
         return [m.key for m in consumer if m.value is not None]
     finally:
         consumer.close()
-

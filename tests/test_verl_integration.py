@@ -253,8 +253,16 @@ def _engine_from_verl_args(config: Any) -> Any:
 
 
 @pytest.mark.vllm
-def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_trajectories() -> None:
+def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_trajectories(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import time
+
+    from workers.rollout.priority import LengthPredictor
+    from workers.verl import agent_loop
+
+    # The agent loop's lengths live for its worker process: start this test's from none, whatever ran before.
+    monkeypatch.setattr(agent_loop, "_lengths", LengthPredictor())
 
     import hydra
     from transformers import AutoTokenizer

@@ -44,6 +44,7 @@ class BenchRecord:
     sample: int
     prompt_ids: np.ndarray
     response_ids: np.ndarray
+    response_logprobs: None = None  # the store keeps sampling log probabilities only when a record has them
 
 
 def make_records(
