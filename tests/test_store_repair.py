@@ -117,12 +117,12 @@ def test_a_damaged_sst_is_reported_rebuilt_from_kafka_and_restored_from_a_verifi
     assert not (tmp_path / "restored-again").exists()
 
 
-def test_a_second_replica_started_mid_rebuild_is_refused_and_the_swap_keeps_the_store(
-    kafka_servers, kafka_topics, das_processes, tmp_path
-):
+def _compacted_replica(kafka_servers, kafka_topics, das_processes, tmp_path, worker):
+    """Publishes COUNT records of `worker`, replicates them into a compacted store; returns (bus URL, topic,
+    dead-letter topic, store folder, the content digest a clean store of those records has)."""
     topic, dlq = kafka_topics
     bus_url = f"kafka://{','.join(kafka_servers)}"
-    records = list(synthetic_records(1, COUNT, SHAPE))
+    records = list(synthetic_records(worker, COUNT, SHAPE))
     bus = open_bus(bus_url, topic=topic)
     for record in records:
         bus.publish(record)
@@ -133,6 +133,15 @@ def test_a_second_replica_started_mid_rebuild_is_refused_and_the_swap_keeps_the_
     store = tmp_path / "replica"
     _replicate(das_processes, "replica", bus_url, topic, dlq, store, kafka_servers)
     assert das(["history", "compact", "--data", str(store)]) == 0
+    return bus_url, topic, dlq, store, digest
+
+
+def test_a_second_replica_started_mid_rebuild_is_refused_and_the_swap_keeps_the_store(
+    kafka_servers, kafka_topics, das_processes, tmp_path
+):
+    bus_url, topic, dlq, store, digest = _compacted_replica(
+        kafka_servers, kafka_topics, das_processes, tmp_path, worker=1
+    )
     _flip_bytes(_largest_sst(store))
     replica = ("indexer", "run", "--bus", bus_url, "--topic", topic, "--dlq-topic", dlq, "--data", str(store))
     # One record per batch: the rebuild takes long enough for a second replica to start in the middle of it.
@@ -160,19 +169,9 @@ def test_a_second_replica_started_mid_rebuild_is_refused_and_the_swap_keeps_the_
 def test_damage_to_a_running_store_is_noticed_by_the_background_verification_and_rebuilt(
     kafka_servers, kafka_topics, das_processes, tmp_path
 ):
-    topic, dlq = kafka_topics
-    bus_url = f"kafka://{','.join(kafka_servers)}"
-    records = list(synthetic_records(2, COUNT, SHAPE))
-    bus = open_bus(bus_url, topic=topic)
-    for record in records:
-        bus.publish(record)
-    assert bus.close().acknowledged == COUNT
-    with HistoryStore(tmp_path / "reference") as reference:
-        reference.apply(records)
-        digest = reference.content_digest()
-    store = tmp_path / "replica"
-    _replicate(das_processes, "replica", bus_url, topic, dlq, store, kafka_servers)
-    assert das(["history", "compact", "--data", str(store)]) == 0
+    bus_url, topic, dlq, store, digest = _compacted_replica(
+        kafka_servers, kafka_topics, das_processes, tmp_path, worker=2
+    )
     running = das_processes.start(
         "running", "indexer", "run", "--bus", bus_url, "--topic", topic, "--dlq-topic", dlq,
         "--data", str(store), "--replica", "running", "--verify-every", "0.5",
