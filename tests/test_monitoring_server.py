@@ -110,7 +110,7 @@ def test_preparing_the_folder_after_the_client_is_imported_is_refused() -> None:
 
 _LAST_STEPS_THEN_EXIT = """
 from workers.generator.step_book import DRAFT_TOKEN_TOTAL, DRAFTED, MetricsFlush, StepBook
-book = StepBook(4, 8)
+book = StepBook(8)
 metrics = MetricsFlush(book)
 metrics.step_done(1e-5, None, now=0.0)  # the first step flushes (nothing yet); the next flush is due at 1.0
 book.totals[DRAFTED] += 5

@@ -318,9 +318,9 @@ def test_metrics_of_a_step_are_tallied_once_per_step_and_match_per_row_observati
 
 
 def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_current(monkeypatch) -> None:
-    """The proposer packs the step kernels' tables once and reuses them until something outside the kernels
-    may have replaced an array (requests joining and finishing, history added and evicted, the index growing
-    mid-step) or the batch size changes. Every reused table must hold what a fresh pack would, and a run that
+    """The proposer packs the step kernels' tables once and reuses them until growth replaced an array they
+    hold (request slots, problem rows, the arena, also when the index grows mid-step) or the batch size
+    changes; requests joining and finishing and history added and evicted between steps replace nothing. Every reused table must hold what a fresh pack would, and a run that
     reuses them must draft exactly as one that packs them afresh every step; the engine's clock is modelled,
     so the budget's cost model sees the same step times in both."""
     records = load_traces(Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl")
@@ -366,7 +366,7 @@ def test_packed_step_tables_are_reused_only_while_every_array_they_hold_is_curre
             engine = _engine_for(proposer, live, history, last, batch, max_len)
             for i in range(n_steps):
                 if repack_every_step:
-                    proposer._stale()
+                    proposer._step_tables = None
                 if batch == 40 and i == 30:  # history arrives and leaves between steps (the replica, verl)
                     proposer.add_trajectories([r.model_dump() | {"epoch": last + 5} for r in extra])
                 if batch == 40 and i == 90:

@@ -95,11 +95,3 @@ class StepRows(NamedTuple):
     ends: I1
     budgets: I32_1
     src: I32_1
-
-
-class DraftPath(NamedTuple):
-    """One drafted path: tokens, path probabilities and supports (a candidate's draft before it wins)."""
-
-    tok: I32_1
-    prob: F32_1
-    sup: I32_1

@@ -46,7 +46,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from history_store.automaton.bundles import DraftPath
 from history_store.automaton.draft_threads import start_threading_layer
 
 # Before any kernel compiles or loads (see draft_threads): GNU OpenMP would abort vLLM's forked workers, and a
@@ -459,7 +458,7 @@ def _best_child(states, state):
 
 @njit(cache=True)
 def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, out_sup):
-    """The most frequent continuation from `state` into out_tok, out_prob, out_sup (a DraftPath's arrays: a
+    """The most frequent continuation from `state` into out_tok, out_prob, out_sup (arrays: a
     bundle argument costs a reference count per member per call) while its path probability >=
     params.min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
@@ -490,8 +489,10 @@ def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, ou
     return n, score
 
 
-@njit(cache=True, inline="always")
-def draft_best(states, root, state, length, budget, params, floor, out, r, scratch):
+@njit(cache=True)
+def draft_best(
+    states, match, budget, params, floor, out_tok, out_prob, out_sup, r, tmp_tok, tmp_prob, tmp_sup
+):
     """Drafts from a match state and, with `params.all_matches`, from every shorter match along its suffix links
     (SuffixDecoding scores every match length and keeps the best draft). Each match of length m drafts at
     most min(budget, spec_factor * m + spec_offset) tokens. A draft replaces what out_* hold only when its
@@ -499,16 +500,18 @@ def draft_best(states, root, state, length, budget, params, floor, out, r, scrat
     the draft's first m tokens (at most as long as its match): tokens past that only extend the chosen
     draft, so a larger spec_factor never trades a long match's draft for a short match's longer, shakier one
     (the budget then decides how much of the extension is worth verifying).
-    The kept draft goes to row r of `out` (DraftOutputs; `scratch`, a DraftPath, holds a candidate's draft),
-    indexed rather than through a row view: a view costs two atomic reference counts, and three candidates per
-    row made them about 8% of a batch-256 step.
+    `match` is (the tree's root, the match state, its length). The kept draft goes to row r of out_* (a
+    DraftOutputs' arrays; tmp_* hold a candidate's draft), indexed rather than through a row view: a view
+    costs two atomic reference counts, and three candidates per row made them about 8% of a batch-256 step.
+    Arrays, not bundles, because this runs per candidate of every row: each array member of a bundle
+    argument costs a reference count on entry and another on exit (bundled, drafting measured twice as slow
+    per row at batch 256).
     Returns (tokens, match length, score) of the kept draft, (0, 0, floor) when none beat the floor.
     """
     best_n = 0
     best_len = 0
     best = floor
-    out_tok, out_prob, out_sup = out.tok, out.prob, out.sup
-    tmp_tok, tmp_prob, tmp_sup = scratch.tok, scratch.prob, scratch.sup
+    root, state, length = match
     k = out_tok.shape[1]
     while state != root:
         if states[state, EDGE] != -1:
@@ -540,7 +543,7 @@ def committed(seqs, slots, req_slots):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _commit_rows(arena, slots, rows, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""
@@ -631,9 +634,9 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
     pool = arena.pool
     req_slots, budgets, info, scores = rows.slots, rows.budgets, out.info, out.score
     max_depth = params.max_depth
-    out_tok = out.tok
+    out_tok, out_prob, out_sup = out.tok, out.prob, out.sup
     k = out_tok.shape[1]
-    scratch = DraftPath(tok=np.empty(k, np.int32), prob=np.empty(k, np.float32), sup=np.empty(k, np.int32))
+    tmp_tok, tmp_prob, tmp_sup = np.empty(k, np.int32), np.empty(k, np.float32), np.empty(k, np.int32)
     for r in range(lo, hi):
         _prefetch_ahead(states, edges, slots, req_slots, r, hi)
         s = req_slots[r]
@@ -683,7 +686,20 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
             slots[s, R_MLEN + c] = ln
             if budget <= 0:
                 continue
-            n, used, score = draft_best(states, root, st, ln, budget, params, scores[r], out, r, scratch)
+            n, used, score = draft_best(
+                states,
+                (root, st, ln),
+                budget,
+                params,
+                scores[r],
+                out_tok,
+                out_prob,
+                out_sup,
+                r,
+                tmp_tok,
+                tmp_prob,
+                tmp_sup,
+            )
             if n > 0:
                 info[r, I_LEN] = n
                 info[r, I_MATCH] = used
@@ -692,11 +708,11 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
         n = info[r, I_LEN]
         if n > 0:  # the other candidates' agreement, in candidate order
             chosen = info[r, I_SOURCE] - 1
-            column = I_AGREE
-            for c in range(N_CANDIDATES):
-                if c != chosen:
-                    info[r, column] = _agreement(states, trees, slots, s, c, out_tok, r, n)
-                    column += 1
+            for j in range(
+                N_CANDIDATES - 1
+            ):  # the j-th other candidate, found without a branch per candidate (measured slower)
+                c = j + 1 if j >= chosen else j
+                info[r, I_AGREE + j] = _agreement(states, trees, slots, s, c, out_tok, r, n)
         slots[s, R_MATCHED] = end - off
 
 
@@ -708,7 +724,7 @@ def _draft_blocks(arena, slots, rows, params, out, blocks):
         _draft_range(arena, slots, rows, b * n_rows // blocks, (b + 1) * n_rows // blocks, params, out)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def step_rows(arena, slots, rows, row, draft, params, out, threads):
     """A decode step for a whole batch in one call: commits every row's new tokens (resuming at `row`), then,
     with `draft`, advances every row's match in each candidate tree and keeps its best-scoring draft.

@@ -20,6 +20,7 @@ import numpy as np
 
 from history_store.automaton import kernels as K
 from history_store.automaton.bundles import DraftOutputs, StepRows
+from history_store.automaton.dense_rows import DenseRows
 from history_store.automaton.draft_threads import usable_draft_threads
 from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
 
@@ -157,8 +158,10 @@ class ProblemIndex:
         self._global_newest = -1
         self._live: dict[str, _LiveTree] = {}
         self._requests: dict[str, _Request] = {}
-        self._free_slots: list[int] = []
-        self.slots = np.zeros((0, K.SLOT_FIELDS), np.int64)  # the kernel's per-request table (see _kernels)
+        # The one allocator of request slots: the budget policy and the step book register their per-request
+        # arrays with it too (`DenseRows`), so one growth replaces every owner's at once.
+        self.request_rows = DenseRows()
+        self.request_rows.register(self, "slots", (K.SLOT_FIELDS,), np.int64)  # the kernels' slot table
         self._buffers = _StepBuffers(0, self.config.max_spec_tokens)
 
     # ---- history -------------------------------------------------------------------------------------
@@ -387,7 +390,7 @@ class ProblemIndex:
         capacity = max(256, 2 * prompt.shape[0]) if expected_tokens is None else expected_tokens
         q = live.tree.add_seq(seq_id, max(capacity, prompt.shape[0], 16))
         live.tree.extend(seq_id, prompt)
-        slot = self._take_slot()
+        slot = self.request_rows.take()
         self._requests[request_key] = _Request(slot, seq_id, live_key, problem_id)
         row = self.slots[slot]
         row[:] = 0
@@ -438,7 +441,7 @@ class ProblemIndex:
         req = self._requests.pop(request_key, None)
         if req is None:
             return
-        self._free_slots.append(req.slot)
+        self.request_rows.release(req.slot)
         live = self._live[req.live_key]
         live.active.discard(req.seq_id)
         live.dead_tokens += int(self.forest.seqs[live.tree.seq_row(req.seq_id), K.Q_LEN])
@@ -448,14 +451,6 @@ class ProblemIndex:
         elif live.dead_tokens > DEAD_PER_LIVE * (live.tree.num_tokens - live.dead_tokens):
             live.tree.remove_many([s for s in live.tree.seq_ids if s not in live.active])
             live.dead_tokens = 0
-
-    def _take_slot(self) -> int:
-        if not self._free_slots:
-            size = self.slots.shape[0]
-            grow = max(64, size)
-            self.slots = np.concatenate([self.slots, np.zeros((grow, K.SLOT_FIELDS), np.int64)])
-            self._free_slots.extend(range(size + grow - 1, size - 1, -1))
-        return self._free_slots.pop()
 
     def _slots_of(self, request_keys: Sequence[str]) -> np.ndarray:
         requests = self._requests

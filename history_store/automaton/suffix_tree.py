@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from history_store.automaton import kernels as K
-from history_store.automaton.bundles import DraftOutputs, DraftParams, DraftPath, Forest, gather
+from history_store.automaton.bundles import DraftOutputs, DraftParams, Forest, gather
 
 MAX_TOKEN_ID = 2**31 - 1
 _SERIAL_MAGIC = b"DAST"
@@ -122,6 +122,7 @@ class SuffixForest:
     """
 
     def __init__(self, capacity_tokens: int = 4096) -> None:
+        self.generation = 0
         self._allocate(capacity_tokens)
         self.trees = np.zeros((16, K.TREE_FIELDS), np.int64)
         self._free_trees: list[int] = list(range(15, -1, -1))
@@ -142,6 +143,7 @@ class SuffixForest:
         )  # only high-degree states' edges are hashed
         self.meta = np.zeros(3, np.int64)
         self.garbage_states = 0
+        self.replaced()
 
     @property
     def arena(self) -> Arena:
@@ -151,6 +153,11 @@ class SuffixForest:
         """The arena and its bookkeeping tables as the step kernels take them (read again after any growth:
         growing replaces arrays)."""
         return gather(Forest, self)
+
+    def replaced(self) -> None:
+        """Counts a replacement of one of the tables `tables()` returns (every growth calls it): whoever
+        packed them is stale when `generation` moved."""
+        self.generation += 1
 
     def next_version(self) -> int:
         self._version += 1
@@ -168,6 +175,7 @@ class SuffixForest:
         if not self._free_trees:
             size = self.trees.shape[0]
             self.trees = _resized(self.trees, 2 * size)
+            self.replaced()
             self._free_trees.extend(range(2 * size - 1, size - 1, -1))
         tid = self._free_trees.pop()
         self.live_trees[tid] = tree
@@ -198,6 +206,7 @@ class SuffixForest:
         if not self._free_seqs:
             size = self.seqs.shape[0]
             self.seqs = _resized(self.seqs, 2 * size)
+            self.replaced()
             self._free_seqs.extend(range(2 * size - 1, size - 1, -1))
         q = self._free_seqs.pop()
         self.seqs[q] = 0
@@ -232,6 +241,7 @@ class SuffixForest:
                 self._compact_pool()
             if self._pool_used + size > self.pool.shape[0]:
                 self.pool = _resized(self.pool, _grown(self.pool.shape[0], self._pool_used + size))
+                self.replaced()
         off = self._pool_used
         self._pool_used += size
         return off
@@ -272,12 +282,15 @@ class SuffixForest:
         n_states, n_edges, n_hash = (int(x) for x in self.meta)
         if n_states + states > self.states.shape[0]:
             self.states = _resized(self.states, _grown(self.states.shape[0], n_states + states))
+            self.replaced()
         if n_edges + edges > self.edges.shape[0]:
             self.edges = _resized(self.edges, _grown(self.edges.shape[0], n_edges + edges))
+            self.replaced()
         if 2 * (n_hash + edges) > self.hashes.shape[0]:
             hashes = np.empty((_pow2(4 * (n_hash + edges)), 3), np.int32)
             K.rehash(hashes, self.states, self.edges, n_states)
             self.hashes = hashes
+            self.replaced()
 
     def rebuild(self, tid: int, count_garbage: bool) -> None:
         """Rebuilds tree tid from its sequences' pooled tokens into fresh states (a new version)."""
@@ -502,11 +515,19 @@ class SuffixTree:
             info=np.empty((1, K.INFO_FIELDS), np.int32),
             score=np.empty(1),
         )
-        scratch = DraftPath(
-            tok=np.empty(budget, np.int32), prob=np.empty(budget, np.float32), sup=np.empty(budget, np.int32)
-        )
         n, match_len, score = K.draft_best(
-            f.states, root, state, length, budget, cfg.params(), 0.0, out, 0, scratch
+            f.states,
+            (root, state, length),
+            budget,
+            cfg.params(),
+            0.0,
+            out.tok,
+            out.prob,
+            out.sup,
+            0,
+            np.empty(budget, np.int32),
+            np.empty(budget, np.float32),
+            np.empty(budget, np.int32),
         )
         return Draft(
             out.tok[0, :n].copy(), out.prob[0, :n].copy(), out.sup[0, :n].copy(), int(match_len), float(score)

@@ -105,7 +105,7 @@ def _recalibrated(p, table, prior, prior_mean):
     return (table[b, 0] + prior * prior_mean) / (table[b, 1] + prior)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
     """Per row of `drafted` (a Drafted): each draft token's path acceptance probability (buffers.predicted[i,
     j]) and the kept prefix (buffers.kept), the tokens whose probability times the row's value
@@ -194,7 +194,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
             accepted_rate[s] *= rate_decay
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _observe_kernel(slots, accepted, policy, acceptance, step):
     """Learns from verified drafts: slots[i] had its first accepted[i] kept tokens accepted (`policy` is the
     PolicyState, `acceptance` the AcceptanceState, `step` the observe step's number). Token j is a trial
@@ -268,7 +268,7 @@ def _observe_kernel(slots, accepted, policy, acceptance, step):
 _A_TRIALS, _A_PENDING = 0, 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _acceptance_added(acceptance, trials):
     """`trials` more verified tokens are in the AcceptanceState's gradient and curvature: once min_trials are
     pending, folds them into the forgetting curvature and takes a Newton step on its weights in place.

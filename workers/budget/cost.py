@@ -89,7 +89,7 @@ def _solve_nonnegative(sums, target, ridge, coef):
             free[i] = free[i] and coef[i] > 0.0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _cost_observe(cost, active, tokens, seconds):
     """Adds a step to the window (ring buffer `ring`, its running sums `sums`) of `cost` (a CostState) and
     refits when due into its coefficients. Returns whether they changed."""

@@ -6,6 +6,7 @@ import numpy as np
 from numba import njit
 
 from history_store.automaton.bundles import gather
+from history_store.automaton.dense_rows import DenseRows
 from workers.budget.state import LengthState
 
 # Fields of `LengthModel.stats`: ratios seen, responses past every predicted quantile, responses predicted.
@@ -86,30 +87,23 @@ class LengthModel:
 
     def __init__(self, per_problem: int) -> None:
         self._ids: dict[str, int] = {}
-        self._lengths = np.zeros((1, per_problem))
-        self.count = np.zeros(1, np.int64)  # lengths held per row
-        self._next = np.zeros(1, np.int64)
+        # Per row (row 0: the pool, then one per problem); other per-problem arrays register here too.
+        self.problem_rows = DenseRows()
+        self.problem_rows.register(self, "_lengths", (per_problem,))
+        self.problem_rows.register(self, "count", dtype=np.int64)  # lengths held per row
+        self.problem_rows.register(self, "_next", dtype=np.int64)
+        self.problem_rows.register(self, "quantiles", (self.QUANTILES,))
+        self.problem_rows.reserve(1)
         self._ratios = np.zeros(self._RATIOS)
-        self.quantiles = np.zeros((1, self.QUANTILES))
         # Ratios seen; responses that ran past every quantile their problem predicted, of those predicted.
         self.stats = np.zeros(3, np.int64)
-
-    @property
-    def capacity(self) -> int:
-        """Rows allocated (problems + the pool); per-problem arrays elsewhere grow to match."""
-        return self._lengths.shape[0]
 
     def problem(self, problem_id: str) -> int:
         """The problem's dense row (1, 2, ...), allocated on first sight."""
         p = self._ids.get(problem_id)
         if p is None:
             p = self._ids[problem_id] = len(self._ids) + 1
-            if p >= self.capacity:
-                grow = max(64, p)
-                self._lengths = np.concatenate([self._lengths, np.zeros((grow, self._lengths.shape[1]))])
-                self.count = np.concatenate([self.count, np.zeros(grow, np.int64)])
-                self._next = np.concatenate([self._next, np.zeros(grow, np.int64)])
-                self.quantiles = np.concatenate([self.quantiles, np.zeros((grow, self.QUANTILES))])
+            self.problem_rows.reserve(p + 1)
         return p
 
     def kernel_state(self) -> LengthState:

@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit
 
 from history_store.automaton.bundles import gather
+from history_store.automaton.dense_rows import DenseRows
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, LENGTH_CLASSES
 from workers.budget.acceptance import (
     N_FEATURES,
@@ -50,7 +51,7 @@ from workers.budget.tail_weights import critical_weights
 SHORT, MEDIUM, LONG = 0, 1, 2
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients, buffers):
     """`BudgetPolicy.budgets` in one call: each row's critical weight, the value of one of its accepted tokens,
     its class and budget (into `buffers`, a PolicyBuffers). Marks the slots that just outlived their problem's
@@ -156,31 +157,40 @@ class BudgetPolicy:
     # Grid of the remaining-steps distributions in `critical_weights`.
     BINS = 32
 
-    def __init__(self, config: BudgetConfig | None = None) -> None:
+    def __init__(self, config: BudgetConfig | None = None, request_rows: DenseRows | None = None) -> None:
+        """`request_rows`: the allocator of the slots requests are named by (the index's, so that one growth
+        serves every owner); a policy of its own by default."""
         self.config = config or BudgetConfig()
         k = self.config.max_tokens
         self.cost = FittedCostModel(self.config)
         self.acceptance = AcceptanceModel(self.config)
         self.lengths = LengthModel(self.config.lengths_per_problem)
-        # Recent (accepted, predicted, tried) tokens per problem row (row 0: requests without a problem).
-        self.problem_outcomes = np.zeros((1, 3))
-        self.problem_stamp = np.zeros(1, np.int64)  # the observe step that last decayed the row
+        # Per problem row (row 0: requests without a problem), grown with the length model's rows: recent
+        # (accepted, predicted, tried) tokens, and the observe step that last decayed the row (a new row's 0
+        # stamp decays nothing: its outcomes are zeros).
+        problems = self.lengths.problem_rows
+        problems.register(self, "problem_outcomes", (3,))
+        problems.register(self, "problem_stamp", dtype=np.int64)
         # Recent (accepted, predicted, tried) of drafted tokens, by bucket of token id (`_kernels._slot`).
         self.token_outcomes = np.zeros((TOKEN_BUCKETS, 3))
         self.observe_step_no = 0
         # Per slot: problem row, recent outcomes, accepted tokens per step, promotion, and the
         # features and kept length of its last draft (learned from when the verifier answers).
-        self.slot_problem = np.zeros(0, np.int64)
-        self.request_outcomes = np.zeros((0, 3))
-        self.accepted_rate = np.zeros(0)
-        self.outlived = np.zeros(0, bool)
-        self.max_length = np.zeros(0)  # the most tokens the request may generate (0: no cap known)
-        self.features = np.zeros((0, k, N_FEATURES))
-        self.kept = np.zeros(0, np.int64)  # kept draft tokens awaiting the verifier's answer
-        self.model_p = np.zeros((0, k))  # the acceptance model's conditional probabilities of those tokens
-        self.path_p = np.zeros((0, k))  # their path probabilities before the past-match recalibration
-        self.first_past = np.zeros(0, np.int64)  # the first of them drafted past the match length
-        self.drafted_bucket = np.zeros((0, k), np.int64)  # their tokens' buckets of token_outcomes
+        self.request_rows = request_rows if request_rows is not None else DenseRows()
+        for name, tail, dtype in (
+            ("slot_problem", (), np.int64),
+            ("request_outcomes", (3,), np.float64),
+            ("accepted_rate", (), np.float64),
+            ("outlived", (), bool),
+            ("max_length", (), np.float64),  # the most tokens the request may generate (0: no cap known)
+            ("features", (k, N_FEATURES), np.float64),
+            ("kept", (), np.int64),  # kept draft tokens awaiting the verifier's answer
+            ("model_p", (k,), np.float64),  # the acceptance model's conditional probabilities of those tokens
+            ("path_p", (k,), np.float64),  # their path probabilities before the past-match recalibration
+            ("first_past", (), np.int64),  # the first of them drafted past the match length
+            ("drafted_bucket", (k,), np.int64),  # their tokens' buckets of token_outcomes
+        ):
+            self.request_rows.register(self, name, tail, dtype)
         # The last budgets / truncate call.
         self._value = np.zeros(0)
         self._slots = np.zeros(0, np.int64)
@@ -192,36 +202,12 @@ class BudgetPolicy:
     # ---- requests
 
     def start(self, slot: int, problem_id: str | None, max_length: int | None = None) -> None:
-        """Registers a new request in `slot` (dense: the tables grow when one lands past their end).
-        max_length: the most tokens it may generate (vLLM's max_tokens, within max_model_len), when known."""
-        size = self.slot_problem.shape[0]
-        if slot >= size:
-            grown = max(2 * size, slot + 1, 64)
-            for name in (
-                "slot_problem",
-                "request_outcomes",
-                "accepted_rate",
-                "outlived",
-                "max_length",
-                "features",
-                "kept",
-                "model_p",
-                "path_p",
-                "first_past",
-                "drafted_bucket",
-            ):
-                old = getattr(self, name)
-                new = np.zeros((grown, *old.shape[1:]), old.dtype)
-                new[:size] = old
-                setattr(self, name, new)
+        """Registers a new request in `slot` (given by `request_rows`, or any dense id: the tables grow to
+        hold it). max_length: the most tokens it may generate (vLLM's max_tokens, within max_model_len), when
+        known."""
+        self.request_rows.reserve(slot + 1)
         # Problem row 0 (the pool) stands for requests without a problem.
         self.slot_problem[slot] = self.lengths.problem(problem_id) if problem_id is not None else 0
-        grow = self.lengths.capacity - self.problem_outcomes.shape[0]
-        if grow > 0:
-            self.problem_outcomes = np.concatenate([self.problem_outcomes, np.zeros((grow, 3))])
-            self.problem_stamp = np.concatenate(
-                [self.problem_stamp, np.full(grow, self.observe_step_no, np.int64)]
-            )
         self.request_outcomes[slot] = 0.0
         self.accepted_rate[slot] = 0.0
         self.outlived[slot] = False

@@ -271,10 +271,11 @@ class DasProposer:
 
     def _new_step_state(self, publish: bool) -> None:
         """Fresh budget policy, bookkeeping and counters; `publish`: whether the counts reach Prometheus."""
-        self.policy = BudgetPolicy(BudgetConfig(max_tokens=self.k))
-        self._book = StepBook(64, self.k)
+        # The index hands out the request slots; the policy's and the book's per-slot arrays grow with its.
+        self.policy = BudgetPolicy(BudgetConfig(max_tokens=self.k), request_rows=self.index.request_rows)
+        self._book = StepBook(self.k, request_rows=self.index.request_rows)
         self._step_tables: StepTables | None = None
-        self._tables_rows = -1
+        self._tables_key: tuple[int, ...] = ()
         # The kept drafts as the kernel packs them (`_pack_reply`): tokens, and where each row's start.
         self._reply = Reply(tokens=np.zeros(0, np.int32), bounds=np.zeros(0, np.int64))
         # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
@@ -369,7 +370,6 @@ class DasProposer:
         return added
 
     def _add(self, problem_id: str, epoch: int, sample: int, prompt_ids: Any, response_ids: Any) -> int:
-        self._stale()
         new = self.index.add_trajectory(problem_id, epoch, sample, prompt_ids, response_ids)
         if new:
             self.policy.lengths.observe(problem_id, len(response_ids))
@@ -377,7 +377,6 @@ class DasProposer:
 
     def evict(self, problem_id: str, min_epoch: int) -> int:
         """Drops a problem's history epochs below `min_epoch`; returns how many trajectories left."""
-        self._stale()
         evicted = self.index.evict_epochs_before(problem_id, min_epoch)
         if evicted:
             self.policy.lengths.forget(problem_id)
@@ -389,7 +388,6 @@ class DasProposer:
 
         secondary = Path(os.environ.get("DAS_SECONDARY_DIR") or secondary_dir(path))
         self._replica = HistoryStore.open_secondary(path, secondary)
-        self._stale()
         load_index(self._replica, self.index)
         self._relearn_lengths()
 
@@ -403,7 +401,6 @@ class DasProposer:
     def catch_up(self) -> None:
         """Brings the trees in step with the node's replica (the step does this every catch_up_interval_s)."""
         self._next_catch_up = self.clock() + self.settings.catch_up_interval_s
-        self._stale()
         followed = follow(self._replica, self.index)
         if followed.reloaded:
             self._relearn_lengths()
@@ -533,11 +530,19 @@ class DasProposer:
         return slots, joined
 
     def _tables(self, n: int) -> StepTables:
-        """The step kernels' tables for a batch of n rows: packed again only when the batch size changed or
-        something outside the kernels may have replaced an array since (`_stale` says so)."""
-        if self._step_tables is None or self._tables_rows != n:
+        """The step kernels' tables for a batch of n rows, packed again only when they are stale: the batch
+        size changed, or an array they hold was replaced, which only growth does (of the request slots, the
+        problem rows or the arena: each counts its growths). Starting and finishing
+        requests, adding and evicting history change the arrays' contents, never the arrays."""
+        key = (
+            n,
+            self.index.request_rows.version,
+            self.policy.lengths.problem_rows.version,
+            self.index.forest.generation,
+        )
+        if self._step_tables is None or key != self._tables_key:
             self._step_tables = pack_tables(self._table_sources(n))
-            self._tables_rows = n
+            self._tables_key = key
         return self._step_tables
 
     def _table_sources(self, n: int) -> StepGroups:
@@ -563,11 +568,6 @@ class DasProposer:
             k=self.k,
             max_model_len=self.max_model_len,
         )
-
-    def _stale(self) -> None:
-        """Something outside the step kernels ran (a request joined or finished, the history or the index
-        changed): it may have replaced arrays the packed tables hold, so the next step packs them again."""
-        self._step_tables = None
 
     def _native_step(
         self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float, src: np.ndarray
@@ -605,8 +605,7 @@ class DasProposer:
                 policy.count_promotions(promoted)
             if status == DONE:
                 break
-            self.index.make_room(status, slots, row, self._book.per_row(n)[END])
-            self._stale()  # growing replaced arrays
+            self.index.make_room(status, slots, row, self._book.per_row(n)[END])  # growth: tables repacked
             status, row, promoted, tokens = draft_step(
                 self._tables(n), budget_on, True, row, slots, bases, src, self._step_no
             )
@@ -616,7 +615,6 @@ class DasProposer:
         return tokens
 
     def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
-        self._stale()
         sampling = request.sampling_params
         problem_id, epoch, sample, problem = parse_extra_args(getattr(sampling, "extra_args", None))
         if problem is not None:
@@ -650,7 +648,6 @@ class DasProposer:
         return slot
 
     def _finish(self, key: str) -> None:
-        self._stale()
         live = self._live.pop(key)
         del self._slot_of[key]
         self._rows_seen = None

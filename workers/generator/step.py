@@ -70,7 +70,7 @@ def pack_tables(groups):
     return t
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seconds, last_rows, last_tokens):
     """Per-row END/NEW/HEADROOM/OUTPUT into per_row, the verified rows' acceptance into the policy, and the
     previous step's time into the cost model when it was a clean decode step (no request joined, every row
@@ -102,7 +102,7 @@ def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seco
     return m, clean
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
     """Budgets (unless `resume`), commit and draft from `row` on, truncation and counting. Returns (status,
     row reached, rows promoted to the tail, draft tokens): a status other than K.DONE means the index must
@@ -152,7 +152,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
     return status, row, promoted, tokens
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _pack_reply(drafted, lengths, reply):
     """Row i's first lengths[i] drafted tokens into reply.tokens[reply.bounds[i]:reply.bounds[i + 1]]: vLLM
     takes a list per row,

@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from history_store.automaton.bundles import gather
+from history_store.automaton.dense_rows import DenseRows
 from history_store.automaton.kernels import Source
 from monitoring.metrics import (
     ACCEPTED_TOKENS,
@@ -56,7 +57,7 @@ END, NEW, HEADROOM, OUTPUT = range(4)
 FLUSH_INTERVAL_S = 1.0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
     """Per row: tokens after this step (END), committed now (NEW), draft headroom (HEADROOM: none for a row
     that committed nothing, a partial prefill), output length (OUTPUT) into book.per_row; and the verified
@@ -89,7 +90,7 @@ def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
     return m, every_row_new
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _record(slots, lengths, classes, sources, budgets, step_no, book):
     """Remembers each row's draft (lengths[i] tokens from source sources[i]) for the next step's `_prepare`
     and adds it to the book's running totals. Returns the step's draft tokens."""
@@ -125,16 +126,19 @@ def _record(slots, lengths, classes, sources, budgets, step_no, book):
 class StepBook:
     """Per-slot state of the previous step's drafts, and running totals of everything drafted."""
 
-    def __init__(self, size: int, k: int) -> None:
+    def __init__(self, k: int, request_rows: DenseRows | None = None) -> None:
+        """`request_rows`: the allocator of the slots requests are named by (the index's); one of its own by
+        default."""
         self.k = k
         # The budget histogram's upper bounds, +Inf last (every child of a histogram has the same).
         self.bounds = np.asarray(SPEC_BUDGET.labels(length_class=LENGTH_CLASSES[0])._upper_bounds, np.float64)
-        self.prompt_len = np.zeros(size, np.int64)
-        self.drafted_at = np.full(size, -2, np.int64)  # the step that last drafted for the slot
-        self.length = np.zeros(size, np.int64)
-        self.rows = np.zeros(size, np.int64)
-        self.accepted = np.zeros(size, np.int64)
-        self._per_row = np.zeros((4, size), np.int64)
+        self.request_rows = request_rows if request_rows is not None else DenseRows()
+        self.request_rows.register(self, "prompt_len", dtype=np.int64)
+        self.request_rows.register(self, "drafted_at", dtype=np.int64, fill=-2)  # the step that last drafted
+        self.request_rows.register(self, "length", dtype=np.int64)
+        self.request_rows.register(self, "rows", dtype=np.int64)
+        self.request_rows.register(self, "accepted", dtype=np.int64)
+        self._per_row = np.zeros((4, 64), np.int64)
         self._per_row_view = self._per_row[:, :0]
         self.totals = np.zeros(len(TOTAL_NAMES), np.int64)
         self.accepted_by_position = np.zeros(k, np.int64)
@@ -144,15 +148,8 @@ class StepBook:
         self.sum_by_class = np.zeros(len(LENGTH_CLASSES), np.int64)
 
     def start(self, slot: int, prompt_len: int) -> None:
-        """A new request in `slot` (slots are dense: the table doubles when one lands past its end)."""
-        size = self.prompt_len.shape[0]
-        if slot >= size:
-            grown = max(2 * size, slot + 1)
-            for name in ("prompt_len", "drafted_at", "length", "rows", "accepted"):
-                old = getattr(self, name)
-                new = np.zeros((grown, *old.shape[1:]), old.dtype)
-                new[:size] = old
-                setattr(self, name, new)
+        """A new request in `slot` (given by `request_rows`, or any dense id: the tables grow to hold it)."""
+        self.request_rows.reserve(slot + 1)
         self.prompt_len[slot] = prompt_len
         self.drafted_at[slot] = -2
 
