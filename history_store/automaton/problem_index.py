@@ -348,6 +348,11 @@ class ProblemIndex:
         problem.tree.invalidate_matches()
         return problem.tree.num_tokens - before
 
+    @property
+    def global_tree_tokens(self) -> int:
+        """Tokens the global tree holds (0 without one)."""
+        return self._global.num_tokens if self._global is not None else 0
+
     def global_keys(self) -> list[tuple[str, int, int]]:
         """Trajectory keys in the global tree, oldest first (the order its token cap drops them in)."""
         return [key for key, _ in self._global_fifo if key in self._global_seq]

@@ -11,14 +11,20 @@ finds its server more than `rebalance_margin` x the mean load (and at least `reb
 least-loaded one, it moves there, for good. A group in flight never splits. Requests without a problem id fall
 back to verl's own sticky + least-loaded rule.
 
+The router also tells which server holds which problem (`placements`): at the start of each rollout step DAS's
+agent loop managers send each server the step's problems placed on it (`prefetch_placed`, the proposer's
+`das_prefetch`), so a server that loads history lazily has their trees built before their requests arrive.
+
 Selected through verl's router plugin hook, `actor_rollout_ref.rollout.router_config_path`, pointing at a YAML
 with `router_class: workers.verl.router.ProblemAffinityLoadBalancer` (`examples/verl/das_router.yaml`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import ray
 from cachetools import LRUCache
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
@@ -104,6 +110,16 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
                 self._problem_inflight[problem] = left
         super().release_server(server_id, request_id)
 
+    def placements(self, problem_ids: Sequence[str]) -> list[tuple[Any, list[str]]]:
+        """The servers in the pool that the given problems are placed on, each with its problems (problems not
+        placed yet are left out): where their requests will go unless a server is overloaded by then."""
+        by_server: dict[str, list[str]] = {}
+        for problem in dict.fromkeys(problem_ids):
+            server_id = self._problem_to_server.get(problem)
+            if server_id in self._inflight_requests:
+                by_server.setdefault(server_id, []).append(problem)
+        return [(self._servers[server_id], problems) for server_id, problems in by_server.items()]
+
     def clear_sticky_cache(self) -> dict:
         """verl clears stickiness when it rebalances (phase switches, elastic scaling): problems are placed
         afresh too."""
@@ -115,3 +131,26 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         status["problems_placed"] = len(self._problem_to_server)
         status["problems_moved"] = self.moves
         return status
+
+
+def _placements(balancer: Any, problem_ids: list[str]) -> list[tuple[Any, list[str]]]:
+    """Runs inside the router actor: its placements, or none for a router that does not place problems."""
+    placements = getattr(balancer, "placements", None)
+    return placements(problem_ids) if placements is not None else []
+
+
+def prefetch_placed(load_balancer: Any, problem_ids: Iterable[str | None]) -> int:
+    """Asks each server to build the history trees of the problems the router placed on it (the proposer's
+    `das_prefetch`), without waiting; returns how many servers were asked. Problems new to the router load on
+    their first request instead; verl's own routers place no problems, so nothing is sent.
+
+    Args:
+        load_balancer: the router actor handle of verl's LLM server client (`llm_client._load_balancer`).
+        problem_ids: a batch's problem ids, one per row (None for a row without one).
+    """
+    wanted = [p for p in dict.fromkeys(problem_ids) if isinstance(p, str)]
+    placed = ray.get(load_balancer.__ray_call__.remote(_placements, wanted))
+    for server, problems in placed:
+        # Fire and forget: the engine runs it between steps, and a step's requests must not wait for it here.
+        server.collective_rpc.remote("das_prefetch", args=(problems,))
+    return len(placed)
