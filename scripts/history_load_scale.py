@@ -85,6 +85,7 @@ def load(store_dir: Path, servers: int, mode: str) -> dict[str, object]:
             routed_load_seconds=round(sum(seconds), 2),
             first_request_ms={
                 "median": round(1000 * statistics.median(seconds), 1),
+                "p99": round(1000 * statistics.quantiles(seconds, n=100)[98], 1),
                 "max": round(1000 * max(seconds), 1),
                 "tokens_per_problem": round(built / max(1, len(routed))),
             },
