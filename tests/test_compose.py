@@ -225,6 +225,8 @@ def test_every_dependency_volume_and_config_is_defined() -> None:
         for entry in service.get("configs", []):
             assert entry["source"] in configs, f"{name} uses undefined config {entry['source']}"
     for name, config in COMPOSE.get("configs", {}).items():
+        if "content" in config:  # written by compose (from a variable): nothing to ship
+            continue
         assert (REPO / config["file"]).is_file(), f"config {name}: {config['file']} does not exist"
 
 
@@ -343,6 +345,10 @@ def test_prometheus_alertmanager_and_grafana_get_the_shipped_configuration() -> 
     assert "--config.file=/etc/alertmanager/alertmanager.yml" in SERVICES[host]["command"]
     assert any(container == port for _a, _p, container in published_ports(SERVICES[host]))
     assert yaml.safe_load((REPO / "monitoring" / "alertmanager" / "alertmanager.yml").read_text())["route"]
+    # The operator's webhook URL reaches the file the receiver reads (tests/test_monitoring_alertmanager.py).
+    mounted = {entry["target"]: entry["source"] for entry in SERVICES[host]["configs"]}
+    hook = interpolate(RAW, {**SECRETS, "DAS_ALERT_WEBHOOK_URL": "https://relay.example/das"})
+    assert hook["configs"][mounted["/etc/alertmanager/webhook-url"]]["content"] == "https://relay.example/das"
     grafana = mounts(SERVICES["grafana"])
     assert grafana["/etc/grafana/provisioning"] == "./monitoring/grafana/provisioning"
     provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "das.yml").read_text())["providers"][
