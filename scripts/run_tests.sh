@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"
 
-bash scripts/install_system_deps.sh   # Debian's prometheus + promtool, for the real-Prometheus tests
+bash scripts/install_system_deps.sh   # Debian's prometheus, promtool, alertmanager, amtool: the real-monitoring tests
 das model prepare
 trap 'bash scripts/kafka.sh down' EXIT
 bash scripts/kafka.sh up
