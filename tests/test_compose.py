@@ -647,8 +647,29 @@ def test_published_ports_bind_to_loopback_by_default_and_images_are_pinned() -> 
             assert service["build"]["dockerfile"] == "Dockerfile"
         else:
             assert re.search(r":v?\d+\.\d+\.\d+(-[\w.-]+)?$", image), f"{name}: image {image} is not pinned"
-    base = re.search(r"^FROM\s+(\S+)", (REPO / "Dockerfile").read_text(), re.MULTILINE)[1]
-    assert base == "verlai/verl:vllm024.dev2", "verl 0.9.1 pins vllm==0.24.0: verl's vLLM 0.24 image"
+
+
+def dockerfile_base(build_args: dict[str, str]) -> str:
+    """The image the Dockerfile's first FROM names, as Docker resolves it: `ARG`s declared before it (with their
+    defaults) may be substituted there, and a build argument replaces an ARG's default."""
+    text = (REPO / "Dockerfile").read_text()
+    head, _, rest = text.partition("\nFROM ")
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)$", head, re.MULTILINE))
+    values = {**defaults, **{k: v for k, v in build_args.items() if k in defaults}}
+    return re.sub(r"\$\{(\w+)\}", lambda m: values[m[1]], rest.split()[0])
+
+
+def test_the_base_image_is_pinned_by_digest_and_a_build_argument_replaces_it() -> None:
+    digest = "verlai/verl:vllm024.dev2@sha256:"
+    base = dockerfile_base({})
+    # verl 0.9.1 pins vllm==0.24.0: verl's vLLM 0.24 image, by digest (the tag is mutable).
+    assert base.startswith(digest) and re.fullmatch(r"[0-9a-f]{64}", base[len(digest) :]), base
+    # Compose passes DAS_BASE_IMAGE to every DAS build without a value of its own: unset, the Dockerfile's pin.
+    for name, service in SERVICES.items():
+        if "build" in service:
+            assert service["build"]["args"] == ["DAS_BASE_IMAGE"], name
+    repinned = digest + "0" * 64
+    assert dockerfile_base({"DAS_BASE_IMAGE": repinned}) == repinned
 
 
 def test_dockerfile_installs_dependencies_before_code_within_the_base_constraints() -> None:
