@@ -127,6 +127,17 @@ def test_a_problem_loaded_on_its_first_request_drafts_as_if_the_whole_history_wa
         drafted += sum(map(len, first))
     assert drafted > 40  # the history drafted: identical empty drafts would prove nothing
 
+    # Problem 1 keeps its tree while its request runs; problem 4 (request done) moved to another server: its
+    # tree goes, and a request that comes back builds it again, drafting as before.
+    assert lazy.release(["problem-1"]) == 0
+    assert lazy.release(["problem-4"]) == eager.index.problem_stats("problem-4")["tokens"] > 0
+    assert lazy.index.problem_stats("problem-4")["tokens"] == 0
+    batch.add("e", "problem-4", WORKLOAD.record(4, 0, 0).prompt_ids)
+    for chunk in _chunks(WORKLOAD.record(4, 3, 1).response_ids[:24]):
+        first, second = batch.step([eager, lazy], {"e": chunk})
+        assert first == second
+        drafted += sum(map(len, first))
+
     requested = {"problem-1", "problem-2", "problem-4"}
     for problem_id in problems:
         stats = lazy.index.problem_stats(problem_id)
@@ -136,7 +147,7 @@ def test_a_problem_loaded_on_its_first_request_drafts_as_if_the_whole_history_wa
             assert stats["tokens"] == 0
     assert lazy.index.global_keys() == eager.index.global_keys()
     loads = lazy.stats()["history_loads"]
-    assert loads["problems"] == len(requested)
+    assert loads["problems"] == len(requested) + 1  # problem 4 twice
     assert 0 < loads["max_seconds"] <= loads["seconds"]
     assert eager.stats()["history_loads"]["problems"] == 0
 

@@ -349,7 +349,9 @@ def test_proposer_metrics_are_discovered_on_every_node_beside_vllms_own(ray_clus
         ray.shutdown()
 
 
-def test_each_server_is_asked_to_prefetch_the_problems_the_router_placed_on_it(ray_cluster) -> None:
+def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_those_that_left(
+    ray_cluster,
+) -> None:
     import ray
     from omegaconf import OmegaConf
     from verl.workers.rollout.llm_server import LLMServerClient
@@ -381,5 +383,23 @@ def test_each_server_is_asked_to_prefetch_the_problems_the_router_placed_on_it(r
                 expected[ids[0]].append(pid)
             assert asked == len(expected) == 2
             assert received == {sid: [("das_prefetch", (problems,))] for sid, problems in expected.items()}
+
+            def move_off_its_server(balancer: Any, problem: str) -> tuple[str, str]:
+                """In the router actor: other requests load the problem's server, so its next request moves."""
+                home = balancer._problem_to_server[problem]
+                balancer._inflight_requests[home] += 100
+                params = {"extra_args": {"das_problem_id": problem}}
+                new, _ = balancer.acquire_server("moving", sampling_params=params)
+                balancer.release_server(new, "moving")
+                balancer._inflight_requests[home] -= 100
+                return home, new
+
+            moved = next(iter(placement))
+            home, new = ray.get(router.__ray_call__.remote(move_off_its_server, moved))
+            assert home != new
+            prefetch_placed(router, [moved])
+            # The server it left drops its tree; the one it moved to builds it.
+            assert ray.get(servers[home].rpcs_received.remote())[-1] == ("das_release", ([moved],))
+            assert ray.get(servers[new].rpcs_received.remote())[-1] == ("das_prefetch", ([moved],))
     finally:
         ray.shutdown()

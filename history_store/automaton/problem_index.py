@@ -348,6 +348,21 @@ class ProblemIndex:
         problem.tree.invalidate_matches()
         return problem.tree.num_tokens - before
 
+    def release(self, problem_id: str) -> int:
+        """Drops a lazy index's history tree of `problem_id` (its bookkeeping and global rollouts stay), unless a
+        live request drafts from it; `make_resident` builds it again, the same. Returns the tokens dropped."""
+        if self._resident is None or problem_id not in self._resident:
+            return 0
+        if any(req.problem_id == problem_id for req in self._requests.values()):
+            return 0
+        self._resident.discard(problem_id)
+        problem = self._problems.get(problem_id)
+        if problem is None:
+            return 0
+        tokens = problem.tree.num_tokens
+        problem.tree.remove_many(problem.tree.seq_ids)
+        return tokens
+
     @property
     def global_tree_tokens(self) -> int:
         """Tokens the global tree holds (0 without one)."""

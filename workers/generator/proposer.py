@@ -37,8 +37,9 @@ History freshness:
   `DAS_CATCH_UP_INTERVAL_S`), extending and evicting its trees incrementally. With `DAS_HISTORY_LOAD=lazy`
   (the default) the start loads every problem's bookkeeping and the global tree, and a problem's history tree
   is built from the replica when its first request arrives, or earlier through `das_prefetch` (verl's managers
-  send each server the problems of the step that the router placed there): behind problem-keyed routing a
-  server holds the trees of its own problems only, and drafts exactly as if it had loaded them all.
+  send each server the problems of the step that the router placed there, and `das_release` to the server a
+  problem moved away from): behind problem-keyed routing a server holds the trees of its own problems only, and
+  drafts exactly as if it had loaded them all.
 
 Nothing a request carries can crash the engine: malformed `extra_args` give one warning and own-context
 drafting; an unexpected error in drafting is logged, counted, and that step drafts nothing.
@@ -423,6 +424,12 @@ class DasProposer:
         nothing; without a replica (or with an eager load) it does nothing."""
         return sum(self._make_resident(p) for p in problem_ids)
 
+    def release(self, problem_ids: Sequence[str]) -> int:
+        """Drops the history trees of problems that moved to another server (a problem with a live request here
+        keeps its tree); a later request builds them again. Returns the tokens dropped."""
+        self._stale()
+        return sum(self.index.release(p) for p in problem_ids)
+
     def _make_resident(self, problem_id: str) -> int:
         if self._replica is None or self.index.is_resident(problem_id):
             return 0
@@ -769,6 +776,10 @@ class DasWorkerExtension:
     def das_prefetch(self, problem_ids: list[str]) -> int:
         """Builds the history trees of problems about to be requested (`DasProposer.prefetch`)."""
         return self._das().prefetch(problem_ids)
+
+    def das_release(self, problem_ids: list[str]) -> int:
+        """Drops the history trees of problems that moved away (`DasProposer.release`)."""
+        return self._das().release(problem_ids)
 
     def das_evict(self, problem_id: str, min_epoch: int) -> int:
         """Evicts a problem's history epochs below `min_epoch`; returns how many trajectories left."""

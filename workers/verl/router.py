@@ -13,7 +13,9 @@ back to verl's own sticky + least-loaded rule.
 
 The router also tells which server holds which problem (`placements`): at the start of each rollout step DAS's
 agent loop managers send each server the step's problems placed on it (`prefetch_placed`, the proposer's
-`das_prefetch`), so a server that loads history lazily has their trees built before their requests arrive.
+`das_prefetch`), so a server that loads history lazily has their trees built before their requests arrive, and
+the servers problems moved off since the last step the list of them (`take_departures`, the proposer's
+`das_release`), so a server holds the trees of its current problems only.
 
 Selected through verl's router plugin hook, `actor_rollout_ref.rollout.router_config_path`, pointing at a YAML
 with `router_class: workers.verl.router.ProblemAffinityLoadBalancer` (`examples/verl/das_router.yaml`).
@@ -65,6 +67,8 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         self._problem_inflight: dict[str, int] = {}
         self._request_problem: dict[str, str] = {}
         self.moves = 0
+        # Problems that moved off each server since `take_departures` (the server may drop their trees).
+        self._departed: dict[str, set[str]] = {}
 
     def require_acquire_fields(self) -> list[str]:
         """verl serializes these `generate()` arguments into `acquire_server`."""
@@ -92,11 +96,15 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         if server_id in self._inflight_requests and (in_flight or not self._overloaded(server_id)):
             self._inflight_requests[server_id] += 1
         else:
-            self.moves += server_id in self._inflight_requests
+            left = server_id if server_id in self._inflight_requests else None
             # A fresh request id: verl's rule must not return a sticky server this request had before.
             self._request_id_to_server.pop(request_id, None)
             server_id, _ = super().acquire_server(request_id)
             self._problem_to_server[problem] = server_id
+            if left is not None:
+                self.moves += 1
+                self._departed.setdefault(left, set()).add(problem)
+            self._departed.get(server_id, set()).discard(problem)  # back where it had left: it stays
         self._problem_inflight[problem] = in_flight + 1
         self._request_problem[request_id] = problem
         return server_id, self._servers[server_id]
@@ -120,6 +128,16 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
                 by_server.setdefault(server_id, []).append(problem)
         return [(self._servers[server_id], problems) for server_id, problems in by_server.items()]
 
+    def take_departures(self) -> list[tuple[Any, list[str]]]:
+        """The servers in the pool that problems moved off since the last call, each with those problems (not
+        placed back there since); forgets them."""
+        departed, self._departed = self._departed, {}
+        return [
+            (self._servers[server_id], sorted(problems))
+            for server_id, problems in departed.items()
+            if problems and server_id in self._inflight_requests
+        ]
+
     def clear_sticky_cache(self) -> dict:
         """verl clears stickiness when it rebalances (phase switches, elastic scaling): problems are placed
         afresh too."""
@@ -133,24 +151,28 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         return status
 
 
-def _placements(balancer: Any, problem_ids: list[str]) -> list[tuple[Any, list[str]]]:
-    """Runs inside the router actor: its placements, or none for a router that does not place problems."""
-    placements = getattr(balancer, "placements", None)
-    return placements(problem_ids) if placements is not None else []
+def _step_plan(balancer: Any, problem_ids: list[str]) -> tuple[list, list]:
+    """Runs inside the router actor: (departures, placements) of a router that places problems, else none."""
+    if not hasattr(balancer, "placements"):  # verl's own routers
+        return [], []
+    return balancer.take_departures(), balancer.placements(problem_ids)
 
 
 def prefetch_placed(load_balancer: Any, problem_ids: Iterable[str | None]) -> int:
     """Asks each server to build the history trees of the problems the router placed on it (the proposer's
-    `das_prefetch`), without waiting; returns how many servers were asked. Problems new to the router load on
-    their first request instead; verl's own routers place no problems, so nothing is sent.
+    `das_prefetch`), and the servers problems moved off to drop theirs (`das_release`), without waiting; returns
+    how many servers were asked to prefetch. Problems new to the router load on their first request instead;
+    verl's own routers place no problems, so nothing is sent.
 
     Args:
         load_balancer: the router actor handle of verl's LLM server client (`llm_client._load_balancer`).
         problem_ids: a batch's problem ids, one per row (None for a row without one).
     """
     wanted = [p for p in dict.fromkeys(problem_ids) if isinstance(p, str)]
-    placed = ray.get(load_balancer.__ray_call__.remote(_placements, wanted))
+    departures, placed = ray.get(load_balancer.__ray_call__.remote(_step_plan, wanted))
+    # Fire and forget: each engine runs them between steps, and the step's requests must not wait here.
+    for server, problems in departures:
+        server.collective_rpc.remote("das_release", args=(problems,))
     for server, problems in placed:
-        # Fire and forget: the engine runs it between steps, and a step's requests must not wait for it here.
         server.collective_rpc.remote("das_prefetch", args=(problems,))
     return len(placed)
