@@ -664,12 +664,13 @@ def test_the_base_image_is_pinned_by_digest_and_a_build_argument_replaces_it() -
     base = dockerfile_base({})
     # verl 0.9.1 pins vllm==0.24.0: verl's vLLM 0.24 image, by digest (the tag is mutable).
     assert base.startswith(digest) and re.fullmatch(r"[0-9a-f]{64}", base[len(digest) :]), base
-    # Compose passes DAS_BASE_IMAGE to every DAS build without a value of its own: unset, the Dockerfile's pin.
+    # Compose builds on the same pin unless DAS_BASE_IMAGE says otherwise, and the build argument replaces it.
+    repinned = digest + "0" * 64
+    override = interpolate(RAW, {**SECRETS, "DAS_BASE_IMAGE": repinned})["services"]
     for name, service in SERVICES.items():
         if "build" in service:
-            assert service["build"]["args"] == ["DAS_BASE_IMAGE"], name
-    repinned = digest + "0" * 64
-    assert dockerfile_base({"DAS_BASE_IMAGE": repinned}) == repinned
+            assert dockerfile_base(service["build"]["args"]) == base, name
+            assert dockerfile_base(override[name]["build"]["args"]) == repinned, name
 
 
 def test_dockerfile_installs_dependencies_before_code_within_the_base_constraints() -> None:
