@@ -67,6 +67,13 @@ def test_a_problem_that_moves_back_is_released_only_where_it_no_longer_is() -> N
     router._inflight_requests.update({home: 0, other: 10})
     assert router.acquire_server("p-2", sampling_params=_params("p"))[0] == home
     assert router.take_departures() == [(other, ["p"])]
+    # verl's rebalance forgets every placement: a problem placed afresh elsewhere leaves its old server.
+    router.acquire_server("q-0", sampling_params=_params("q"))
+    router.clear_sticky_cache()
+    router._inflight_requests.update({home: 10, other: 0})
+    assert router.acquire_server("p-3", sampling_params=_params("p"))[0] == other
+    departures = dict(router.take_departures())
+    assert "p" in departures[home] and "p" not in departures.get(other, [])
 
 
 def _server_time(lengths: list[int]) -> float:

@@ -140,7 +140,9 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
 
     def clear_sticky_cache(self) -> dict:
         """verl clears stickiness when it rebalances (phase switches, elastic scaling): problems are placed
-        afresh too."""
+        afresh too, and each counts as departed from its server until it is placed there again."""
+        for problem, server_id in self._problem_to_server.items():
+            self._departed.setdefault(server_id, set()).add(problem)
         self._problem_to_server.clear()
         return super().clear_sticky_cache()
 
