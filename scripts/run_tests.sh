@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the test suite against real services: installs Prometheus, prepares the model once, starts the local
+# Runs the test suite against real services: installs Prometheus and Alertmanager, prepares the model once, starts the local
 # Kafka broker, the three-broker cluster and a TLS + SASL broker, runs pytest, and always stops the brokers (even when tests fail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
