@@ -4,7 +4,10 @@
 # (cu130), vLLM 0.24.0, flash-attn 2.8.3, Python 3.12, and verl's dependency closure with verl itself
 # uninstalled. verl 0.9.1 pins vllm==0.24.0, so the trainer, its rollout servers and the DAS proposer run on the
 # exact stack verl was released and tested against (vllm/vllm-openai lacks verl's training dependencies).
-FROM verlai/verl:vllm024.dev2
+# Pinned by digest (the tag is mutable): the digest public projects record for verlai/verl:vllm024.dev2. Another
+# base, or a re-pinned one, comes in as a build argument (DAS_BASE_IMAGE, docs/deployment.md#the-image).
+ARG DAS_BASE_IMAGE=verlai/verl:vllm024.dev2@sha256:b867883b0dd011363e69ab2ab344922a28c5bd0409e2a324e3ee70fb27ca7543
+FROM ${DAS_BASE_IMAGE}
 
 WORKDIR /opt/das
 # What the base ships becomes a hard constraint: torch, vLLM, flash-attn and their CUDA libraries are built

@@ -1,13 +1,15 @@
-"""What a drafting vLLM server pays to load the node's history at start, at scale (issue 37, item 6).
+"""What a drafting vLLM server pays to load the node's history, at scale (issue 37, item 6).
 
     python scripts/history_load_scale.py --tokens 10000000 --servers 4 --out /tmp/das-scale
 
 Writes synthetic rollouts (pipeline/synthetic.py) with at least `--tokens` response tokens into a RocksDB history
-store, then, each in a fresh process, loads into a ProblemIndex what a server loads:
-- `all`: every problem (what the proposer does today with DAS_HISTORY_DIR);
-- `routed`: the problems one of `--servers` servers gets under problem-keyed routing (every servers-th problem),
-  loaded from the same store: the cost a server would pay if it loaded only its routed problems.
-Prints JSON: tokens, load seconds, resident memory added (bytes and bytes per loaded token) for each.
+store, then, each in a fresh process, opens it as a drafting server does: a real `DasProposer` on the store as
+its replica (`DAS_HISTORY_DIR`), timing `load_model` (the open) and the resident memory it adds:
+- `eager` (`DAS_HISTORY_LOAD=eager`): every problem's tree at start;
+- `lazy` (the default): the bookkeeping and the global tree at start, then the trees of the problems one of
+  `--servers` servers gets under problem-keyed routing (every servers-th problem), each built as its first
+  request would build it (`prefetch` of one problem at a time, timed: what a first request adds to its step).
+Prints JSON: tokens, seconds, resident memory added (bytes and bytes per token) for each.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -45,32 +48,60 @@ def build(out: Path, tokens: int, problems: int) -> dict[str, int]:
     return {"records": count, "response_tokens": written, "problems": problems}
 
 
-def load(store_dir: Path, servers: int, part: str) -> dict[str, float]:
-    from history_store.automaton.problem_index import ProblemIndex
-    from history_store.durable.store import HistoryStore
+def load(store_dir: Path, servers: int, mode: str) -> dict[str, object]:
+    import os
 
-    index = ProblemIndex(window_epochs=3)
+    os.environ.update(
+        DAS_HISTORY_DIR=str(store_dir),
+        DAS_SECONDARY_DIR=str(store_dir.parent / f".scale-secondary-{mode}"),
+        DAS_HISTORY_LOAD=mode,
+        DAS_WINDOW_EPOCHS="3",
+    )
+    from workers.generator.proposer import DasProposer
+
+    proposer = DasProposer.standalone(
+        k=8, max_model_len=32768
+    )  # compiles its kernels before the clock starts
+    index = proposer.index
     before = _rss_bytes()
     started = time.perf_counter()
-    with HistoryStore.open_secondary(store_dir, store_dir.parent / f".scale-secondary-{part}") as reader:
-        keys = [t.key for t in reader.iter_trajectories()]
-        if part == "routed":
-            keys = [k for k in keys if int(k[0].rsplit("-", 1)[1]) % servers == 0]
-        records = [r for r in (reader.get(*k) for k in keys) if r is not None]
-        index.add_trajectories(
-            (r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids) for r in records
+    proposer.load_model()
+    result: dict[str, object] = {"open_seconds": round(time.perf_counter() - started, 2)}
+    opened = _rss_bytes()
+    result["open_rss_added_bytes"] = opened - before
+    problems = index.problem_ids()
+    if mode == "lazy":
+        routed = [p for p in problems if int(p.rsplit("-", 1)[1]) % servers == 0]
+        seconds = []
+        for problem_id in routed:
+            began = time.perf_counter()
+            proposer.prefetch([problem_id])
+            seconds.append(time.perf_counter() - began)
+        loaded = _rss_bytes()
+        built = sum(index.problem_stats(p)["tokens"] for p in routed)
+        result.update(
+            routed_problems=len(routed),
+            routed_tree_tokens=built,
+            routed_load_seconds=round(sum(seconds), 2),
+            first_request_ms={
+                "median": round(1000 * statistics.median(seconds), 1),
+                "p99": round(1000 * statistics.quantiles(seconds, n=100)[98], 1),
+                "max": round(1000 * max(seconds), 1),
+                "tokens_per_problem": round(built / max(1, len(routed))),
+            },
+            routed_rss_added_bytes=loaded - opened,
+            routed_bytes_per_token=round((loaded - opened) / max(1, built), 1),
         )
-        tokens = sum(r.response_ids.size + r.prompt_ids.size for r in records)
-        del records
-    seconds = time.perf_counter() - started
-    added = _rss_bytes() - before
-    return {
-        "problems": len(index.problem_ids()),
-        "tokens_loaded": int(tokens),
-        "seconds": round(seconds, 2),
-        "rss_added_bytes": added,
-        "bytes_per_token": round(added / max(1, tokens), 1),
-    }
+    tree_tokens = sum(index.problem_stats(p)["tokens"] for p in problems)
+    global_tokens = index.global_tree_tokens
+    result.update(
+        problems=len(problems),
+        tree_tokens=tree_tokens,
+        global_tree_tokens=global_tokens,
+        rss_added_bytes=_rss_bytes() - before,
+        bytes_per_tree_token=round((_rss_bytes() - before) / max(1, tree_tokens + global_tokens), 1),
+    )
+    return result
 
 
 def main() -> None:
@@ -79,7 +110,7 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=1000)
     parser.add_argument("--servers", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--load", choices=["all", "routed"], help=argparse.SUPPRESS)
+    parser.add_argument("--load", choices=["eager", "lazy"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     store_dir = args.out / "history"
     if args.load:
@@ -91,7 +122,7 @@ def main() -> None:
     )
     built["build_seconds"] = round(time.perf_counter() - started, 1)
     result = {"store": built, "servers": args.servers}
-    for part in ("all", "routed"):
+    for part in ("eager", "lazy"):
         child = subprocess.run(
             [
                 sys.executable,

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Runs the test suite against real services: installs Prometheus, prepares the model once, starts the local
+# Runs the test suite against real services: installs Prometheus and Alertmanager, prepares the model once, starts the local
 # Kafka broker, the three-broker cluster and a TLS + SASL broker, runs pytest, and always stops the brokers (even when tests fail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"
 
-bash scripts/install_system_deps.sh   # Debian's prometheus + promtool, for the real-Prometheus tests
+bash scripts/install_system_deps.sh   # Debian's prometheus, promtool, alertmanager, amtool: the real-monitoring tests
 das model prepare
 trap 'bash scripts/kafka.sh down' EXIT
 bash scripts/kafka.sh up

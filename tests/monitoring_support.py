@@ -53,12 +53,12 @@ T = TypeVar("T")
 
 
 def require_binary(name: str) -> str:
-    """The path of a Prometheus binary; fails (never skips) with the way to install it."""
+    """The path of a Prometheus or Alertmanager binary; fails (never skips) with the way to install it."""
     path = shutil.which(name)
     if path is None:
         pytest.fail(
-            f"`{name}` not found on PATH: these tests run a real Prometheus. Install it with "
-            "`bash scripts/install_system_deps.sh` (Debian package `prometheus`)."
+            f"`{name}` not found on PATH: these tests run a real Prometheus and Alertmanager. Install them with "
+            "`bash scripts/install_system_deps.sh` (Debian packages `prometheus`, `prometheus-alertmanager`)."
         )
     return path
 

@@ -225,6 +225,8 @@ def test_every_dependency_volume_and_config_is_defined() -> None:
         for entry in service.get("configs", []):
             assert entry["source"] in configs, f"{name} uses undefined config {entry['source']}"
     for name, config in COMPOSE.get("configs", {}).items():
+        if "content" in config:  # written by compose (from a variable): nothing to ship
+            continue
         assert (REPO / config["file"]).is_file(), f"config {name}: {config['file']} does not exist"
 
 
@@ -343,6 +345,10 @@ def test_prometheus_alertmanager_and_grafana_get_the_shipped_configuration() -> 
     assert "--config.file=/etc/alertmanager/alertmanager.yml" in SERVICES[host]["command"]
     assert any(container == port for _a, _p, container in published_ports(SERVICES[host]))
     assert yaml.safe_load((REPO / "monitoring" / "alertmanager" / "alertmanager.yml").read_text())["route"]
+    # The operator's webhook URL reaches the file the receiver reads (tests/test_monitoring_alertmanager.py).
+    mounted = {entry["target"]: entry["source"] for entry in SERVICES[host]["configs"]}
+    hook = interpolate(RAW, {**SECRETS, "DAS_ALERT_WEBHOOK_URL": "https://relay.example/das"})
+    assert hook["configs"][mounted["/etc/alertmanager/webhook-url"]]["content"] == "https://relay.example/das"
     grafana = mounts(SERVICES["grafana"])
     assert grafana["/etc/grafana/provisioning"] == "./monitoring/grafana/provisioning"
     provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "das.yml").read_text())["providers"][
@@ -641,8 +647,30 @@ def test_published_ports_bind_to_loopback_by_default_and_images_are_pinned() -> 
             assert service["build"]["dockerfile"] == "Dockerfile"
         else:
             assert re.search(r":v?\d+\.\d+\.\d+(-[\w.-]+)?$", image), f"{name}: image {image} is not pinned"
-    base = re.search(r"^FROM\s+(\S+)", (REPO / "Dockerfile").read_text(), re.MULTILINE)[1]
-    assert base == "verlai/verl:vllm024.dev2", "verl 0.9.1 pins vllm==0.24.0: verl's vLLM 0.24 image"
+
+
+def dockerfile_base(build_args: dict[str, str]) -> str:
+    """The image the Dockerfile's first FROM names, as Docker resolves it: `ARG`s declared before it (with their
+    defaults) may be substituted there, and a build argument replaces an ARG's default."""
+    text = (REPO / "Dockerfile").read_text()
+    head, _, rest = text.partition("\nFROM ")
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)$", head, re.MULTILINE))
+    values = {**defaults, **{k: v for k, v in build_args.items() if k in defaults}}
+    return re.sub(r"\$\{(\w+)\}", lambda m: values[m[1]], rest.split()[0])
+
+
+def test_the_base_image_is_pinned_by_digest_and_a_build_argument_replaces_it() -> None:
+    digest = "verlai/verl:vllm024.dev2@sha256:"
+    base = dockerfile_base({})
+    # verl 0.9.1 pins vllm==0.24.0: verl's vLLM 0.24 image, by digest (the tag is mutable).
+    assert base.startswith(digest) and re.fullmatch(r"[0-9a-f]{64}", base[len(digest) :]), base
+    # Compose builds on the same pin unless DAS_BASE_IMAGE says otherwise, and the build argument replaces it.
+    repinned = digest + "0" * 64
+    override = interpolate(RAW, {**SECRETS, "DAS_BASE_IMAGE": repinned})["services"]
+    for name, service in SERVICES.items():
+        if "build" in service:
+            assert dockerfile_base(service["build"]["args"]) == base, name
+            assert dockerfile_base(override[name]["build"]["args"]) == repinned, name
 
 
 def test_dockerfile_installs_dependencies_before_code_within_the_base_constraints() -> None:

@@ -70,3 +70,7 @@ def test_unparsable_settings_name_the_variable(monkeypatch) -> None:
     monkeypatch.setenv("DAS_BUDGET", "maybe")
     with pytest.raises(ValueError, match="DAS_BUDGET"):
         ProposerSettings.from_env()
+    monkeypatch.setenv("DAS_BUDGET", "on")
+    monkeypatch.setenv("DAS_HISTORY_LOAD", "sometimes")
+    with pytest.raises(ValueError, match="DAS_HISTORY_LOAD"):
+        ProposerSettings.from_env()

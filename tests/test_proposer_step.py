@@ -255,6 +255,7 @@ def test_a_reload_after_the_change_log_was_trimmed_drops_what_left_the_store(tmp
         store.apply(WORKLOAD.stream())
     proposer = _proposer_on(path, tmp_path, monkeypatch)
     assert proposer.index.problem_stats("problem-0")["epochs"] == [0, 1]
+    proposer.prefetch(["problem-0"])  # one tree built before the reload (the others are loaded lazily after)
     # The window shrinks to one epoch (epoch 0 leaves the store), then enough writes trim the change log past
     # what the proposer has read: it can only reload.
     with HistoryStore(path, window_epochs=1, sequence_retention=2) as store:
@@ -262,6 +263,7 @@ def test_a_reload_after_the_change_log_was_trimmed_drops_what_left_the_store(tmp
         proposer.catch_up()
         fresh = ProblemIndex(window_epochs=3)
         load_index(store, fresh)
+        proposer.prefetch([f"problem-{p}" for p in range(WORKLOAD.problems)])
     for p in range(WORKLOAD.problems):
         problem_id = f"problem-{p}"
         assert proposer.index.problem_stats(problem_id)["epochs"] == [1]

@@ -196,10 +196,20 @@ def _serve_like_vllm() -> Any:
         def __init__(self, name: str) -> None:
             self.name = name
 
+            self.rpcs: list[tuple[str, tuple]] = []
+
         async def generate(
             self, request_id: str, prompt_ids: list[int], sampling_params: dict, **_: Any
         ) -> Any:
             return TokenOutput(token_ids=[1], stop_reason="completed", extra_fields={"server": self.name})
+
+        async def collective_rpc(
+            self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+        ) -> None:
+            self.rpcs.append((method, args))
+
+        def rpcs_received(self) -> list[tuple[str, tuple]]:
+            return self.rpcs
 
     return Server
 
@@ -336,4 +346,60 @@ def test_proposer_metrics_are_discovered_on_every_node_beside_vllms_own(ray_clus
     finally:
         engine.kill()
         engine.wait()
+        ray.shutdown()
+
+
+def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_those_that_left(
+    ray_cluster,
+) -> None:
+    import ray
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from workers.verl.router import prefetch_placed
+
+    ray.init(address=ray_cluster, log_to_driver=False)
+    try:
+        server_cls = _serve_like_vllm()
+        config = OmegaConf.create(
+            {"actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}}}
+        )
+        # verl's default router, then the plugin named by the YAML.
+        for router_path in (None, str(REPO / "examples/verl/das_router.yaml")):
+            servers = {f"server-{i}": server_cls.remote(f"server-{i}") for i in range(2)}
+            router = get_router_handle(dict(servers), router_config_path=router_path)
+            client = LLMServerClient(config, load_balancer_handle=router)
+            placement = asyncio.run(_route(client, problems=6, samples=2, passes=1))
+            # The next step's batch: the placed problems (one per sample row), one new problem, a row without one.
+            rows = [pid for pid in placement for _ in range(2)] + ["new-problem", None]
+            asked = prefetch_placed(router, rows)
+            received = {sid: ray.get(server.rpcs_received.remote()) for sid, server in servers.items()}
+            if router_path is None:  # verl's router places no problems: nothing to prefetch
+                assert asked == 0 and all(not rpcs for rpcs in received.values())
+                continue
+            expected = defaultdict(list)
+            for pid, ids in placement.items():
+                expected[ids[0]].append(pid)
+            assert asked == len(expected) == 2
+            assert received == {sid: [("das_prefetch", (problems,))] for sid, problems in expected.items()}
+
+            def move_off_its_server(balancer: Any, problem: str) -> tuple[str, str]:
+                """In the router actor: other requests load the problem's server, so its next request moves."""
+                home = balancer._problem_to_server[problem]
+                balancer._inflight_requests[home] += 100
+                params = {"extra_args": {"das_problem_id": problem}}
+                new, _ = balancer.acquire_server("moving", sampling_params=params)
+                balancer.release_server(new, "moving")
+                balancer._inflight_requests[home] -= 100
+                return home, new
+
+            moved = next(iter(placement))
+            home, new = ray.get(router.__ray_call__.remote(move_off_its_server, moved))
+            assert home != new
+            prefetch_placed(router, [moved])
+            # The server it left drops its tree; the one it moved to builds it.
+            assert ray.get(servers[home].rpcs_received.remote())[-1] == ("das_release", ([moved],))
+            assert ray.get(servers[new].rpcs_received.remote())[-1] == ("das_prefetch", ([moved],))
+    finally:
         ray.shutdown()

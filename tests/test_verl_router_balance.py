@@ -44,6 +44,8 @@ def test_a_problem_leaves_an_overloaded_server_between_groups_but_a_group_never_
     # p's next group starts on the less loaded server and stays there as a group, however loaded it gets.
     moved = [router.acquire_server(f"p2-{i}", sampling_params=_params("p"))[0] for i in range(12)]
     assert moved == [other] * 12 and router.get_status()["problems_moved"] == 1
+    # The server it left is told once (it may drop p's history tree).
+    assert router.take_departures() == [(home, ["p"])] and router.take_departures() == []
     # Within the margin a problem stays put (its server is now the busier one by 2, the minimum is 2).
     for i in range(12):
         router.release_server(other, f"p2-{i}")
@@ -52,6 +54,26 @@ def test_a_problem_leaves_an_overloaded_server_between_groups_but_a_group_never_
     router._inflight_requests[home] = 1
     router._inflight_requests[other] = 3
     assert router.acquire_server("p3-0", sampling_params=_params("p"))[0] == other
+
+
+def test_a_problem_that_moves_back_is_released_only_where_it_no_longer_is() -> None:
+    router = ProblemAffinityLoadBalancer({"a": "a", "b": "b"}, {"rebalance_min_requests": 2})
+    home = router.acquire_server("p-0", sampling_params=_params("p"))[0]
+    other = "b" if home == "a" else "a"
+    router.release_server(home, "p-0")
+    router._inflight_requests[home] = 10  # other problems' requests
+    assert router.acquire_server("p-1", sampling_params=_params("p"))[0] == other
+    router.release_server(other, "p-1")
+    router._inflight_requests.update({home: 0, other: 10})
+    assert router.acquire_server("p-2", sampling_params=_params("p"))[0] == home
+    assert router.take_departures() == [(other, ["p"])]
+    # verl's rebalance forgets every placement: a problem placed afresh elsewhere leaves its old server.
+    router.acquire_server("q-0", sampling_params=_params("q"))
+    router.clear_sticky_cache()
+    router._inflight_requests.update({home: 10, other: 0})
+    assert router.acquire_server("p-3", sampling_params=_params("p"))[0] == other
+    departures = dict(router.take_departures())
+    assert "p" in departures[home] and "p" not in departures.get(other, [])
 
 
 def _server_time(lengths: list[int]) -> float:

@@ -8,12 +8,19 @@ Each request drafts from up to three trees, all in one arena, and the best-scori
      rollouts of a small model problems share phrasing and early epochs have thin history, so a
      per-problem-only drafter lost to one global tree; composing them keeps both strengths.
 A request without a problem id drafts from its own context (and the global tree).
+
+A lazy index (`lazy=True`) keeps every problem's bookkeeping (which rollouts its window holds, their lengths)
+and the global tree exactly as an eager one, but builds a problem's history tree only once it is made resident
+(`make_resident`, with the rollouts' tokens fetched from the store): a server behind problem-keyed routing then
+holds the trees of the problems routed to it, not of the whole history. Resident trees are built from the same
+rollouts under the same sequence ids as the eager index's (whose removals rebuild from the survivors in id
+order), so they draft the same.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,9 +143,10 @@ class ProblemIndex:
         use_global: bool = True,
         live_scope: str = "problem",
         draft_threads: int = 1,
+        lazy: bool = False,
     ) -> None:
         """draft_threads: threads a step's drafting may use, as granted by `usable_draft_threads` (the drafts
-        are the same on any number)."""
+        are the same on any number). lazy: build history trees only for problems made resident."""
         if window_epochs < 1:
             raise ValueError(f"window_epochs must be >= 1, got {window_epochs}")
         self.window_epochs = window_epochs
@@ -151,6 +159,8 @@ class ProblemIndex:
         self.live_scope = live_scope
         self.forest = SuffixForest()
         self._problems: dict[str, _Problem] = {}
+        # Problems whose history tree is built; None: every problem's (an eager index).
+        self._resident: set[str] | None = set() if lazy else None
         self._global = SuffixTree(self.config, self.forest) if use_global and global_tokens > 0 else None
         self._global_seq: dict[tuple[str, int, int], int] = {}  # trajectory key -> seq id
         self._global_fifo: deque[tuple[tuple[str, int, int], int]] = deque()  # (key, tokens), arrival order
@@ -242,7 +252,7 @@ class ProblemIndex:
         tokens = np.concatenate([prompt[-self.config.max_depth :], response])
         seq_id = problem.next_seq
         problem.next_seq += 1
-        if self.use_history:
+        if self._builds(problem_id):
             problem.tree.extend(seq_id, tokens)
             problem.tree.invalidate_matches()
         problem.seq_of[(epoch, sample)] = seq_id
@@ -265,7 +275,7 @@ class ProblemIndex:
             seq_ids = [problem.seq_of.pop(key) for key in gone]
             for key in gone:
                 del problem.lengths[key]
-            if self.use_history:
+            if self._builds(problem_id):
                 problem.tree.remove_many(seq_ids)
             # An evicted rollout must never be drafted again, from the global tree either.
             self._drop_global((problem_id, e, s) for e, s in gone)
@@ -287,7 +297,7 @@ class ProblemIndex:
             return False
         seq_id = problem.seq_of.pop((epoch, sample))
         del problem.lengths[(epoch, sample)]
-        if self.use_history:
+        if self._builds(problem_id):
             problem.tree.remove(seq_id)
         self._drop_global([(problem_id, epoch, sample)])
         return True
@@ -295,8 +305,8 @@ class ProblemIndex:
     def clear_history(self) -> None:
         """Forgets every rollout (problem and global trees), keeping live requests: before reloading a store
         whose change log a reader can no longer follow."""
-        for problem in self._problems.values():
-            if self.use_history:
+        for problem_id, problem in self._problems.items():
+            if self._builds(problem_id):
                 problem.tree.remove_many(list(problem.tree.seq_ids))
             problem.seq_of.clear()
             problem.lengths.clear()
@@ -306,6 +316,60 @@ class ProblemIndex:
         self._global_seq.clear()
         self._global_fifo.clear()
         self._global_newest = -1
+
+    def _builds(self, problem_id: str) -> bool:
+        """Whether the problem's history tree holds its window (not for a lazy index's other problems)."""
+        return self.use_history and (self._resident is None or problem_id in self._resident)
+
+    def is_resident(self, problem_id: str) -> bool:
+        """Whether the problem's history tree is built (always, in an eager index)."""
+        return self._resident is None or problem_id in self._resident
+
+    def make_resident(
+        self, problem_id: str, fetch: Callable[[str, int, int], tuple[np.ndarray, np.ndarray] | None]
+    ) -> int:
+        """Builds a lazy index's history tree of `problem_id` from the rollouts its window holds, whose
+        (prompt, response) tokens `fetch(problem_id, epoch, sample)` returns (None: the store no longer has
+        it; the rollout then leaves the window, as when the store quarantines it). Returns the tokens added
+        (0 when it was resident already or has no history)."""
+        if self.is_resident(problem_id):
+            return 0
+        self._resident.add(problem_id)  # type: ignore[union-attr]  # is_resident is True without the set
+        problem = self._problems.get(problem_id)
+        if problem is None:
+            return 0  # its rollouts, when they come, go into the tree as for any resident problem
+        before = problem.tree.num_tokens
+        for (epoch, sample), seq_id in sorted(problem.seq_of.items(), key=lambda item: item[1]):
+            tokens = fetch(problem_id, epoch, sample)
+            if tokens is None:
+                del problem.seq_of[(epoch, sample)], problem.lengths[(epoch, sample)]
+                self._drop_global([(problem_id, epoch, sample)])
+                continue
+            prompt, response = tokens
+            if self.use_history:
+                problem.tree.extend(seq_id, np.concatenate([prompt[-self.config.max_depth :], response]))
+        problem.tree.invalidate_matches()
+        return problem.tree.num_tokens - before
+
+    def release(self, problem_id: str) -> int:
+        """Drops a lazy index's history tree of `problem_id` (its bookkeeping and global rollouts stay), unless a
+        live request drafts from it; `make_resident` builds it again, the same. Returns the tokens dropped."""
+        if self._resident is None or problem_id not in self._resident:
+            return 0
+        if any(req.problem_id == problem_id for req in self._requests.values()):
+            return 0
+        self._resident.discard(problem_id)
+        problem = self._problems.get(problem_id)
+        if problem is None:
+            return 0
+        tokens = problem.tree.num_tokens
+        problem.tree.remove_many(problem.tree.seq_ids)
+        return tokens
+
+    @property
+    def global_tree_tokens(self) -> int:
+        """Tokens the global tree holds (0 without one)."""
+        return self._global.num_tokens if self._global is not None else 0
 
     def global_keys(self) -> list[tuple[str, int, int]]:
         """Trajectory keys in the global tree, oldest first (the order its token cap drops them in)."""

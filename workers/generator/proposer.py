@@ -34,7 +34,12 @@ History freshness:
   when it finishes (adding is idempotent by key, so the later push changes nothing).
 - distributed: with `DAS_HISTORY_DIR` set, the proposer opens the node's history replica (RocksDB) as a
   secondary instance, loads it at start and catches up between steps (at most every
-  `DAS_CATCH_UP_INTERVAL_S`), extending and evicting its trees incrementally.
+  `DAS_CATCH_UP_INTERVAL_S`), extending and evicting its trees incrementally. With `DAS_HISTORY_LOAD=lazy`
+  (the default) the start loads every problem's bookkeeping and the global tree, and a problem's history tree
+  is built from the replica when its first request arrives, or earlier through `das_prefetch` (verl's managers
+  send each server the problems of the step that the router placed there, and `das_release` to the server a
+  problem moved away from): behind problem-keyed routing a server holds the trees of its own problems only, and
+  drafts exactly as if it had loaded them all.
 
 Nothing a request carries can crash the engine: malformed `extra_args` give one warning and own-context
 drafting; an unexpected error in drafting is logged, counted, and that step drafts nothing.
@@ -117,6 +122,8 @@ class ProposerSettings:
     # Secondary catch-up costs a RocksDB manifest read (~1 ms): a few per second keep history fresher than the
     # one-second freshness target without taxing every step.
     catch_up_interval_s: float = 0.2
+    # `lazy`: build a problem's history tree on its first request (or prefetch); `eager`: all at start.
+    history_load: str = "lazy"
     # Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the drafts do not
     # depend on it. One unless asked: more helped only on a machine measured here, and hurt in vLLM's CPU engine.
     draft_threads: int = 1
@@ -132,6 +139,9 @@ class ProposerSettings:
         budget = os.environ.get("DAS_BUDGET", "on").lower()
         if budget not in ("on", "off"):
             raise ValueError(f"DAS_BUDGET must be 'on' or 'off', got {budget!r}")
+        history_load = os.environ.get("DAS_HISTORY_LOAD", "lazy").lower()
+        if history_load not in ("lazy", "eager"):
+            raise ValueError(f"DAS_HISTORY_LOAD must be 'lazy' or 'eager', got {history_load!r}")
         return cls(
             budget=budget == "on",
             window_epochs=int(_env_float("DAS_WINDOW_EPOCHS", 3)),
@@ -141,6 +151,7 @@ class ProposerSettings:
             max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", cls.max_spec_offset),
             history_dir=os.environ.get("DAS_HISTORY_DIR") or None,
             catch_up_interval_s=_env_float("DAS_CATCH_UP_INTERVAL_S", 0.2),
+            history_load=history_load,
             draft_threads=_env_threads("DAS_DRAFT_THREADS"),
         )
 
@@ -249,6 +260,8 @@ class DasProposer:
             window_epochs=self.settings.window_epochs,
             config=self.draft_config,
             draft_threads=self.settings.draft_threads,
+            # Only a replica can supply a problem's history later; embedded histories are pushed whole.
+            lazy=self.settings.history_dir is not None and self.settings.history_load == "lazy",
         )
         self.runner: Any = None
         # Where step times come from: the verifier's step is the interval from one return to the next call.
@@ -264,6 +277,12 @@ class DasProposer:
         self._warned: set[str] = set()
         self._replica: Any = None
         self._next_catch_up = 0.0
+        # Problems whose history trees were built on demand (those with history), the tokens and seconds that
+        # took, and the longest single build (what a first request of a problem may add to its decode step).
+        self._loaded_problems = 0
+        self._loaded_tokens = 0
+        self._load_seconds = 0.0
+        self._load_seconds_max = 0.0
         if self.drafting:  # the other tensor-parallel ranks never draft: nothing to compile there
             self._new_step_state(publish=False)
             self._warm_up()
@@ -348,6 +367,12 @@ class DasProposer:
         out["drafting_rank"] = self.drafting
         out["policy"] = self.policy.snapshot()
         out["history_problems"] = len(self.index.problem_ids())
+        out["history_loads"] = {
+            "problems": self._loaded_problems,
+            "tokens": self._loaded_tokens,
+            "seconds": self._load_seconds,
+            "max_seconds": self._load_seconds_max,
+        }
         return out
 
     # ------------------------------------------------------------------ history
@@ -390,6 +415,37 @@ class DasProposer:
         self._replica = HistoryStore.open_secondary(path, secondary)
         load_index(self._replica, self.index)
         self._relearn_lengths()
+
+    def prefetch(self, problem_ids: Sequence[str]) -> int:
+        """Builds the history trees of problems whose requests are coming (a lazy load's first request then
+        finds them ready); returns the tokens added. Problems without history, or resident already, cost
+        nothing; without a replica (or with an eager load) it does nothing."""
+        return sum(self._make_resident(p) for p in problem_ids)
+
+    def release(self, problem_ids: Sequence[str]) -> int:
+        """Drops the history trees of problems that moved to another server (a problem with a live request here
+        keeps its tree); a later request builds them again. Returns the tokens dropped."""
+        self._stale()
+        return sum(self.index.release(p) for p in problem_ids)
+
+    def _make_resident(self, problem_id: str) -> int:
+        if self._replica is None or self.index.is_resident(problem_id):
+            return 0
+        self._stale()
+        started = time.perf_counter()
+        replica = self._replica
+
+        def fetch(pid: str, epoch: int, sample: int) -> tuple[np.ndarray, np.ndarray] | None:
+            record = replica.get(pid, epoch, sample)
+            return None if record is None else (record.prompt_ids, record.response_ids)
+
+        tokens = self.index.make_resident(problem_id, fetch)
+        seconds = time.perf_counter() - started
+        self._loaded_problems += tokens > 0
+        self._loaded_tokens += tokens
+        self._load_seconds += seconds
+        self._load_seconds_max = max(self._load_seconds_max, seconds)
+        return tokens
 
     def _relearn_lengths(self) -> None:
         """The budget's length predictions from what the index holds (after a load from the replica)."""
@@ -624,6 +680,9 @@ class DasProposer:
         max_tokens = getattr(sampling, "max_tokens", None)
         # What it may commit: a step that meets a request outgrowing its token segment stops to move it.
         expected = min(prompt_len + int(max_tokens or self.max_model_len), self.max_model_len)
+        if problem_id is not None:
+            # Its history tree, built from the replica now if no prefetch did (a lazy load's first request).
+            self._make_resident(problem_id)
         slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len], expected)
         self.policy.start(slot, problem_id, expected - prompt_len)
         self._live[key] = _Live(
@@ -710,6 +769,14 @@ class DasWorkerExtension:
     def das_add_trajectories(self, records: list[dict[str, Any]]) -> int:
         """Adds finished trajectories to the proposer's history; returns how many were new."""
         return self._das().add_trajectories(records)
+
+    def das_prefetch(self, problem_ids: list[str]) -> int:
+        """Builds the history trees of problems about to be requested (`DasProposer.prefetch`)."""
+        return self._das().prefetch(problem_ids)
+
+    def das_release(self, problem_ids: list[str]) -> int:
+        """Drops the history trees of problems that moved away (`DasProposer.release`)."""
+        return self._das().release(problem_ids)
 
     def das_evict(self, problem_id: str, min_epoch: int) -> int:
         """Evicts a problem's history epochs below `min_epoch`; returns how many trajectories left."""

@@ -29,6 +29,7 @@ from workers.verl.identity import (
     BatchAnnotator,
     ledger_from_config,
 )
+from workers.verl.router import prefetch_placed
 from workers.verl.stats import das_stats, router_servers
 
 _ROW_FIELDS = ("data_source", "extra_info", "raw_prompt")
@@ -66,6 +67,7 @@ class DasAgentLoopManager(AgentLoopManager):
     async def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Annotates the batch, then runs verl's dispatch to the agent loop workers."""
         annotate(prompts, self.das)
+        prefetch_placed(self.llm_client._load_balancer, prompts.non_tensor_batch[PROBLEM_FIELD])
         return await super().generate_sequences(prompts)
 
     def das_stats(self) -> list[list[dict]]:

@@ -25,6 +25,7 @@ from workers.verl.identity import (
     BatchAnnotator,
     ledger_from_config,
 )
+from workers.verl.router import prefetch_placed
 from workers.verl.stats import das_stats, router_servers
 
 _ROW_FIELDS = ("data_source", "extra_info", "raw_prompt")
@@ -65,6 +66,7 @@ class DasAgentLoopManagerTQ(AgentLoopManagerTQ):
     def generate_sequences(self, prompts: TensorDict) -> None:
         """Annotates the batch, then dispatches it to verl's agent loop workers."""
         annotate_tq(prompts, self.das, int(self.rollout_config.n))
+        prefetch_placed(self.llm_client._load_balancer, tu.get(prompts, PROBLEM_FIELD))
         super().generate_sequences(prompts)
 
     def das_stats(self) -> list[list[dict]]:

@@ -11,14 +11,22 @@ finds its server more than `rebalance_margin` x the mean load (and at least `reb
 least-loaded one, it moves there, for good. A group in flight never splits. Requests without a problem id fall
 back to verl's own sticky + least-loaded rule.
 
+The router also tells which server holds which problem (`placements`): at the start of each rollout step DAS's
+agent loop managers send each server the step's problems placed on it (`prefetch_placed`, the proposer's
+`das_prefetch`), so a server that loads history lazily has their trees built before their requests arrive, and
+the servers problems moved off since the last step the list of them (`take_departures`, the proposer's
+`das_release`), so a server holds the trees of its current problems only.
+
 Selected through verl's router plugin hook, `actor_rollout_ref.rollout.router_config_path`, pointing at a YAML
 with `router_class: workers.verl.router.ProblemAffinityLoadBalancer` (`examples/verl/das_router.yaml`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import ray
 from cachetools import LRUCache
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
@@ -59,6 +67,8 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         self._problem_inflight: dict[str, int] = {}
         self._request_problem: dict[str, str] = {}
         self.moves = 0
+        # Problems that moved off each server since `take_departures` (the server may drop their trees).
+        self._departed: dict[str, set[str]] = {}
 
     def require_acquire_fields(self) -> list[str]:
         """verl serializes these `generate()` arguments into `acquire_server`."""
@@ -86,11 +96,15 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         if server_id in self._inflight_requests and (in_flight or not self._overloaded(server_id)):
             self._inflight_requests[server_id] += 1
         else:
-            self.moves += server_id in self._inflight_requests
+            left = server_id if server_id in self._inflight_requests else None
             # A fresh request id: verl's rule must not return a sticky server this request had before.
             self._request_id_to_server.pop(request_id, None)
             server_id, _ = super().acquire_server(request_id)
             self._problem_to_server[problem] = server_id
+            if left is not None:
+                self.moves += 1
+                self._departed.setdefault(left, set()).add(problem)
+            self._departed.get(server_id, set()).discard(problem)  # back where it had left: it stays
         self._problem_inflight[problem] = in_flight + 1
         self._request_problem[request_id] = problem
         return server_id, self._servers[server_id]
@@ -104,9 +118,31 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
                 self._problem_inflight[problem] = left
         super().release_server(server_id, request_id)
 
+    def placements(self, problem_ids: Sequence[str]) -> list[tuple[Any, list[str]]]:
+        """The servers in the pool that the given problems are placed on, each with its problems (problems not
+        placed yet are left out): where their requests will go unless a server is overloaded by then."""
+        by_server: dict[str, list[str]] = {}
+        for problem in dict.fromkeys(problem_ids):
+            server_id = self._problem_to_server.get(problem)
+            if server_id in self._inflight_requests:
+                by_server.setdefault(server_id, []).append(problem)
+        return [(self._servers[server_id], problems) for server_id, problems in by_server.items()]
+
+    def take_departures(self) -> list[tuple[Any, list[str]]]:
+        """The servers in the pool that problems moved off since the last call, each with those problems (not
+        placed back there since); forgets them."""
+        departed, self._departed = self._departed, {}
+        return [
+            (self._servers[server_id], sorted(problems))
+            for server_id, problems in departed.items()
+            if problems and server_id in self._inflight_requests
+        ]
+
     def clear_sticky_cache(self) -> dict:
         """verl clears stickiness when it rebalances (phase switches, elastic scaling): problems are placed
-        afresh too."""
+        afresh too, and each counts as departed from its server until it is placed there again."""
+        for problem, server_id in self._problem_to_server.items():
+            self._departed.setdefault(server_id, set()).add(problem)
         self._problem_to_server.clear()
         return super().clear_sticky_cache()
 
@@ -115,3 +151,30 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         status["problems_placed"] = len(self._problem_to_server)
         status["problems_moved"] = self.moves
         return status
+
+
+def _step_plan(balancer: Any, problem_ids: list[str]) -> tuple[list, list]:
+    """Runs inside the router actor: (departures, placements) of a router that places problems, else none."""
+    if not hasattr(balancer, "placements"):  # verl's own routers
+        return [], []
+    return balancer.take_departures(), balancer.placements(problem_ids)
+
+
+def prefetch_placed(load_balancer: Any, problem_ids: Iterable[str | None]) -> int:
+    """Asks each server to build the history trees of the problems the router placed on it (the proposer's
+    `das_prefetch`), and the servers problems moved off to drop theirs (`das_release`), without waiting; returns
+    how many servers were asked to prefetch. Problems new to the router load on their first request instead;
+    verl's own routers place no problems, so nothing is sent.
+
+    Args:
+        load_balancer: the router actor handle of verl's LLM server client (`llm_client._load_balancer`).
+        problem_ids: a batch's problem ids, one per row (None for a row without one).
+    """
+    wanted = [p for p in dict.fromkeys(problem_ids) if isinstance(p, str)]
+    departures, placed = ray.get(load_balancer.__ray_call__.remote(_step_plan, wanted))
+    # Fire and forget: each engine runs them between steps, and the step's requests must not wait here.
+    for server, problems in departures:
+        server.collective_rpc.remote("das_release", args=(problems,))
+    for server, problems in placed:
+        server.collective_rpc.remote("das_prefetch", args=(problems,))
+    return len(placed)
