@@ -425,13 +425,11 @@ class DasProposer:
     def release(self, problem_ids: Sequence[str]) -> int:
         """Drops the history trees of problems that moved to another server (a problem with a live request here
         keeps its tree); a later request builds them again. Returns the tokens dropped."""
-        self._stale()
         return sum(self.index.release(p) for p in problem_ids)
 
     def _make_resident(self, problem_id: str) -> int:
         if self._replica is None or self.index.is_resident(problem_id):
             return 0
-        self._stale()
         started = time.perf_counter()
         replica = self._replica
 
