@@ -133,7 +133,7 @@ def test_queued_requests_are_tail_candidates_in_the_budget_weights():
     assert (policy._value < alone).all()
 
 
-def test_the_predictor_ranks_longest_first_under_the_cap_and_ties_keep_the_given_order():
+def test_the_predictor_expects_lengths_under_the_cap_from_history_and_the_pool():
     predictor = LengthPredictor(max_tokens=100)
     assert predictor.priorities(["a", "b", None]) == [0, 1, 2]  # nothing known: submission order
     for length in (20, 30):
@@ -142,7 +142,25 @@ def test_the_predictor_ranks_longest_first_under_the_cap_and_ties_keep_the_given
         predictor.observe("b", length)  # capped at 100: mean 55
     # Problems without history get every problem's lengths (the pool), capped too: (20 + 30 + 100 + 10) / 4.
     assert predictor.predict(["a", "b", "new"]).tolist() == [25.0, 55.0, 40.0]
-    assert predictor.priorities(["a", "b", "new", "b"]) == [3, 0, 2, 1]
+
+
+def test_the_order_separates_only_problems_the_evidence_separates_and_keeps_fcfs_within_ties():
+    greedy = LengthPredictor()
+    for problem, length in (("short", 40), ("mid", 60), ("long", 190)):
+        greedy.observe(problem, length)
+    # One length each and no spread known (greedy decoding): every difference separates, longest first.
+    assert greedy.priorities(["short", "mid", "long"]) == [2, 1, 0]
+    sampled = LengthPredictor()
+    rng = np.random.default_rng(0)
+    # Within a problem samples spread (sd 60) far more than these means differ (100, 110, 120), except "tail".
+    for problem, mean in (("a", 100), ("b", 110), ("c", 120), ("tail", 300)):
+        for length in rng.normal(mean, 60, 24).round():
+            sampled.observe(problem, int(max(length, 1)))
+    assert sampled.blocks(["a", "b", "c", "tail"]).tolist() == [1, 1, 1, 0]
+    # The separated long problem first; the three that tie keep their submission order, whatever their means;
+    # a problem without history ties with them (its mean is the pool's).
+    assert sampled.priorities(["c", "a", "new", "tail", "b"]) == [1, 2, 3, 0, 4]
+    assert sampled.priorities(["a", "b", "c"]) == [0, 1, 2]
 
 
 def test_slot_settings_parse_and_name_themselves():

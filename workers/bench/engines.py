@@ -6,8 +6,9 @@ fleet; `EpochSchedule` runs one epoch of it for `replay.simulate`, which asks it
 running rows (`next_step`) and tells it which finished (`finish`).
 
 - Orders: `fcfs` is verl's layout (problem-major, a problem's samples consecutive), `random` a seeded
-  shuffle of it, `predicted` DAS's length prediction (`workers.rollout.priority.LengthPredictor`: history, the
-  cap, this epoch's finished siblings), `oracle` the true length (longest first: the
+  shuffle of it, `predicted` DAS's length prediction (`workers.rollout.priority.LengthPredictor`: history and the
+  cap; problems whose expected lengths the evidence separates run longest first, fcfs within ties; fixed when
+  the epoch is submitted, as vLLM fixes a request's priority), `oracle` the true length (longest first: the
   bound an order can reach).
 - Routers (with `engines` > 1): `round-robin` is verl's (its least-loaded router sees all of a step's requests
   at once, so they alternate), `problem` DAS's problem-keyed routing (`workers.verl.router`): a problem's
@@ -129,6 +130,13 @@ class EpochSchedule:
         engine_of = self._route(layout, predicted)
         if spec.order == "random":
             layout = [layout[i] for i in fleet.rng.permutation(len(layout))]
+        elif spec.order == "predicted":
+            # Fixed at submission, as vLLM takes a request's priority: blocks of separated problems longest
+            # first, the layout within a block.
+            blocks = fleet.predictor.blocks([problems[i] for i in layout])
+            layout = [layout[j] for j in np.argsort(blocks, kind="stable")]
+        elif spec.order == "oracle":
+            layout.sort(key=lambda i: -lengths[i])
         # Rows that produce nothing never occupy a slot (as in the unlimited replay).
         self.queues = [
             [i for i in layout if engine_of[i] == e and lengths[i] > 0] for e in range(spec.engines)
@@ -166,13 +174,6 @@ class EpochSchedule:
         free = self.slots - self.running[engine].shape[0]
         if free <= 0 or not queue:
             return
-        order = self.fleet.spec.order
-        if order == "oracle":
-            queue.sort(key=lambda i: -self.lengths[i])
-        elif order == "predicted":
-            # Re-ranked at every admission: siblings that finished since are evidence.
-            keys = self.fleet.predictor.predict([self.problems[i] for i in queue])
-            queue[:] = [queue[j] for j in np.argsort(-keys, kind="stable")]
         admitted, self.queues[engine] = queue[:free], queue[free:]
         self.running[engine] = np.concatenate([self.running[engine], np.array(admitted, np.int64)])
 
