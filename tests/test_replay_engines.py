@@ -105,14 +105,14 @@ def test_problem_routing_keeps_a_group_together_within_the_load_bound():
         for _ in range(4):
             fleet.predictor.observe(p, 100 if p == "a" else 10)
     problems = [p for p in ("a", "b", "c", "d") for _ in range(2)]
-    schedule = fleet.epoch(problems, np.full(8, 5))
+    schedule = fleet.epoch(problems, np.full(8, 5), np.full(8, 3), np.zeros(8, np.int64))
     engine_of = {i: e for e, q in enumerate(schedule.queues) for i in q}
     for p in ("a", "b", "c", "d"):
         rows = [i for i, q in enumerate(problems) if q == p]
         assert len({engine_of[i] for i in rows}) == 1  # a problem's group on one engine
     # "a" (predicted 10x longer) alone on one engine, the three short groups on the other.
     assert engine_of[0] != engine_of[2] == engine_of[4] == engine_of[6]
-    again = fleet.epoch(problems, np.full(8, 5))
+    again = fleet.epoch(problems, np.full(8, 5), np.full(8, 3), np.zeros(8, np.int64))
     assert {i: e for e, q in enumerate(again.queues) for i in q} == engine_of  # sticky across epochs
 
 
@@ -206,7 +206,7 @@ def test_replay_command_reports_every_order_and_strategy_with_the_oracle_share(t
     )
     assert share == pytest.approx(expected, abs=1e-4)
     assert set(block["das_change"]["default"]["fcfs"]) == {"none"}
-    assert result["fleet"] == {"engines": 1, "router": "round-robin", "seed": 0}
+    assert result["fleet"] == {"engines": 1, "router": "round-robin", "seed": 0, "kv_tokens": None}
 
 
 def test_a_bad_slot_setting_is_one_line(tmp_path, capsys):

@@ -80,6 +80,13 @@ def register(cli) -> None:
         default="round-robin",
         help="how requests are spread over --engines: verl's round-robin or DAS's problem-keyed routing",
     )
+    parser.add_argument(
+        "--kv-tokens",
+        type=POSITIVE,
+        default=None,
+        help="KV cache per engine in tokens (with --max-num-seqs): a request holds its prompt and generated "
+        "tokens; when they do not fit the engine preempts as vLLM does and the request recomputes later",
+    )
     parser.add_argument("--order-seed", type=NON_NEGATIVE, default=0, help="seed of the random order")
     parser.add_argument(
         "--jobs", type=POSITIVE, default=1, help="replays run at a time with --max-num-seqs (processes)"
@@ -108,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         all_matches=not args.longest_match,
     )
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
+    if args.kv_tokens is not None and args.max_num_seqs is None:
+        raise ValueError("--kv-tokens needs --max-num-seqs (use unlimited for every request at once)")
     if args.max_num_seqs is not None:
         return _run_slots(args, strategies, config, {n: presets[n] for n in names}, progress)
     result = replay.run(
@@ -129,7 +138,7 @@ def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: d
     unknown = [o for o in orders if o not in engines.ORDERS]
     if unknown or not orders or not settings:
         raise ValueError(f"unknown orders {unknown}; choose from {', '.join(engines.ORDERS)}")
-    fleet = engines.Engines(1, args.engines, orders[0], args.router, args.order_seed)
+    fleet = engines.Engines(1, args.engines, orders[0], args.router, args.order_seed, args.kv_tokens)
     result = engines.run_slots(
         args.traces,
         settings,
