@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from workers.cli.types import NON_NEGATIVE, POSITIVE, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, number
 
 
 def register(cli) -> None:
@@ -56,6 +57,13 @@ def register(cli) -> None:
         "--c-tok", type=number(0), default=3.5e-5, help="verifier cost per verified token, seconds"
     )
     parser.add_argument(
+        "--cost-model",
+        type=Path,
+        default=None,
+        help="JSON whose cost_model (c_base, c_seq, c_tok in seconds) replaces the --c-* flags: what das bench "
+        "verifier writes",
+    )
+    parser.add_argument(
         "--progress", action="store_true", help="print a line per strategy and epoch to stderr"
     )
     parser.add_argument(
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from workers.bench import replay
 
     strategies = [s.strip() for s in (args.strategies or ",".join(replay.STRATEGIES)).split(",") if s.strip()]
-    presets = replay.cost_models(replay.CostModel(args.c_base, args.c_seq, args.c_tok))
+    presets = replay.cost_models(_default_cost(args, replay.CostModel))
     names = [s.strip() for s in args.cost_models.split(",") if s.strip()]
     unknown = [n for n in names if n not in presets]
     if unknown or not names:
@@ -116,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     )
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
     if args.kv_tokens is not None and args.max_num_seqs is None:
-        raise ValueError("--kv-tokens needs --max-num-seqs (use unlimited for every request at once)")
+        raise UsageError("--kv-tokens needs --max-num-seqs (use unlimited for every request at once)")
     if args.max_num_seqs is not None:
         return _run_slots(args, strategies, config, {n: presets[n] for n in names}, progress)
     result = replay.run(
@@ -124,6 +132,24 @@ def run(args: argparse.Namespace) -> int:
     )
     print(replay.dumps(result) if args.json else replay.main_table(result))
     return 0
+
+
+def _default_cost(args: argparse.Namespace, cost_model: type):
+    """The `default` cost model: the --cost-model file's, else the --c-* flags'."""
+    if args.cost_model is None:
+        return cost_model(args.c_base, args.c_seq, args.c_tok)
+    import json
+
+    try:
+        fields = json.loads(args.cost_model.read_text())["cost_model"]
+        values = [float(fields[k]) for k in ("c_base", "c_seq", "c_tok")]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(
+            f"--cost-model {args.cost_model}: expected JSON with cost_model {{c_base, c_seq, c_tok}} ({err})"
+        ) from None
+    if min(values) < 0:
+        raise UsageError(f"--cost-model {args.cost_model}: coefficients must be >= 0, got {values}")
+    return cost_model(*values)
 
 
 def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: dict, progress) -> int:
