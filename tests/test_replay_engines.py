@@ -161,6 +161,13 @@ def test_the_order_separates_only_problems_the_evidence_separates_and_keeps_fcfs
     # a problem without history ties with them (its mean is the pool's).
     assert sampled.priorities(["c", "a", "new", "tail", "b"]) == [1, 2, 3, 0, 4]
     assert sampled.priorities(["a", "b", "c"]) == [0, 1, 2]
+    # Many problems of one length distribution: sorted, neighbours always differ a little; the family-wise
+    # test keeps them one block, so the order stays FCFS.
+    alike = LengthPredictor()
+    for p in range(24):
+        for length in rng.normal(200, 60, 24).round():
+            alike.observe(f"q{p}", int(max(length, 1)))
+    assert alike.blocks([f"q{p}" for p in range(24)]).tolist() == [0] * 24
 
 
 def test_slot_settings_parse_and_name_themselves():

@@ -9,9 +9,9 @@ mean of the problem's recent lengths, each cut at the cap.
 Within a GRPO group samples differ more than groups do, so a problem's mean is a noisy key: on the replay's
 traces even each group's true mean, known in advance, admits some epochs' tails later than the layout's
 order does. So the order is conservative (`blocks`): problems are sorted by expected length, and neighbours
-whose means are not separated by SEPARATION standard errors (of the difference, from the pooled
-within-problem spread) share a block; blocks run longest first, and within a block the submission order
-(verl's layout, FCFS) stands. With no within-problem spread (greedy decoding) every difference separates;
+whose means a two-sided z-test at a family-wise FAMILY_ERROR over all neighbouring pairs (Bonferroni) does
+not separate, with the standard error of the difference from the pooled within-problem spread, share a
+block; blocks run longest first, and within a block the submission order (verl's layout, FCFS) stands. With no within-problem spread (greedy decoding) every difference separates;
 with little history nothing does, and the order is FCFS.
 
 A request's own progress and speed exist only once it runs, and vLLM fixes a request's priority when it is
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from statistics import NormalDist
 
 import numpy as np
 
@@ -38,9 +39,8 @@ import numpy as np
 LENGTHS_PER_PROBLEM = 48
 # Recent lengths of all problems, the prediction for a problem without history.
 POOL_LENGTHS = 1024
-# Standard errors of the difference that separate two problems' means into different blocks: about a 5%
-# two-sided test per neighbouring pair.
-SEPARATION = 2.0
+# Chance that any neighbouring pair of problems with equal expected lengths is split into two blocks.
+FAMILY_ERROR = 0.05
 
 
 class LengthPredictor:
@@ -86,27 +86,28 @@ class LengthPredictor:
         return out
 
     def blocks(self, problem_ids: Sequence[str | None]) -> np.ndarray:
-        """Each request's block, 0 for the longest: the problems known to the predictor and those asked about,
-        sorted by expected length, a new block wherever two neighbours' means are separated by SEPARATION
-        standard errors. A problem without history counts as one observation at the pool's mean."""
+        """Each request's block, 0 for the longest: every problem with history, sorted by expected length, a
+        new block wherever a neighbouring pair's means differ significantly (at a family-wise FAMILY_ERROR).
+        A problem without history joins the block of the problems around the pool's mean."""
         if not self._pool:
             return np.zeros(len(problem_ids), np.int64)
-        spreads = [self._capped(v).var(ddof=1) for v in self._lengths.values() if len(v) > 1]
+        capped = {p: self._capped(v) for p, v in self._lengths.items()}
+        spreads = [v.var(ddof=1) for v in capped.values() if v.size > 1]
         within = float(np.mean(spreads)) if spreads else 0.0
-        pool = float(self._capped(self._pool).mean())
-        stats = {p: (float(self._capped(v).mean()), len(v)) for p, v in self._lengths.items()}
-        for p in problem_ids:
-            stats.setdefault(p, (pool, 1))
-        ranked = sorted(stats, key=lambda p: -stats[p][0])
+        ranked = sorted(capped, key=lambda p: -capped[p].mean())
+        separation = NormalDist().inv_cdf(1 - FAMILY_ERROR / (2 * max(len(ranked) - 1, 1)))
         block: dict[str | None, int] = {}
         current = 0
         for j, problem in enumerate(ranked):
             if j:
-                (m1, n1), (m2, n2) = stats[ranked[j - 1]], stats[problem]
-                if m1 - m2 > SEPARATION * np.sqrt(within * (1 / n1 + 1 / n2)):
+                longer, shorter = capped[ranked[j - 1]], capped[problem]
+                se = np.sqrt(within * (1 / longer.size + 1 / shorter.size))
+                if longer.mean() - shorter.mean() > separation * se:
                     current += 1
             block[problem] = current
-        return np.array([block[p] for p in problem_ids], np.int64)
+        pool = float(self._capped(self._pool).mean())
+        average = next((block[p] for p in ranked if capped[p].mean() <= pool), current)
+        return np.array([block.get(p, average) for p in problem_ids], np.int64)
 
     def priorities(self, problem_ids: Sequence[str | None]) -> list[int]:
         """vLLM priorities (lower runs first): each request's rank, blocks longest first, the given order
