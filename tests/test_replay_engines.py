@@ -70,8 +70,9 @@ def test_requests_queue_for_slots_and_every_token_is_replayed():
 
 def test_longest_first_starts_the_tail_early_and_prediction_learns_it_from_the_last_epoch():
     records = tail_last()
-    fcfs, oracle, predicted = (
-        epoch_makespans(records, "none", Engines(3, order=o)) for o in ("fcfs", "oracle", "predicted")
+    fcfs, oracle, predicted, group = (
+        epoch_makespans(records, "none", Engines(3, order=o))
+        for o in ("fcfs", "oracle", "predicted", "group-oracle")
     )
     # FCFS: the six short ones two after another on each of 3 slots, then the long pair from step 20.
     assert fcfs == [121, 121]
@@ -79,6 +80,8 @@ def test_longest_first_starts_the_tail_early_and_prediction_learns_it_from_the_l
     assert oracle == [101, 101]
     # Epoch 0 has no history: the predictor ties every request and keeps FCFS. Epoch 1 knows "long".
     assert predicted == [121, 101]
+    # Each group's true mean, known from the start: the long group first in both epochs.
+    assert group == [101, 101]
 
 
 def test_random_order_is_a_seeded_permutation():

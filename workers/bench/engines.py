@@ -8,8 +8,9 @@ running rows (`next_step`) and tells it which finished (`finish`).
 - Orders: `fcfs` is verl's layout (problem-major, a problem's samples consecutive), `random` a seeded
   shuffle of it, `predicted` DAS's length prediction (`workers.rollout.priority.LengthPredictor`: history and the
   cap; problems whose expected lengths the evidence separates run longest first, fcfs within ties; fixed when
-  the epoch is submitted, as vLLM fixes a request's priority), `oracle` the true length (longest first: the
-  bound an order can reach).
+  the epoch is submitted, as vLLM fixes a request's priority), `group-oracle` each problem's true mean length in
+  the epoch, longest first, a group's samples together (the bound a predictor of problems, not samples, can
+  reach), `oracle` the true length (longest first: the bound an order can reach).
 - Routers (with `engines` > 1): `round-robin` is verl's (its least-loaded router sees all of a step's requests
   at once, so they alternate), `problem` DAS's problem-keyed routing (`workers.verl.router`): a problem's
   whole group goes to one engine, the one it used last epoch while that engine's predicted load stays within
@@ -17,7 +18,7 @@ running rows (`next_step`) and tells it which finished (`finish`).
 - KV cache (`kv_tokens`, per engine, optional): a running request holds its prompt and generated tokens of
   KV, and each step needs one more token of room per running request. When they do not fit, the engine
   preempts as vLLM 0.32's scheduler does (`vllm/v1/core/sched/scheduler.py`): under the priority policy (the
-  `predicted` and `oracle` orders, whose ranks are vLLM priorities) the running request with the largest
+  `predicted`, `group-oracle` and `oracle` orders, whose ranks are vLLM priorities) the running request with the largest
   (priority, arrival), under FCFS (`fcfs`, `random`: the order is the arrival order) the one admitted last,
   until the rest fit. A preempted request goes back to the front of the queue (by priority under the priority
   policy), keeps the tokens it generated and recomputes its prefix (prompt and generated tokens) when it is
@@ -42,7 +43,9 @@ import numpy as np
 
 from workers.rollout.priority import LengthPredictor
 
-ORDERS = ("fcfs", "random", "predicted", "oracle")
+ORDERS = ("fcfs", "random", "predicted", "group-oracle", "oracle")
+# Orders whose ranks vLLM would take as priorities (the others are arrival orders, FCFS).
+PRIORITY_ORDERS = ("predicted", "group-oracle", "oracle")
 ROUTERS = ("round-robin", "problem")
 # How far above the mean predicted load a problem's engine may be and still keep the problem (bounded-load
 # consistent hashing's usual factor).
@@ -165,6 +168,9 @@ class EpochSchedule:
             # first, the layout within a block.
             blocks = fleet.predictor.blocks([problems[i] for i in layout])
             layout = [layout[j] for j in np.argsort(blocks, kind="stable")]
+        elif spec.order == "group-oracle":
+            means = {p: lengths[[j for j in layout if problems[j] == p]].mean() for p in first}
+            layout.sort(key=lambda i: -means[problems[i]])
         elif spec.order == "oracle":
             layout.sort(key=lambda i: -lengths[i])
         # Rows that produce nothing never occupy a slot (as in the unlimited replay).
@@ -233,7 +239,7 @@ class EpochSchedule:
         running = self.running[engine]
         if kv is None or self._held(running) + running.size <= kv:
             return False
-        priority = self.fleet.spec.order in ("predicted", "oracle")
+        priority = self.fleet.spec.order in PRIORITY_ORDERS
         queue = self.queues[engine]
         while self._held(running) + running.size > kv:
             # Priority: the largest (priority, arrival); FCFS: the one admitted last.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from workers.bench.engines import ORDERS
 from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, number
 
 
@@ -75,9 +76,10 @@ def register(cli) -> None:
     )
     parser.add_argument(
         "--order",
-        default="fcfs,random,predicted,oracle",
+        default=",".join(ORDERS),
         help="comma-separated admission orders with --max-num-seqs: fcfs (verl's layout), random, predicted "
-        "(DAS's length prediction), oracle (true length, longest first)",
+        "(DAS's length prediction), group-oracle (each problem's true mean length, groups together), oracle "
+        "(true length, longest first)",
     )
     parser.add_argument(
         "--engines", type=POSITIVE, default=1, help="engines the requests are spread over (--max-num-seqs)"
