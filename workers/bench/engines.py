@@ -152,7 +152,7 @@ class EpochSchedule:
             if longest > spec.kv_tokens:
                 raise ValueError(f"kv_tokens {spec.kv_tokens} cannot hold a request of {longest} tokens")
         # Rows preempted and not yet recomputed: their next step is a prefill of their prefix.
-        self.recompute = np.zeros(len(problems), bool)
+        self._recompute = np.zeros(len(problems), bool)
         self._prefill = np.zeros(len(problems), bool)
         # verl's layout: problems in order of first appearance, each problem's samples consecutive.
         first: dict[str, int] = {}
@@ -246,7 +246,7 @@ class EpochSchedule:
             victim = int(np.argmax(self.rank[running])) if priority else running.size - 1
             row = int(running[victim])
             running = np.delete(running, victim)
-            self.recompute[row] = True
+            self._recompute[row] = True
             if priority:
                 at = next((j for j, i in enumerate(queue) if self.rank[i] > self.rank[row]), len(queue))
                 queue.insert(at, row)
@@ -267,8 +267,8 @@ class EpochSchedule:
             if running.size:
                 # Rows back from a preemption recompute their prefix in this step.
                 self._prefill[:] = False
-                self._prefill[running] = self.recompute[running]
-                self.recompute[running] = False
+                self._prefill[running] = self._recompute[running]
+                self._recompute[running] = False
                 return self._turn, running
         return -1, np.zeros(0, np.int64)
 

@@ -9,7 +9,7 @@ the three coefficients by non-negative least squares and writes JSON that `das b
 reads (`cost_model`).
 
 The attention implementation is transformers' SDPA, not vLLM's paged kernels, and there is no CUDA graph:
-the figures bound a vLLM engine's step from above at small batches, where launch overheads dominate.
+at small batches, where launch overheads dominate, expect c_base above what a vLLM engine pays.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def measure(
     predicted = coef[0] + coef[1] * b + coef[2] * t
     return {
         "shape": shape,
+        # The fields that make a shape (those a named shape sets).
         "config": {k: v for k, v in config.to_dict().items() if k in SHAPES["qwen2.5-7b"]},
         "device": device,
         "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
