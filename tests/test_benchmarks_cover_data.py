@@ -34,3 +34,21 @@ def test_every_trace_has_its_replay_json(trace: Path) -> None:
     assert report["config"]["max_spec_factor"] == defaults.max_spec_factor
     for cost_model in report["cost_models"].values():
         assert {"none", "suffix-problem", "das", "oracle"} <= set(cost_model["strategies"])
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=lambda p: p.name)
+def test_every_trace_has_its_slot_replay_and_predicted_first_is_never_slower_than_fcfs(trace: Path) -> None:
+    stem = trace.name.removesuffix(".gz").removesuffix(".jsonl")
+    path = ROOT / "benchmarks" / f"replay_slots_{stem}.json"
+    assert path.exists(), (
+        f"{trace.name} has no {path.relative_to(ROOT)} (das bench replay {trace} --strategies "
+        "none,suffix-problem,das --cost-models default --max-num-seqs unlimited,1/4,1/16 --json)"
+    )
+    report = json.loads(path.read_text())
+    assert report["trace"] == f"data/{trace.name}"
+    assert set(report["max_num_seqs"]) == {"unlimited", "1/4", "1/16"}
+    for label in ("1/4", "1/16"):
+        table = report["max_num_seqs"][label]["makespan_s"]["default"]
+        assert {"none", "suffix-problem", "das"} <= set(table)
+        for strategy, by_order in table.items():
+            assert by_order["predicted"] <= by_order["fcfs"], (label, strategy, by_order)

@@ -70,8 +70,9 @@ def test_requests_queue_for_slots_and_every_token_is_replayed():
 
 def test_longest_first_starts_the_tail_early_and_prediction_learns_it_from_the_last_epoch():
     records = tail_last()
-    fcfs, oracle, predicted = (
-        epoch_makespans(records, "none", Engines(3, order=o)) for o in ("fcfs", "oracle", "predicted")
+    fcfs, oracle, predicted, group = (
+        epoch_makespans(records, "none", Engines(3, order=o))
+        for o in ("fcfs", "oracle", "predicted", "group-oracle")
     )
     # FCFS: the six short ones two after another on each of 3 slots, then the long pair from step 20.
     assert fcfs == [121, 121]
@@ -79,6 +80,8 @@ def test_longest_first_starts_the_tail_early_and_prediction_learns_it_from_the_l
     assert oracle == [101, 101]
     # Epoch 0 has no history: the predictor ties every request and keeps FCFS. Epoch 1 knows "long".
     assert predicted == [121, 101]
+    # Each group's true mean, known from the start: the long group first in both epochs.
+    assert group == [101, 101]
 
 
 def test_random_order_is_a_seeded_permutation():
@@ -105,14 +108,14 @@ def test_problem_routing_keeps_a_group_together_within_the_load_bound():
         for _ in range(4):
             fleet.predictor.observe(p, 100 if p == "a" else 10)
     problems = [p for p in ("a", "b", "c", "d") for _ in range(2)]
-    schedule = fleet.epoch(problems, np.full(8, 5))
+    schedule = fleet.epoch(problems, np.full(8, 5), np.full(8, 3), np.zeros(8, np.int64))
     engine_of = {i: e for e, q in enumerate(schedule.queues) for i in q}
     for p in ("a", "b", "c", "d"):
         rows = [i for i, q in enumerate(problems) if q == p]
         assert len({engine_of[i] for i in rows}) == 1  # a problem's group on one engine
     # "a" (predicted 10x longer) alone on one engine, the three short groups on the other.
     assert engine_of[0] != engine_of[2] == engine_of[4] == engine_of[6]
-    again = fleet.epoch(problems, np.full(8, 5))
+    again = fleet.epoch(problems, np.full(8, 5), np.full(8, 3), np.zeros(8, np.int64))
     assert {i: e for e, q in enumerate(again.queues) for i in q} == engine_of  # sticky across epochs
 
 
@@ -133,7 +136,7 @@ def test_queued_requests_are_tail_candidates_in_the_budget_weights():
     assert (policy._value < alone).all()
 
 
-def test_the_predictor_ranks_longest_first_under_the_cap_and_ties_keep_the_given_order():
+def test_the_predictor_expects_lengths_under_the_cap_from_history_and_the_pool():
     predictor = LengthPredictor(max_tokens=100)
     assert predictor.priorities(["a", "b", None]) == [0, 1, 2]  # nothing known: submission order
     for length in (20, 30):
@@ -142,7 +145,32 @@ def test_the_predictor_ranks_longest_first_under_the_cap_and_ties_keep_the_given
         predictor.observe("b", length)  # capped at 100: mean 55
     # Problems without history get every problem's lengths (the pool), capped too: (20 + 30 + 100 + 10) / 4.
     assert predictor.predict(["a", "b", "new"]).tolist() == [25.0, 55.0, 40.0]
-    assert predictor.priorities(["a", "b", "new", "b"]) == [3, 0, 2, 1]
+
+
+def test_the_order_separates_only_problems_the_evidence_separates_and_keeps_fcfs_within_ties():
+    greedy = LengthPredictor()
+    for problem, length in (("short", 40), ("mid", 60), ("long", 190)):
+        greedy.observe(problem, length)
+    # One length each and no spread known (greedy decoding): every difference separates, longest first.
+    assert greedy.priorities(["short", "mid", "long"]) == [2, 1, 0]
+    sampled = LengthPredictor()
+    rng = np.random.default_rng(0)
+    # Within a problem samples spread (sd 60) far more than these means differ (100, 110, 120), except "tail".
+    for problem, mean in (("a", 100), ("b", 110), ("c", 120), ("tail", 300)):
+        for length in rng.normal(mean, 60, 24).round():
+            sampled.observe(problem, int(max(length, 1)))
+    assert sampled.blocks(["a", "b", "c", "tail"]).tolist() == [1, 1, 1, 0]
+    # The separated long problem first; the three that tie keep their submission order, whatever their means;
+    # a problem without history ties with them (its mean is the pool's).
+    assert sampled.priorities(["c", "a", "new", "tail", "b"]) == [1, 2, 3, 0, 4]
+    assert sampled.priorities(["a", "b", "c"]) == [0, 1, 2]
+    # Many problems of one length distribution: sorted, neighbours always differ a little; the family-wise
+    # test keeps them one block, so the order stays FCFS.
+    alike = LengthPredictor()
+    for p in range(24):
+        for length in rng.normal(200, 60, 24).round():
+            alike.observe(f"q{p}", int(max(length, 1)))
+    assert alike.blocks([f"q{p}" for p in range(24)]).tolist() == [0] * 24
 
 
 def test_slot_settings_parse_and_name_themselves():
@@ -188,7 +216,7 @@ def test_replay_command_reports_every_order_and_strategy_with_the_oracle_share(t
     )
     assert share == pytest.approx(expected, abs=1e-4)
     assert set(block["das_change"]["default"]["fcfs"]) == {"none"}
-    assert result["fleet"] == {"engines": 1, "router": "round-robin", "seed": 0}
+    assert result["fleet"] == {"engines": 1, "router": "round-robin", "seed": 0, "kv_tokens": None}
 
 
 def test_a_bad_slot_setting_is_one_line(tmp_path, capsys):

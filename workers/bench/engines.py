@@ -6,13 +6,25 @@ fleet; `EpochSchedule` runs one epoch of it for `replay.simulate`, which asks it
 running rows (`next_step`) and tells it which finished (`finish`).
 
 - Orders: `fcfs` is verl's layout (problem-major, a problem's samples consecutive), `random` a seeded
-  shuffle of it, `predicted` DAS's length prediction (`workers.rollout.priority.LengthPredictor`: history, the
-  cap, this epoch's finished siblings), `oracle` the true length (longest first: the
-  bound an order can reach).
+  shuffle of it, `predicted` DAS's length prediction (`workers.rollout.priority.LengthPredictor`: history and the
+  cap; problems whose expected lengths the evidence separates run longest first, fcfs within ties; fixed when
+  the epoch is submitted, as vLLM fixes a request's priority), `group-oracle` each problem's true mean length in
+  the epoch, longest first, a group's samples together (the bound a predictor of problems, not samples, can
+  reach), `oracle` the true length (longest first: the bound an order can reach).
 - Routers (with `engines` > 1): `round-robin` is verl's (its least-loaded router sees all of a step's requests
   at once, so they alternate), `problem` DAS's problem-keyed routing (`workers.verl.router`): a problem's
   whole group goes to one engine, the one it used last epoch while that engine's predicted load stays within
   LOAD_SLACK of the mean, else the least-loaded.
+- KV cache (`kv_tokens`, per engine, optional): a running request holds its prompt and generated tokens of
+  KV, and each step needs one more token of room per running request. When they do not fit, the engine
+  preempts as vLLM 0.32's scheduler does (`vllm/v1/core/sched/scheduler.py`): under the priority policy (the
+  `predicted`, `group-oracle` and `oracle` orders, whose ranks are vLLM priorities) the running request with the largest
+  (priority, arrival), under FCFS (`fcfs`, `random`: the order is the arrival order) the one admitted last,
+  until the rest fit. A preempted request goes back to the front of the queue (by priority under the priority
+  policy), keeps the tokens it generated and recomputes its prefix (prompt and generated tokens) when it is
+  admitted again: that step drafts nothing and verifies the prefix. No request is admitted in a step that
+  preempted, and admission stops at the first queued request whose prefix does not fit. Slots never preempt.
+  A drafted token's KV is transient and not counted.
 - Engines step in lockstep (one step each in turn), so a finished trajectory reaches history at about the
   time it would on a real fleet whatever the cost model; an epoch's makespan is its slowest engine's.
 - All engines share one drafter: history as every node's replica holds it, and live siblings wherever they
@@ -31,7 +43,9 @@ import numpy as np
 
 from workers.rollout.priority import LengthPredictor
 
-ORDERS = ("fcfs", "random", "predicted", "oracle")
+ORDERS = ("fcfs", "random", "predicted", "group-oracle", "oracle")
+# Orders whose ranks vLLM would take as priorities (the others are arrival orders, FCFS).
+PRIORITY_ORDERS = ("predicted", "group-oracle", "oracle")
 ROUTERS = ("round-robin", "problem")
 # How far above the mean predicted load a problem's engine may be and still keep the problem (bounded-load
 # consistent hashing's usual factor).
@@ -62,6 +76,7 @@ class Engines:
 
     max_num_seqs: slots per engine (int), or a share of each epoch's requests spread over the engines (float
     in (0, 1]: 0.25 gives each of E engines ceil(requests / 4 / E) slots).
+    kv_tokens: KV cache per engine in tokens, or None for no limit but the slots.
     """
 
     max_num_seqs: int | float
@@ -69,6 +84,7 @@ class Engines:
     order: str = "fcfs"
     router: str = "round-robin"
     seed: int = 0
+    kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -80,6 +96,8 @@ class Engines:
         share = isinstance(self.max_num_seqs, float)
         if (share and not 0 < self.max_num_seqs <= 1) or (not share and self.max_num_seqs < 1):
             raise ValueError(f"max_num_seqs must be >= 1 or a share in (0, 1], got {self.max_num_seqs}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be >= 1, got {self.kv_tokens}")
 
     def slots(self, requests: int) -> int:
         """Slots per engine for an epoch of `requests`."""
@@ -94,6 +112,7 @@ class Engines:
             "order": self.order,
             "router": self.router,
             "seed": self.seed,
+            "kv_tokens": self.kv_tokens,
         }
 
 
@@ -106,20 +125,35 @@ class Fleet:
         self.placement: dict[str, int] = {}
         self.rng = np.random.default_rng(spec.seed)
 
-    def epoch(self, problems: Sequence[str], lengths: np.ndarray) -> EpochSchedule:
-        """The schedule of one epoch's requests (rows in trace order)."""
-        return EpochSchedule(self, list(problems), lengths)
+    def epoch(
+        self, problems: Sequence[str], lengths: np.ndarray, prompts: np.ndarray, pos: np.ndarray
+    ) -> EpochSchedule:
+        """The schedule of one epoch's requests (rows in trace order): their response and prompt lengths, and
+        `pos`, the caller's array of tokens each has generated so far (read, never written)."""
+        return EpochSchedule(self, list(problems), lengths, prompts, pos)
 
 
 class EpochSchedule:
     """One epoch on the fleet: per engine a queue (rows in admission order) and the running rows."""
 
-    def __init__(self, fleet: Fleet, problems: list[str], lengths: np.ndarray) -> None:
+    def __init__(
+        self, fleet: Fleet, problems: list[str], lengths: np.ndarray, prompts: np.ndarray, pos: np.ndarray
+    ) -> None:
         spec = fleet.spec
         self.fleet = fleet
         self.problems = problems
         self.lengths = lengths
+        self.prompts = prompts
+        self.pos = pos
         self.slots = spec.slots(len(problems))
+        if spec.kv_tokens is not None and len(problems):
+            # vLLM refuses an engine whose KV cache cannot hold one request of max_model_len.
+            longest = int((prompts + lengths).max()) + 1
+            if longest > spec.kv_tokens:
+                raise ValueError(f"kv_tokens {spec.kv_tokens} cannot hold a request of {longest} tokens")
+        # Rows preempted and not yet recomputed: their next step is a prefill of their prefix.
+        self._recompute = np.zeros(len(problems), bool)
+        self._prefill = np.zeros(len(problems), bool)
         # verl's layout: problems in order of first appearance, each problem's samples consecutive.
         first: dict[str, int] = {}
         for p in problems:
@@ -129,11 +163,25 @@ class EpochSchedule:
         engine_of = self._route(layout, predicted)
         if spec.order == "random":
             layout = [layout[i] for i in fleet.rng.permutation(len(layout))]
+        elif spec.order == "predicted":
+            # Fixed at submission, as vLLM takes a request's priority: blocks of separated problems longest
+            # first, the layout within a block.
+            blocks = fleet.predictor.blocks([problems[i] for i in layout])
+            layout = [layout[j] for j in np.argsort(blocks, kind="stable")]
+        elif spec.order == "group-oracle":
+            means = {p: lengths[[j for j in layout if problems[j] == p]].mean() for p in first}
+            layout.sort(key=lambda i: -means[problems[i]])
+        elif spec.order == "oracle":
+            layout.sort(key=lambda i: -lengths[i])
         # Rows that produce nothing never occupy a slot (as in the unlimited replay).
         self.queues = [
             [i for i in layout if engine_of[i] == e and lengths[i] > 0] for e in range(spec.engines)
         ]
         self.running = [np.zeros(0, np.int64) for _ in range(spec.engines)]
+        # Admission rank (the vLLM priority under the priority policy; the arrival order under FCFS).
+        self.rank = np.zeros(len(problems), np.int64)
+        for queue in self.queues:
+            self.rank[queue] = np.arange(len(queue))
         self._turn = -1
 
     def _route(self, layout: list[int], predicted: np.ndarray) -> np.ndarray:
@@ -166,15 +214,46 @@ class EpochSchedule:
         free = self.slots - self.running[engine].shape[0]
         if free <= 0 or not queue:
             return
-        order = self.fleet.spec.order
-        if order == "oracle":
-            queue.sort(key=lambda i: -self.lengths[i])
-        elif order == "predicted":
-            # Re-ranked at every admission: siblings that finished since are evidence.
-            keys = self.fleet.predictor.predict([self.problems[i] for i in queue])
-            queue[:] = [queue[j] for j in np.argsort(-keys, kind="stable")]
-        admitted, self.queues[engine] = queue[:free], queue[free:]
+        take = free
+        kv = self.fleet.spec.kv_tokens
+        if kv is not None:
+            # The running requests' prefixes and each one's token of this step.
+            room = kv - self._held(self.running[engine]) - self.running[engine].size
+            take = 0
+            for i in queue[:free]:
+                # Its prefix and the token this step computes.
+                room -= int(self.prompts[i] + self.pos[i]) + 1
+                if room < 0:
+                    break
+                take += 1
+        admitted, self.queues[engine] = queue[:take], queue[take:]
         self.running[engine] = np.concatenate([self.running[engine], np.array(admitted, np.int64)])
+
+    def _held(self, rows: np.ndarray) -> int:
+        """KV tokens the rows hold: prompt and generated tokens."""
+        return int((self.prompts[rows] + self.pos[rows]).sum())
+
+    def _preempt(self, engine: int) -> bool:
+        """Preempts running rows until every one has room for this step's token; True if any was."""
+        kv = self.fleet.spec.kv_tokens
+        running = self.running[engine]
+        if kv is None or self._held(running) + running.size <= kv:
+            return False
+        priority = self.fleet.spec.order in PRIORITY_ORDERS
+        queue = self.queues[engine]
+        while self._held(running) + running.size > kv:
+            # Priority: the largest (priority, arrival); FCFS: the one admitted last.
+            victim = int(np.argmax(self.rank[running])) if priority else running.size - 1
+            row = int(running[victim])
+            running = np.delete(running, victim)
+            self._recompute[row] = True
+            if priority:
+                at = next((j for j, i in enumerate(queue) if self.rank[i] > self.rank[row]), len(queue))
+                queue.insert(at, row)
+            else:
+                queue.insert(0, row)
+        self.running[engine] = running
+        return True
 
     def next_step(self) -> tuple[int, np.ndarray]:
         """The next engine to step (in turn) after admitting into its free slots, and its running rows; an
@@ -182,10 +261,20 @@ class EpochSchedule:
         engines = self.fleet.spec.engines
         for _ in range(engines):
             self._turn = (self._turn + 1) % engines
-            self._admit(self._turn)
-            if self.running[self._turn].size:
-                return self._turn, self.running[self._turn]
+            if not self._preempt(self._turn):
+                self._admit(self._turn)
+            running = self.running[self._turn]
+            if running.size:
+                # Rows back from a preemption recompute their prefix in this step.
+                self._prefill[:] = False
+                self._prefill[running] = self._recompute[running]
+                self._recompute[running] = False
+                return self._turn, running
         return -1, np.zeros(0, np.int64)
+
+    def prefill(self, rows: np.ndarray) -> np.ndarray:
+        """Which of this step's rows recompute their prefix (prompt and generated tokens) after a preemption."""
+        return self._prefill[rows]
 
     def queued(self, engine: int) -> np.ndarray:
         """Rows waiting for one of the engine's slots: tail candidates that have not started."""
@@ -273,18 +362,30 @@ def run_slots(
     jobs: int = 1,
 ) -> dict:
     """`das bench replay --max-num-seqs ...`: the replay under each slot setting (None: unlimited, every
-    request of an epoch at once, where order does not matter) and each admission order, `jobs` replays at a
-    time (separate processes; each replay is deterministic, so the result does not depend on it).
+    request of an epoch at once, where order does not matter unless `fleet.kv_tokens` limits the KV cache)
+    and each admission order, `jobs` replays at a time (separate processes; each replay is deterministic, so
+    the result does not depend on it).
 
     replay_args: `replay.run`'s strategies, config, window and costs."""
+    # Without a KV budget, unlimited slots are the plain replay; with one, every request may start, as KV allows.
+    plain = fleet.kv_tokens is None
     runs = [
         (
             setting,
             order,
-            None if setting is None else Engines(setting, fleet.engines, order, fleet.router, fleet.seed),
+            None
+            if setting is None and plain
+            else Engines(
+                1.0 if setting is None else setting,
+                fleet.engines,
+                order,
+                fleet.router,
+                fleet.seed,
+                fleet.kv_tokens,
+            ),
         )
         for setting in settings
-        for order in ([None] if setting is None else orders)
+        for order in ([None] if setting is None and plain else orders)
     ]
     if jobs > 1:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -297,7 +398,7 @@ def run_slots(
     blocks: dict = {}
     for setting in settings:
         label = slots_label(setting)
-        if setting is None:
+        if setting is None and plain:
             result = done[(None, None)]
             blocks[label] = {
                 "makespan_s": {
@@ -315,7 +416,12 @@ def run_slots(
         out.setdefault("config", result["config"])
     return {
         **out,
-        "fleet": {"engines": fleet.engines, "router": fleet.router, "seed": fleet.seed},
+        "fleet": {
+            "engines": fleet.engines,
+            "router": fleet.router,
+            "seed": fleet.seed,
+            "kv_tokens": fleet.kv_tokens,
+        },
         "orders": list(orders),
         "max_num_seqs": blocks,
     }
@@ -324,11 +430,13 @@ def run_slots(
 def slots_table(result: dict) -> str:
     """Per slot setting and cost model: makespan of each strategy under each order, the share of the oracle
     order's gain each order captures, and das against none and suffix-problem."""
-    lines = [f"engines {result['fleet']['engines']}, router {result['fleet']['router']}"]
+    fleet = result["fleet"]
+    kv = f", KV cache {fleet['kv_tokens']} tokens per engine" if fleet["kv_tokens"] is not None else ""
+    lines = [f"engines {fleet['engines']}, router {fleet['router']}{kv}"]
     for label, block in result["max_num_seqs"].items():
         for cost, table in block["makespan_s"].items():
             lines.append(f"max-num-seqs {label}, cost model {cost}: projected makespan s")
-            if label == "unlimited":
+            if "oracle_order_gain_captured" not in block:
                 lines.extend(f"  {s:15s} {m:10.2f}" for s, m in table.items())
                 continue
             orders = list(next(iter(table.values())))

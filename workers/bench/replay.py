@@ -376,15 +376,23 @@ def simulate(
                     policy.start(int(slot), r.problem_id, max_tokens)
         pos = np.zeros(n_req, np.int64)
         stats = np.zeros((n_req, 3), np.int64)  # steps, drafted, accepted
-        schedule = fleet.epoch([r.problem_id for r in batch], lengths) if fleet is not None else None
+        schedule = (
+            fleet.epoch(
+                [r.problem_id for r in batch], lengths, np.array([p.size for p in prompts], np.int64), pos
+            )
+            if fleet is not None
+            else None
+        )
         engine, active = schedule.next_step() if schedule else (0, np.nonzero(lengths > 0)[0])
         step_log = []
         while active.size:
             n = active.size
             remaining = lengths[active] - pos[active]
             act_keys = [keys[i] for i in active]
-            # As in the engine, the first token comes from the prefill, before anything was drafted.
-            room = np.where(pos[active] > 0, k, 0)
+            # As in the engine, the first token comes from the prefill, before anything was drafted; so does the
+            # first after a preemption, which recomputes the prefix (verified below).
+            recompute = schedule.prefill(active) if schedule else np.zeros(n, bool)
+            room = np.where((pos[active] > 0) & ~recompute, k, 0)
             if strategy in ("none", "ngram"):
                 drafts = np.zeros((n, k), np.int32)
                 kept = np.zeros(n, np.int64)
@@ -441,6 +449,8 @@ def simulate(
                 sim.past_match_calibration.add(policy.path_p[slots[active]], kept, accepted, past)
             advance = np.minimum(accepted + 1, remaining)
             verified = int(kept.sum()) + n
+            for i in active[recompute]:
+                verified += prompts[i].size + int(pos[i])
             step_log.append((n, verified, engine) if schedule else (n, verified))
             stats[active, 0] += 1
             stats[active, 1] += kept

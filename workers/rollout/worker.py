@@ -71,8 +71,9 @@ class EngineOptions:
     # Prompt lookup n-gram sizes of the `ngram` baseline (the range measured in NOTES).
     ngram_min: int = 2
     ngram_max: int = 4
-    # "priority": the worker admits the requests predicted longest first (`workers.rollout.priority`), so the
-    # tail starts early when an epoch has more requests than slots; "fcfs": vLLM's arrival order.
+    # "priority": the worker admits problems the history separates longest first, submission order within a
+    # block (`workers.rollout.priority`), so a known tail starts early when an epoch has more requests than
+    # slots; "fcfs": vLLM's arrival order.
     scheduling_policy: str = "priority"
 
     def __post_init__(self) -> None:

@@ -20,10 +20,10 @@ verl's fully-async client resumes an aborted request itself and hands back the w
 
 The tail first: verl hands each row's `priority` (its position, 0..n-1, from `AgentLoopManager`) through the
 agent loop to the server's `generate(..., priority=...)` and vLLM, which admits lower values first under
-`actor_rollout_ref.rollout.scheduling_policy=priority`. `das_agent` replaces it with minus the problem's
-predicted length (`workers.rollout.priority`), from the lengths of every response this worker process saw
-finish, so the longest expected requests start first on every server. A length, not a rank: agent loop
-workers predict apart, and their requests meet in one server queue.
+`actor_rollout_ref.rollout.scheduling_policy=priority`. `das_agent` puts its problem's block in front of it
+(`workers.rollout.priority`: problems whose expected lengths the evidence separates, longest first, from the
+lengths of every response this worker process saw finish): block x BLOCK_STRIDE + verl's position, so the
+requests of separated long problems start first on every server and verl's order stands within a block.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ _publishers_lock = threading.Lock()
 # Lengths of every response this process's agent loops saw finish; agent loops run as asyncio tasks of one
 # event loop per worker process, so no lock.
 _lengths = LengthPredictor()
+# Larger than any batch's verl positions: a block outranks every position.
+BLOCK_STRIDE = 1 << 24
 
 
 def trajectory_publisher(das_config: Any) -> BackgroundPublisher | None:
@@ -111,7 +113,7 @@ class DasAgentLoop(SingleTurnAgentLoop):
         """Runs verl's single-turn loop with the DAS identity in `extra_args`, then publishes the trajectory
         if it is complete."""
         identity = RequestIdentity.from_kwargs(kwargs)
-        kwargs["priority"] = self.priority(identity)
+        kwargs["priority"] = self.priority(identity, int(kwargs.get("priority", 0)))
         output = await super().run(with_extra_args(sampling_params, identity), **kwargs)
         if identity.problem_id is not None and self.complete(output):
             _lengths.observe(identity.problem_id, len(output.response_ids))
@@ -122,11 +124,11 @@ class DasAgentLoop(SingleTurnAgentLoop):
             self.publisher.publish(record)
         return output
 
-    def priority(self, identity: RequestIdentity) -> int:
-        """verl's `priority` for the request: minus its problem's predicted length (longest first), 0 while
-        nothing has finished."""
+    def priority(self, identity: RequestIdentity, position: int) -> int:
+        """verl's `priority` for the request at verl's `position`: its problem's block (0, the longest, while
+        nothing has finished) ahead of the position."""
         _lengths.max_tokens = self.response_length
-        return -round(float(_lengths.predict([identity.problem_id])[0]))
+        return int(_lengths.blocks([identity.problem_id])[0]) * BLOCK_STRIDE + position
 
     def complete(self, output: AgentLoopOutput) -> bool:
         """True when the request ran to its end and verl kept all of its tokens."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from workers.cli.types import NON_NEGATIVE, POSITIVE, number
+from workers.bench.engines import ORDERS
+from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, number
 
 
 def register(cli) -> None:
@@ -56,6 +58,13 @@ def register(cli) -> None:
         "--c-tok", type=number(0), default=3.5e-5, help="verifier cost per verified token, seconds"
     )
     parser.add_argument(
+        "--cost-model",
+        type=Path,
+        default=None,
+        help="JSON whose cost_model (c_base, c_seq, c_tok in seconds) replaces the --c-* flags: what das bench "
+        "verifier writes",
+    )
+    parser.add_argument(
         "--progress", action="store_true", help="print a line per strategy and epoch to stderr"
     )
     parser.add_argument(
@@ -67,9 +76,10 @@ def register(cli) -> None:
     )
     parser.add_argument(
         "--order",
-        default="fcfs,random,predicted,oracle",
+        default=",".join(ORDERS),
         help="comma-separated admission orders with --max-num-seqs: fcfs (verl's layout), random, predicted "
-        "(DAS's length prediction), oracle (true length, longest first)",
+        "(DAS's length prediction), group-oracle (each problem's true mean length, groups together), oracle "
+        "(true length, longest first)",
     )
     parser.add_argument(
         "--engines", type=POSITIVE, default=1, help="engines the requests are spread over (--max-num-seqs)"
@@ -79,6 +89,13 @@ def register(cli) -> None:
         choices=("round-robin", "problem"),
         default="round-robin",
         help="how requests are spread over --engines: verl's round-robin or DAS's problem-keyed routing",
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=POSITIVE,
+        default=None,
+        help="KV cache per engine in tokens (with --max-num-seqs): a request holds its prompt and generated "
+        "tokens; when they do not fit the engine preempts as vLLM does and the request recomputes later",
     )
     parser.add_argument("--order-seed", type=NON_NEGATIVE, default=0, help="seed of the random order")
     parser.add_argument(
@@ -93,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from workers.bench import replay
 
     strategies = [s.strip() for s in (args.strategies or ",".join(replay.STRATEGIES)).split(",") if s.strip()]
-    presets = replay.cost_models(replay.CostModel(args.c_base, args.c_seq, args.c_tok))
+    presets = replay.cost_models(_default_cost(args, replay.CostModel))
     names = [s.strip() for s in args.cost_models.split(",") if s.strip()]
     unknown = [n for n in names if n not in presets]
     if unknown or not names:
@@ -108,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         all_matches=not args.longest_match,
     )
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
+    if args.kv_tokens is not None and args.max_num_seqs is None:
+        raise UsageError("--kv-tokens needs --max-num-seqs (use unlimited for every request at once)")
     if args.max_num_seqs is not None:
         return _run_slots(args, strategies, config, {n: presets[n] for n in names}, progress)
     result = replay.run(
@@ -115,6 +134,24 @@ def run(args: argparse.Namespace) -> int:
     )
     print(replay.dumps(result) if args.json else replay.main_table(result))
     return 0
+
+
+def _default_cost(args: argparse.Namespace, cost_model: type):
+    """The `default` cost model: the --cost-model file's, else the --c-* flags'."""
+    if args.cost_model is None:
+        return cost_model(args.c_base, args.c_seq, args.c_tok)
+    import json
+
+    try:
+        fields = json.loads(args.cost_model.read_text())["cost_model"]
+        values = [float(fields[k]) for k in ("c_base", "c_seq", "c_tok")]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(
+            f"--cost-model {args.cost_model}: expected JSON with cost_model {{c_base, c_seq, c_tok}} ({err})"
+        ) from None
+    if min(values) < 0:
+        raise UsageError(f"--cost-model {args.cost_model}: coefficients must be >= 0, got {values}")
+    return cost_model(*values)
 
 
 def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: dict, progress) -> int:
@@ -129,7 +166,7 @@ def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: d
     unknown = [o for o in orders if o not in engines.ORDERS]
     if unknown or not orders or not settings:
         raise ValueError(f"unknown orders {unknown}; choose from {', '.join(engines.ORDERS)}")
-    fleet = engines.Engines(1, args.engines, orders[0], args.router, args.order_seed)
+    fleet = engines.Engines(1, args.engines, orders[0], args.router, args.order_seed, args.kv_tokens)
     result = engines.run_slots(
         args.traces,
         settings,

@@ -59,7 +59,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default="priority",
-        help="vLLM admission: priority (requests predicted longest first, the default) or fcfs (arrival order)",
+        help="vLLM admission: priority (problems the history separates longest first, the default) or fcfs "
+        "(arrival order)",
     )
     engine.add_argument(
         "--dtype", choices=DTYPES, default=None, help="weights and compute (default: CPU float32, GPU auto)"
