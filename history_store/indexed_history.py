@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from history_store.automaton.config import DraftConfig
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.automaton.suffix_tree import DraftConfig
 from history_store.durable.checkpoints import Checkpointer
 from history_store.durable.store import (
     ApplyResult,

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from history_store.automaton.suffix_tree import DraftConfig
+from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.bench.verifier import fit, load_config

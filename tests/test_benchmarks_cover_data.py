@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from history_store.automaton.suffix_tree import DraftConfig
+from history_store.automaton.config import DraftConfig
 from workers.bench.replay import load_traces
 
 ROOT = Path(__file__).resolve().parents[1]

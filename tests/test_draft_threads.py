@@ -19,7 +19,7 @@ from history_store.automaton import kernels as K
 from history_store.automaton.draft_threads import usable_draft_threads
 from workers.bench.proposer import _build, _engine_for
 from workers.bench.replay import load_traces
-from workers.generator.proposer import ProposerSettings
+from workers.generator.settings import ProposerSettings
 
 DRAFT_K = 8
 TRACE = Path(__file__).resolve().parent.parent / "data" / "dev_rollouts.jsonl"

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import Source
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.automaton.suffix_tree import DraftConfig, SuffixTree
+from history_store.automaton.suffix_tree import SuffixTree
 
 CFG = DraftConfig(max_depth=6, max_spec_tokens=5, min_token_prob=0.0)
 tokens = st.lists(st.integers(0, 4), min_size=1, max_size=15)

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from workers.generator.proposer import ProposerSettings, parse_extra_args
+from workers.generator.proposer import parse_extra_args
+from workers.generator.settings import ProposerSettings
 
 
 @pytest.mark.parametrize(

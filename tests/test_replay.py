@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import Source
-from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.cli import main

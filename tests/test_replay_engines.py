@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from history_store.automaton.suffix_tree import DraftConfig
+from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.bench.engines import Engines, Fleet, parse_slots, slots_label

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from history_store.automaton.suffix_tree import DraftConfig
+from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.bench.engines import Engines

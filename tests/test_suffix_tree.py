@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from history_store.automaton import kernels as K
-from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree
+from history_store.automaton.config import DraftConfig
+from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
 
 
 def reference_speculate(seqs: dict[int, list[int]], context: list[int], cfg: DraftConfig, budget: int):

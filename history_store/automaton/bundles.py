@@ -76,6 +76,17 @@ class DraftParams(NamedTuple):
     all_matches: BOOL
 
 
+def draft_params(config: Any) -> DraftParams:
+    """A `DraftConfig`'s settings as the step kernels take them."""
+    return gather(
+        DraftParams,
+        config,
+        spec_factor=config.max_spec_factor,
+        spec_offset=config.max_spec_offset,
+        min_prob=config.min_token_prob,
+    )
+
+
 class DraftOutputs(NamedTuple):
     """Each row's best draft (row r of each; the index's reused step buffers)."""
 

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from history_store.automaton import kernels as K
-from history_store.automaton.bundles import DraftOutputs, StepRows
+from history_store.automaton.bundles import DraftOutputs, StepRows, draft_params
+from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS, DraftConfig
 from history_store.automaton.dense_rows import DenseRows
 from history_store.automaton.draft_threads import usable_draft_threads
-from history_store.automaton.suffix_tree import DraftConfig, SuffixForest, SuffixTree, as_tokens
+from history_store.automaton.suffix_tree import SuffixForest, SuffixTree, as_tokens
 
 # A live tree is rebuilt from its active requests once finished ones hold this many times their tokens. Each
 # rebuild re-inserts the active tokens, so its cost per finished request falls as 1/DEAD_PER_LIVE; the
@@ -136,7 +137,7 @@ class ProblemIndex:
 
     def __init__(
         self,
-        window_epochs: int = 3,
+        window_epochs: int = DEFAULT_WINDOW_EPOCHS,
         config: DraftConfig | None = None,
         global_tokens: int = 2_000_000,
         use_history: bool = True,
@@ -151,6 +152,7 @@ class ProblemIndex:
             raise ValueError(f"window_epochs must be >= 1, got {window_epochs}")
         self.window_epochs = window_epochs
         self.config = config or DraftConfig()
+        self._params = draft_params(self.config)  # the config is frozen: its kernel form once
         self.draft_threads = usable_draft_threads(draft_threads)
         self.global_tokens = global_tokens
         if live_scope not in ("problem", "request", "all"):
@@ -559,7 +561,7 @@ class ProblemIndex:
     ) -> BatchDrafts:
         drafts, out = self.step_buffers(slots.shape[0])
         rows = StepRows(slots=slots, bases=base, ends=end, budgets=np.asarray(budgets), src=src)
-        params = self.config.params()
+        params = self._params
         row = 0
         while True:
             arena = self.forest.tables()  # again after growth: growing replaces arrays

@@ -18,56 +18,12 @@ from typing import NamedTuple
 import numpy as np
 
 from history_store.automaton import kernels as K
-from history_store.automaton.bundles import DraftOutputs, DraftParams, Forest, gather
+from history_store.automaton.bundles import DraftOutputs, Forest, draft_params, gather
+from history_store.automaton.config import DraftConfig
 
 MAX_TOKEN_ID = 2**31 - 1
 _SERIAL_MAGIC = b"DAST"
 _SERIAL_VERSION = 1
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    """Drafting parameters (SuffixDecoding's, with its defaults where they fit RL rollouts).
-
-    max_depth: longest context suffix matched; 64 covers repeated reasoning phrases without tying drafts to
-        whole paragraphs (SuffixDecoding uses 24-64).
-    max_spec_tokens: hard cap on draft length per step (the engine's K).
-    max_spec_factor, max_spec_offset: draft at most factor * match_len + offset tokens, so short, weak
-        matches draft little (SuffixDecoding's rule; 1.0 and 0 are its defaults).
-    min_token_prob: stop when the path probability of the next draft token falls below this (0.1 as in
-        SuffixDecoding).
-    escape: pseudo-count of "a continuation not seen yet" in each probability, count / (total + escape).
-        Raw count ratios are overconfident on thin history (one sighting reads as certainty); 1.0 is PPM's
-        method-A escape estimate. 0.0 gives SuffixDecoding's raw ratios.
-    all_matches: draft from every match length along the suffix links and keep the best-scoring draft
-        (SuffixDecoding's rule); False drafts from the longest match that has a continuation only.
-    """
-
-    max_depth: int = 64
-    max_spec_tokens: int = 16
-    max_spec_factor: float = 1.0
-    max_spec_offset: float = 0.0
-    min_token_prob: float = 0.1
-    escape: float = 1.0
-    all_matches: bool = True
-
-    def params(self) -> DraftParams:
-        """The drafting parameters as the step kernels take them."""
-        return gather(
-            DraftParams,
-            self,
-            spec_factor=self.max_spec_factor,
-            spec_offset=self.max_spec_offset,
-            min_prob=self.min_token_prob,
-        )
-
-    def __post_init__(self) -> None:
-        if self.max_depth < 1 or self.max_spec_tokens < 0:
-            raise ValueError(f"max_depth must be >= 1 and max_spec_tokens >= 0, got {self}")
-        if not 0.0 <= self.min_token_prob <= 1.0:
-            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
-        if self.escape < 0.0:
-            raise ValueError(f"escape must be >= 0, got {self.escape}")
 
 
 @dataclass(frozen=True)
@@ -519,7 +475,7 @@ class SuffixTree:
             f.states,
             (root, state, length),
             budget,
-            cfg.params(),
+            draft_params(cfg),
             0.0,
             out.tok,
             out.prob,

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 from rocksdict import AccessType, DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
+from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS
 from history_store.durable import layout
 from history_store.durable.codec import (
     WINDOW_ENTRY,
@@ -69,8 +70,6 @@ TrajectoryKey = tuple[str, int, int]
 # The sequence log is what lets secondary readers catch up incrementally; a reader further behind than this
 # reloads everything (CatchUp.reset). One entry is ~30 bytes, so a million is ~30 MB before compression.
 DEFAULT_SEQUENCE_RETENTION = 1_000_000
-# Three epochs: DAS's drafting gain comes from the most recent rollouts of a problem; older policies drift.
-DEFAULT_WINDOW_EPOCHS = 3
 # das_store_size_bytes walks the folder (a few dozen files): at most this often.
 SIZE_INTERVAL_S = 5.0
 

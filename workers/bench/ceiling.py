@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from history_store.automaton.suffix_tree import DraftConfig
+from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.generator.teacher_forcing import TeacherForcedModel

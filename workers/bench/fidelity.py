@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from history_store.automaton.suffix_tree import DraftConfig
+from history_store.automaton.config import DraftConfig
 from workers.bench import replay
-from workers.generator.proposer import ProposerSettings
+from workers.generator.settings import ProposerSettings
 
 TOLERANCE = 0.10
 

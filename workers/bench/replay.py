@@ -36,11 +36,12 @@ import numpy as np
 from numba import njit
 from pydantic import ValidationError
 
+from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import Source
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.automaton.suffix_tree import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from pipeline.trace_files import open_trace
+from workers.bench.cost_model import CostModel, cost_models
 from workers.bench.engines import Engines, Fleet
 from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
 from workers.budget.policy import BudgetPolicy
@@ -49,28 +50,6 @@ STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgete
 # Strategies whose steps do not depend on the cost model.
 COST_FREE = tuple(s for s in STRATEGIES if s != "das")
 CALIBRATION_BINS = 10
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Verifier step cost in seconds: c_base + c_seq * active + c_tok * verified tokens."""
-
-    c_base: float = 8e-3
-    c_seq: float = 1e-4
-    c_tok: float = 3.5e-5
-
-    def step(self, active: int, verified: int) -> float:
-        return self.c_base + self.c_seq * active + self.c_tok * verified
-
-
-def cost_models(default: CostModel) -> dict[str, CostModel]:
-    """The default model and the two that bracket it: memory-bound (verifying a token is nearly free) and
-    compute-bound (tokens and sequences cost more)."""
-    return {
-        "default": default,
-        "memory-bound": dataclasses.replace(default, c_tok=1e-5),
-        "compute-bound": dataclasses.replace(default, c_tok=1e-4, c_seq=3e-4),
-    }
 
 
 def load_traces(path: str | Path) -> list[TrajectoryRecord]:

@@ -11,8 +11,9 @@ import time
 
 import numpy as np
 
+from history_store.automaton.config import DraftConfig
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.automaton.suffix_tree import DraftConfig, SuffixTree
+from history_store.automaton.suffix_tree import SuffixTree
 
 VOCAB = 4096
 SEQS_PER_PROBLEM = 16

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS
 from history_store.automaton.problem_index import eviction_bounds
 from pipeline.schemas import TrajectoryRecord
 from workers.rollout.worker import STRATEGIES, EngineOptions, Problem
@@ -60,7 +61,7 @@ class DemoConfig:
     check_tokens: int = 48
     num_speculative_tokens: int = 8
     # History epochs kept per problem (DAS drafts from the last few epochs; the paper uses a small window).
-    window_epochs: int = 3
+    window_epochs: int = DEFAULT_WINDOW_EPOCHS
     seed: int = 0
     progress: bool = True
 

@@ -60,12 +60,13 @@ from typing import Any
 
 import numpy as np
 
+from history_store.automaton.bundles import draft_params
 from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.automaton.suffix_tree import DraftConfig
 from history_store.indexed_history import follow, load_index
-from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
+from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
+from workers.generator.settings import ProposerSettings
 from workers.generator.step import DirectCall, StepTables, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
 from workers.generator.step import draft_step as _draft_step_dispatcher
@@ -82,78 +83,6 @@ MAX_PROBLEM_ID_LEN = 512
 # Frames searched above `propose` for the model runner: vLLM calls it from the runner's draft method, two or
 # three frames up depending on the version and wrapper.
 _RUNNER_SEARCH_DEPTH = 8
-
-
-def _env_float(name: str, default: float | None) -> float | None:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
-
-
-def _env_threads(name: str) -> int:
-    raw = os.environ.get(name, "1")
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name}={raw!r} is not a positive whole number")
-    return int(raw)
-
-
-@dataclass(frozen=True)
-class ProposerSettings:
-    """Proposer configuration. Worker processes are spawned by vLLM, so it comes from the environment.
-
-    budget: use the length-aware budget policy (off: every row may draft up to K, cut only by the tree's
-        min_token_prob, SuffixDecoding's rule).
-    min_token_prob: the tree's probability floor; None takes the default for `budget` (BUDGET_MIN_TOKEN_PROB
-        with the budget on, DraftConfig's without). The drafting defaults are DraftConfig's.
-    history_dir: the node's history replica (distributed mode); None in embedded mode.
-    """
-
-    budget: bool = True
-    window_epochs: int = 3
-    max_depth: int = DraftConfig.max_depth
-    min_token_prob: float | None = None
-    max_spec_factor: float = DraftConfig.max_spec_factor
-    max_spec_offset: float = DraftConfig.max_spec_offset
-    history_dir: str | None = None
-    # Secondary catch-up costs a RocksDB manifest read (~1 ms): a few per second keep history fresher than the
-    # one-second freshness target without taxing every step.
-    catch_up_interval_s: float = 0.2
-    # `lazy`: build a problem's history tree on its first request (or prefetch); `eager`: all at start.
-    history_load: str = "lazy"
-    # Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the drafts do not
-    # depend on it. One unless asked: more helped only on a machine measured here, and hurt in vLLM's CPU engine.
-    draft_threads: int = 1
-
-    def __post_init__(self) -> None:
-        if self.min_token_prob is None:
-            default = BUDGET_MIN_TOKEN_PROB if self.budget else DraftConfig.min_token_prob
-            object.__setattr__(self, "min_token_prob", default)
-
-    @classmethod
-    def from_env(cls) -> ProposerSettings:
-        """Settings from `DAS_*` variables; raises ValueError naming the variable that does not parse."""
-        budget = os.environ.get("DAS_BUDGET", "on").lower()
-        if budget not in ("on", "off"):
-            raise ValueError(f"DAS_BUDGET must be 'on' or 'off', got {budget!r}")
-        history_load = os.environ.get("DAS_HISTORY_LOAD", "lazy").lower()
-        if history_load not in ("lazy", "eager"):
-            raise ValueError(f"DAS_HISTORY_LOAD must be 'lazy' or 'eager', got {history_load!r}")
-        return cls(
-            budget=budget == "on",
-            window_epochs=int(_env_float("DAS_WINDOW_EPOCHS", 3)),
-            max_depth=int(_env_float("DAS_MAX_DEPTH", cls.max_depth)),
-            min_token_prob=_env_float("DAS_MIN_TOKEN_PROB", None),
-            max_spec_factor=_env_float("DAS_MAX_SPEC_FACTOR", cls.max_spec_factor),
-            max_spec_offset=_env_float("DAS_MAX_SPEC_OFFSET", cls.max_spec_offset),
-            history_dir=os.environ.get("DAS_HISTORY_DIR") or None,
-            catch_up_interval_s=_env_float("DAS_CATCH_UP_INTERVAL_S", 0.2),
-            history_load=history_load,
-            draft_threads=_env_threads("DAS_DRAFT_THREADS"),
-        )
 
 
 @dataclass
@@ -249,13 +178,7 @@ class DasProposer:
         # `pause_drafting`: the engine keeps its speculative path but gets no drafts (the cost of that path
         # alone, for benchmarks).
         self.paused = False
-        self.draft_config = DraftConfig(
-            max_depth=self.settings.max_depth,
-            max_spec_tokens=self.k,
-            max_spec_factor=self.settings.max_spec_factor,
-            max_spec_offset=self.settings.max_spec_offset,
-            min_token_prob=self.settings.min_token_prob,
-        )
+        self.draft_config = self.settings.drafting(self.k)
         self.index = ProblemIndex(
             window_epochs=self.settings.window_epochs,
             config=self.draft_config,
@@ -610,7 +533,7 @@ class DasProposer:
             arena=index.forest.tables(),
             slot_table=index.slots,
             outputs=outputs,
-            params=self.draft_config.params(),
+            params=draft_params(self.draft_config),
             draft_threads=index.draft_threads,
             book=self._book.kernel_state(n),
             policy=policy.kernel_state(),

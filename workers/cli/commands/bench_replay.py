@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from history_store.automaton.config import DraftConfig
+from workers.bench.cost_model import CostModel
 from workers.bench.engines import ORDERS
 from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, number
+from workers.generator.settings import ProposerSettings
+
+# The flags' defaults are the configs' (one home per default).
+DRAFT, COST, SETTINGS = DraftConfig(), CostModel(), ProposerSettings()
 
 
 def register(cli) -> None:
@@ -28,34 +34,43 @@ def register(cli) -> None:
         help="comma-separated: default (the --c-* flags), memory-bound (c_tok 0.01 ms), "
         "compute-bound (c_tok 0.1 ms, c_seq 0.3 ms)",
     )
-    parser.add_argument("--max-draft", type=POSITIVE, default=16, help="maximum draft tokens per step (K)")
-    parser.add_argument("--window", type=POSITIVE, default=3, help="epochs of history per problem (das)")
-    parser.add_argument("--depth", type=POSITIVE, default=64, help="longest context suffix matched")
+    parser.add_argument(
+        "--max-draft", type=POSITIVE, default=DRAFT.max_spec_tokens, help="maximum draft tokens per step (K)"
+    )
+    parser.add_argument(
+        "--window", type=POSITIVE, default=SETTINGS.window_epochs, help="epochs of history per problem (das)"
+    )
+    parser.add_argument(
+        "--depth", type=POSITIVE, default=DRAFT.max_depth, help="longest context suffix matched"
+    )
     parser.add_argument(
         "--min-token-prob",
         type=number(0, 1),
-        default=0.1,
+        default=DRAFT.min_token_prob,
         help="tree probability floor of das-unbudgeted (suffix-* keep SuffixDecoding's 0.1; das and oracle "
         "let the budget decide)",
     )
     parser.add_argument(
-        "--max-spec-factor", type=number(0), default=1.0, help="draft <= factor x match length"
+        "--max-spec-factor",
+        type=number(0),
+        default=DRAFT.max_spec_factor,
+        help="draft <= factor x match length",
     )
-    parser.add_argument("--max-spec-offset", type=number(), default=0.0)
+    parser.add_argument("--max-spec-offset", type=number(), default=DRAFT.max_spec_offset)
     parser.add_argument(
-        "--escape", type=number(0), default=1.0, help="pseudo-count of unseen continuations (das)"
+        "--escape", type=number(0), default=DRAFT.escape, help="pseudo-count of unseen continuations (das)"
     )
     parser.add_argument(
         "--longest-match",
         action="store_true",
         help="draft from the longest matching suffix only, not the best of every match length",
     )
-    parser.add_argument("--c-base", type=number(0), default=8e-3, help="verifier step cost, seconds")
+    parser.add_argument("--c-base", type=number(0), default=COST.c_base, help="verifier step cost, seconds")
     parser.add_argument(
-        "--c-seq", type=number(0), default=1e-4, help="verifier cost per active request, seconds"
+        "--c-seq", type=number(0), default=COST.c_seq, help="verifier cost per active request, seconds"
     )
     parser.add_argument(
-        "--c-tok", type=number(0), default=3.5e-5, help="verifier cost per verified token, seconds"
+        "--c-tok", type=number(0), default=COST.c_tok, help="verifier cost per verified token, seconds"
     )
     parser.add_argument(
         "--cost-model",
@@ -106,11 +121,10 @@ def register(cli) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from history_store.automaton.suffix_tree import DraftConfig
     from workers.bench import replay
 
     strategies = [s.strip() for s in (args.strategies or ",".join(replay.STRATEGIES)).split(",") if s.strip()]
-    presets = replay.cost_models(_default_cost(args, replay.CostModel))
+    presets = replay.cost_models(_default_cost(args, CostModel))
     names = [s.strip() for s in args.cost_models.split(",") if s.strip()]
     unknown = [n for n in names if n not in presets]
     if unknown or not names:
