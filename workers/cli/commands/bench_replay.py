@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from workers.bench.engines import ORDERS
-from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, add_json_flag, number
 
 
 def register(cli) -> None:
@@ -20,7 +20,7 @@ def register(cli) -> None:
         "traces",
         help="JSON Lines of trajectory records (problem_id, epoch, sample, prompt_ids, response_ids)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument("--strategies", default=None, help="comma-separated subset (default: all)")
     parser.add_argument(
         "--cost-models",
