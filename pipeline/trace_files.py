@@ -20,6 +20,15 @@ def open_trace(path: Path, mode: str = "rt", gzipped: bool | None = None) -> IO[
     return open(path, mode, encoding="utf-8")
 
 
+def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSON Lines file (gzip if the name ends in `.gz`) with their 1-based line numbers,
+    so that whoever parses them can name the line that is wrong."""
+    with open_trace(path) as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                yield number, line
+
+
 @contextmanager
 def trace_writer(path: Path) -> Iterator[IO[str]]:
     """A text handle that becomes `path` only when the block ends without an error: a run that stops midway

@@ -117,21 +117,25 @@ def running_prometheus(
     }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     api_port = free_port(exclude=tuple(targets.values()))
-    with (workdir / "prometheus.log").open("w") as log:
-        process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={workdir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={workdir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{api_port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
-        try:
-            api = PrometheusApi(api_port)
-            wait_for("Prometheus to be ready", lambda: process.poll() is None and api.ready())
-            yield api
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    argv = [
+        binary,
+        f"--config.file={workdir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={workdir / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{api_port}",
+    ]
+    with server_process(argv, workdir / "prometheus.log") as process:
+        api = PrometheusApi(api_port)
+        wait_for("Prometheus to be ready", lambda: process.poll() is None and api.ready())
+        yield api
+
+
+@contextlib.contextmanager
+def server_process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`argv` started with its stderr in `log` (for the assertion that it failed) and stopped on exit."""
+    with log.open("w") as handle:
+        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=handle)
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -74,6 +74,27 @@ def _start_head(tmp: Path, port: int, exit_code: int, extra_env: dict[str, str])
     )
 
 
+def _start_gpu_node(tmp: Path, port: int, gpus: int) -> subprocess.Popen:
+    """A Ray worker node with `gpus` (pretended) GPUs joining the head's cluster, as a GPU node of compose does."""
+    return subprocess.Popen(
+        [
+            RAY,
+            "start",
+            f"--address=127.0.0.1:{port}",
+            "--block",
+            "--num-cpus=1",
+            f"--num-gpus={gpus}",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={_ray_dir(tmp)}",
+            "--disable-usage-stats",
+        ],
+        env=_env(port),
+        stdout=open(tmp / "worker.log", "w"),  # noqa: SIM115 - the worker outlives this call
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 def _stop(tmp: Path, *processes: subprocess.Popen | None) -> None:
     for process in processes:
         if process is not None and process.poll() is None:
@@ -115,23 +136,7 @@ def test_the_trainer_waits_for_every_gpu_gets_the_extra_args_and_ray_outlives_it
         assert head.poll() is None, log.read_text()[-3000:]
         assert not (tmp_path / "trainer.json").exists()
         # The GPU node joins late, as a replica that is still rebuilding holds its Ray worker back.
-        worker = subprocess.Popen(
-            [
-                RAY,
-                "start",
-                f"--address=127.0.0.1:{port}",
-                "--block",
-                "--num-cpus=1",
-                "--num-gpus=2",
-                "--node-ip-address=127.0.0.1",
-                f"--temp-dir={_ray_dir(tmp_path)}",
-                "--disable-usage-stats",
-            ],
-            env=_env(port),
-            stdout=open(tmp_path / "worker.log", "w"),  # noqa: SIM115 - the worker outlives this call
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        worker = _start_gpu_node(tmp_path, port, gpus=2)
         wait_for("the trainer to finish", lambda: "training finished" in log.read_text() or head.poll(), 300)
         assert head.poll() is None, log.read_text()[-3000:]
         started = json.loads((tmp_path / "trainer.json").read_text())
@@ -163,23 +168,7 @@ def test_a_failing_trainer_fails_the_head_and_missing_settings_are_named(tmp_pat
         wait_for(
             "the head to wait for GPUs", lambda: "waiting for 1 GPUs" in (tmp_path / "head.log").read_text()
         )
-        worker = subprocess.Popen(
-            [
-                RAY,
-                "start",
-                f"--address=127.0.0.1:{port}",
-                "--block",
-                "--num-cpus=1",
-                "--num-gpus=1",
-                "--node-ip-address=127.0.0.1",
-                f"--temp-dir={_ray_dir(tmp_path)}",
-                "--disable-usage-stats",
-            ],
-            env=_env(port),
-            stdout=open(tmp_path / "worker.log", "w"),  # noqa: SIM115 - the worker outlives this call
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        worker = _start_gpu_node(tmp_path, port, gpus=1)
         assert head.wait(timeout=300) == 3, (tmp_path / "head.log").read_text()[-3000:]
     finally:
         _stop(tmp_path, head, worker)

@@ -88,6 +88,6 @@ def test_the_configs_import_no_numba() -> None:
         "import sys; import history_store.automaton.config, workers.budget.config, workers.generator.settings, "
         "workers.bench.cost_model; print('numba' in sys.modules)"
     )
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == (
-        "False\n"
-    )
+    assert subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout == ("False\n")

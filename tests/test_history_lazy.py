@@ -35,6 +35,16 @@ def _proposer(replica: Path, load: str, tmp_path: Path, monkeypatch: pytest.Monk
     return proposer
 
 
+def _eager_and_lazy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[DasProposer, DasProposer]:
+    """Two proposers over one replica of WORKLOAD: one loads every problem's history at start, one on demand."""
+    replica = tmp_path / "replica"
+    with HistoryStore(replica, window_epochs=3) as store:
+        store.apply(WORKLOAD.stream())
+    return _proposer(replica, "eager", tmp_path, monkeypatch), _proposer(
+        replica, "lazy", tmp_path, monkeypatch
+    )
+
+
 class Batch:
     """A decode batch as vLLM's runner hands it to the proposer: rows of prompt + committed tokens."""
 
@@ -72,11 +82,7 @@ def _chunks(tokens: list[int], size: int = 3) -> Iterator[list[int]]:
 def test_a_problem_loaded_on_its_first_request_drafts_as_if_the_whole_history_was_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    replica = tmp_path / "replica"
-    with HistoryStore(replica, window_epochs=3) as store:
-        store.apply(WORKLOAD.stream())
-    eager = _proposer(replica, "eager", tmp_path, monkeypatch)
-    lazy = _proposer(replica, "lazy", tmp_path, monkeypatch)
+    eager, lazy = _eager_and_lazy(tmp_path, monkeypatch)
     problems = [f"problem-{p}" for p in range(WORKLOAD.problems)]
 
     # At start the lazy server knows every problem's window (the budget learns the same lengths) and holds the
@@ -99,7 +105,7 @@ def test_a_problem_loaded_on_its_first_request_drafts_as_if_the_whole_history_wa
 
     # The writer goes on: a new epoch slides every window (epoch 1 leaves the proposers' two-epoch window),
     # then the store's own window evicts problem-2's oldest epoch. Problem 2 is loaded only after that.
-    with HistoryStore(replica, window_epochs=3) as store:
+    with HistoryStore(tmp_path / "replica", window_epochs=3) as store:
         store.apply([WORKLOAD.record(p, 3, s) for s in range(2) for p in range(WORKLOAD.problems)])
         for proposer in (eager, lazy):
             proposer.catch_up()
@@ -155,11 +161,7 @@ def test_a_problem_loaded_on_its_first_request_drafts_as_if_the_whole_history_wa
 def test_a_prefetched_problem_is_ready_before_its_first_request(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    replica = tmp_path / "replica"
-    with HistoryStore(replica, window_epochs=3) as store:
-        store.apply(WORKLOAD.stream())
-    eager = _proposer(replica, "eager", tmp_path, monkeypatch)
-    lazy = _proposer(replica, "lazy", tmp_path, monkeypatch)
+    eager, lazy = _eager_and_lazy(tmp_path, monkeypatch)
     assert lazy.prefetch(["problem-3", "problem-5", "no-history"]) == sum(
         eager.index.problem_stats(p)["tokens"] for p in ("problem-3", "problem-5")
     )

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_support import das_json
 
 from workers.bench.replay import load_traces
 
@@ -26,28 +26,15 @@ TEMPERATURES = "0.7,1.0"
 TOLERANCE = 1e-3
 
 
-def _das(*args: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "workers.cli", *args, "--json"],
-        cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert result.returncode == 0, f"das {' '.join(args)} failed:\n{result.stderr[-4000:]}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory) -> Path:
     trace = tmp_path_factory.mktemp("logprobs") / "sampled.jsonl"
     # Two epochs at different temperatures; the budget off, so the second drafts from the first's history at
     # every step and accepted draft tokens are among those checked.
-    report = _das(
+    report = das_json(
         "traces", "generate", "--strategy", "das", "--epochs", "2", "--samples", "2", "--num-problems", "2",
         "--max-tokens", "48", "--temperatures", TEMPERATURES, "--max-num-seqs", "4", "--budget", "off",
-        "--out", str(trace),
+        "--out", str(trace), timeout=1200,
     )  # fmt: skip
     assert report["settings"]["logprobs"] is True
     assert report["epochs"][1]["accepted_tokens"] > 0
@@ -76,7 +63,9 @@ def test_annotate_reproduces_the_engines_logprobs_and_keeps_every_other_field(
         )
     )
     out = tmp_path / "annotated.jsonl.gz"
-    report = _das("traces", "annotate", str(stripped), "--temperatures", TEMPERATURES, "-o", str(out))
+    report = das_json(
+        "traces", "annotate", str(stripped), "--temperatures", TEMPERATURES, "-o", str(out), timeout=1200
+    )
     assert report["records"] == 8 and report["temperatures"] == {"0": 0.7, "1": 1.0}
     with gzip.open(out, "rt", encoding="utf-8") as handle:
         annotated = [json.loads(line) for line in handle]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from monitoring_support import REPO, free_port, require_binary, wait_for
+from monitoring_support import REPO, free_port, require_binary, server_process, wait_for
 
 ALERTMANAGER_CONFIG = REPO / "monitoring" / "alertmanager" / "alertmanager.yml"
 
@@ -105,19 +105,14 @@ def test_an_alert_reaches_the_operators_webhook_firing_then_resolved(
     check = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     port = free_port(exclude=(webhook.server.server_port,))
-    with (tmp_path / "alertmanager.log").open("w") as log:
-        process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.path={tmp_path / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--cluster.listen-address=",  # no gossip port: one instance on a shared machine
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-        )
-    try:
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--cluster.listen-address=",  # no gossip port: one instance on a shared machine
+    ]
+    with server_process(argv, tmp_path / "alertmanager.log") as process:
         base = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:
@@ -153,6 +148,3 @@ def test_an_alert_reaches_the_operators_webhook_firing_then_resolved(
         # Prometheus ends an alert by sending it with an end time: the operator hears that it resolved.
         post([{**alert, "endsAt": "2000-01-01T00:00:00Z"}])
         wait_for("the resolved notice", lambda: [b for b in webhook.bodies if b["status"] == "resolved"])
-    finally:
-        process.terminate()
-        process.wait(timeout=60)

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from replay_support import random_records
 
 from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
@@ -41,18 +42,7 @@ def epoch_makespans(records, strategy: str, engines: Engines | None) -> list[flo
 
 @pytest.mark.parametrize("strategy", ["none", "suffix-problem", "das"])
 def test_slots_for_every_request_replay_exactly_the_unlimited_epoch(strategy):
-    rng = np.random.default_rng(0)
-    records = [
-        TrajectoryRecord(
-            problem_id=f"p{i % 3}",
-            epoch=e,
-            sample=i,
-            prompt_ids=[1, 2],
-            response_ids=rng.integers(10, 40, int(rng.integers(5, 60))).tolist(),
-        )
-        for e in range(2)
-        for i in range(9)
-    ]
+    records = random_records(0, [1, 2])
     unlimited = replay.simulate(records, strategy, DraftConfig())
     finite = replay.simulate(records, strategy, DraftConfig(), engines=Engines(10_000))
     for a, b in zip(unlimited.steps, finite.steps, strict=True):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from replay_support import random_records
 
 from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
@@ -130,18 +131,7 @@ def test_kv_budget_replays_what_the_brute_force_engine_does(data, groups, slots,
 
 
 def test_a_kv_budget_holding_everything_changes_nothing_and_a_tight_one_preempts():
-    rng = np.random.default_rng(1)
-    records = [
-        TrajectoryRecord(
-            problem_id=f"p{i % 3}",
-            epoch=e,
-            sample=i,
-            prompt_ids=[1, 2, 3],
-            response_ids=rng.integers(10, 40, int(rng.integers(5, 60))).tolist(),
-        )
-        for e in range(2)
-        for i in range(9)
-    ]
+    records = random_records(1, [1, 2, 3])
     for strategy in ("none", "das"):
         free = replay.simulate(records, strategy, DraftConfig(), engines=Engines(4))
         roomy = replay.simulate(records, strategy, DraftConfig(), engines=Engines(4, kv_tokens=10_000))

@@ -4,21 +4,15 @@ engine settings per platform; inputs checked before any engine starts."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from _checkpoints import shard_checkpoint
+from cli_support import das_json, run_das
 
 from history_store.durable.store import HistoryStore
 from pipeline.schemas import TrajectoryRecord
 from workers.generator.model import require_model
 from workers.rollout.worker import EngineOptions, engine_kwargs
 
-REPO = Path(__file__).resolve().parent.parent
 # Tiny runs: the engine start dominates; greedy, so a repeated epoch is drafted exactly from its history.
 SMALL = [
     "--num-problems",
@@ -34,29 +28,14 @@ SMALL = [
 ]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "workers.cli", *args, "--json"],
-        cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def _das(*args: str) -> dict:
-    result = _run(*args)
-    assert result.returncode == 0, f"das {' '.join(args)} failed:\n{result.stderr[-4000:]}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.vllm
 def test_rollout_publishes_every_trajectory_into_the_embedded_replica(tmp_path) -> None:
     history = tmp_path / "history"
     # A sharded checkpoint folder, as Hugging Face saves every 7B+ model.
     sharded = shard_checkpoint(require_model(), tmp_path / "model")
-    out = _das("rollout", "--epochs", "2", "--history-dir", str(history), "--model-dir", str(sharded), *SMALL)
+    out = das_json(
+        "rollout", "--epochs", "2", "--history-dir", str(history), "--model-dir", str(sharded), *SMALL
+    )
     assert [e["epoch"] for e in out["epochs"]] == [0, 1]
     for epoch in out["epochs"]:
         assert epoch["requests"] == 4 and epoch["output_tokens"] > 0
@@ -72,7 +51,7 @@ def test_rollout_publishes_every_trajectory_into_the_embedded_replica(tmp_path) 
 @pytest.mark.vllm
 def test_traces_generate_writes_one_valid_record_per_request(tmp_path) -> None:
     trace = tmp_path / "traces" / "run.jsonl"
-    out = _das("traces", "generate", "--out", str(trace), "--epochs", "1", "--strategy", "none", *SMALL)
+    out = das_json("traces", "generate", "--out", str(trace), "--epochs", "1", "--strategy", "none", *SMALL)
     assert out["epochs"][0]["requests"] == 4
     records = [TrajectoryRecord.model_validate_json(line) for line in trace.read_text().splitlines()]
     assert sorted((r.problem_id, r.sample) for r in records) == [
@@ -112,16 +91,16 @@ def test_a_gpu_gets_vllms_serving_settings_as_valid_engine_arguments() -> None:
 
 
 def test_missing_inputs_fail_in_one_line_before_an_engine_is_built(tmp_path) -> None:
-    missing = _run("rollout", "--problems", str(tmp_path / "nope.jsonl"))
+    missing = run_das("rollout", "--problems", str(tmp_path / "nope.jsonl"))
     assert missing.returncode == 2  # a flag that names nothing: a usage error
     assert missing.stderr.strip().splitlines() == [
         f"das rollout: --problems {tmp_path / 'nope.jsonl'}: no such file (see `das rollout --help`)"
     ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "no id"}\n')
-    malformed = _run("traces", "generate", "--problems", str(bad), "--out", str(tmp_path / "t.jsonl"))
+    malformed = run_das("traces", "generate", "--problems", str(bad), "--out", str(tmp_path / "t.jsonl"))
     assert malformed.returncode == 1 and "not a problem" in malformed.stderr
-    no_model = _run("rollout", "--model-dir", str(tmp_path))
+    no_model = run_das("rollout", "--model-dir", str(tmp_path))
     assert no_model.returncode == 1 and "has no config.json" in no_model.stderr
     # No engine started: vLLM logs its start-up to stderr, and nothing of it is there.
     for result in (missing, malformed, no_model):

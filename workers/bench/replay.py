@@ -40,7 +40,7 @@ from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import Source
 from history_store.automaton.problem_index import ProblemIndex
 from pipeline.schemas import TrajectoryRecord
-from pipeline.trace_files import open_trace
+from pipeline.trace_files import numbered_lines
 from workers.bench.cost_model import CostModel, cost_models
 from workers.bench.engines import Engines, Fleet
 from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
@@ -56,18 +56,15 @@ def load_traces(path: str | Path) -> list[TrajectoryRecord]:
     """Reads a JSON Lines trace (gzip if the name ends in .gz). Raises ValueError naming the first malformed
     line; never skips data."""
     records = []
-    with open_trace(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(TrajectoryRecord.model_validate_json(line))
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                raise ValueError(
-                    f"{path}:{lineno}: invalid trajectory record ({where}: {first['msg']})"
-                ) from None
+    for lineno, line in numbered_lines(Path(path)):
+        try:
+            records.append(TrajectoryRecord.model_validate_json(line))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(
+                f"{path}:{lineno}: invalid trajectory record ({where}: {first['msg']})"
+            ) from None
     if not records:
         raise ValueError(f"{path}: no trajectory records")
     return records

@@ -1,4 +1,5 @@
-"""Argument types of every `das` flag and environment variable: the one place where numbers are checked.
+"""Argument types of every `das` flag and environment variable: the one place where numbers are checked; and the
+argument groups (with their output) that several commands share, so each reads and behaves the same everywhere.
 
 A flag declares its range with `integer(...)`, `number(...)` or `PORT`; argparse then refuses a bad value with
 one line and exit code 2 before the command touches anything. Environment variables used as defaults go
@@ -12,9 +13,12 @@ flag added later is covered without editing the test.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from monitoring.server import DEFAULT_HOST, HOST_ENV, PORT_ENV
 
@@ -222,6 +226,22 @@ def temperature_schedule(raw: str) -> tuple[float, ...]:
     return values
 
 
+def size_list(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
+    """A flag type: comma-separated positive integers (batch sizes, query lengths); errors name `what` and show
+    `example`."""
+
+    def parse(raw: str) -> tuple[int, ...]:
+        try:
+            sizes = tuple(int(part) for part in raw.split(","))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be positive integers like {example}, got {raw!r}")
+        return sizes
+
+    return parse
+
+
 def epoch_temperatures(
     epochs: Sequence[int], temperature: float, temperatures: Sequence[float] | None
 ) -> dict[int, float]:
@@ -237,3 +257,46 @@ def epoch_temperatures(
     if len(temperatures) != len(ordered):
         raise ValueError(f"--temperatures gives {len(temperatures)} values for {len(ordered)} epochs")
     return dict(zip(ordered, temperatures, strict=True))
+
+
+# The flags below recur in the `das traces` and `das bench` commands that read a trace, a model folder or both.
+JSON_HELP = "print one JSON object"
+TRACE_MODEL_HELP = "the checkpoint that sampled the trace (default: das model prepare's folder)"
+
+
+def add_json_flag(parser: argparse.ArgumentParser, help: str = JSON_HELP) -> None:
+    """Adds `--json`: the command prints its result as JSON (see `print_result`) instead of text."""
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+def add_model_dir_argument(parser: argparse.ArgumentParser, help: str = TRACE_MODEL_HELP) -> None:
+    """Adds `--model-dir` (a checkpoint folder; None means das model prepare's, see `require_model`)."""
+    parser.add_argument("--model-dir", type=Path, help=help)
+
+
+def add_temperature_arguments(
+    parser: argparse.ArgumentParser,
+    help: str = "the trace's sampling temperature",
+    schedule_help: str = "one temperature per epoch of the trace, comma-separated",
+) -> None:
+    """Adds `--temperature` and `--temperatures` (one per epoch, replacing it); `epoch_temperatures` reads them."""
+    parser.add_argument("--temperature", type=number(0), default=1.0, help=help)
+    parser.add_argument(
+        "--temperatures", type=temperature_schedule, help=f"{schedule_help}; replaces --temperature"
+    )
+
+
+def add_trace_out_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """Adds the required `-o/--out` of a command that writes a trace (JSON Lines, gzip if .gz)."""
+    parser.add_argument("-o", "--out", type=Path, required=True, help=help)
+
+
+def print_result(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    text: Callable[[dict[str, Any]], str],
+    indent: int | None = None,
+) -> int:
+    """Prints `result` as JSON with `--json`, else `text(result)`; the command's exit code (0)."""
+    print(json.dumps(result, indent=indent) if args.json else text(result))
+    return 0

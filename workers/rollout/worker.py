@@ -25,6 +25,7 @@ import numpy as np
 
 from monitoring.metrics import EPOCH, EPOCH_MAKESPAN, REQUEST_DURATION, REQUEST_DURATION_MAX
 from pipeline.schemas import TrajectoryRecord
+from pipeline.trace_files import numbered_lines
 from workers.generator.model import require_model
 from workers.rollout.priority import LengthPredictor
 
@@ -216,27 +217,24 @@ def load_problems(path: Path, tokenizer: Any) -> list[Problem]:
     """
     problems: list[Problem] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                problem_id = item["problem_id"]
-                if not isinstance(problem_id, str) or not problem_id:
-                    raise ValueError("problem_id must be a non-empty string")
-                if "prompt_ids" in item:
-                    ids = tuple(int(t) for t in item["prompt_ids"])
-                else:
-                    ids = chat_prompt_ids(tokenizer, str(item["prompt"]))
-                if not ids:
-                    raise ValueError("empty prompt")
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{number}: not a problem ({exc})") from exc
-            if problem_id in seen:
-                raise ValueError(f"{path}:{number}: problem_id {problem_id!r} repeats")
-            seen.add(problem_id)
-            problems.append(Problem(problem_id, ids))
+    for number, line in numbered_lines(path):
+        try:
+            item = json.loads(line)
+            problem_id = item["problem_id"]
+            if not isinstance(problem_id, str) or not problem_id:
+                raise ValueError("problem_id must be a non-empty string")
+            if "prompt_ids" in item:
+                ids = tuple(int(t) for t in item["prompt_ids"])
+            else:
+                ids = chat_prompt_ids(tokenizer, str(item["prompt"]))
+            if not ids:
+                raise ValueError("empty prompt")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{number}: not a problem ({exc})") from exc
+        if problem_id in seen:
+            raise ValueError(f"{path}:{number}: problem_id {problem_id!r} repeats")
+        seen.add(problem_id)
+        problems.append(Problem(problem_id, ids))
     if not problems:
         raise ValueError(f"{path}: no problems")
     return problems

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.schemas import TrajectoryRecord
+from pipeline.trace_files import numbered_lines
 from workers.verl.identity import PassLedger, prompt_digest
 
 
@@ -59,18 +60,15 @@ def read_rows(folder: Path) -> Iterator[DumpRow]:
         ValueError: a line is not a dump row (the message names the file and line).
     """
     for step, path in step_files(folder):
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                    prompt, response = item["input"], item["output"]
-                    if not isinstance(prompt, str) or not isinstance(response, str):
-                        raise TypeError("input and output must be strings")
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{number}: not a verl rollout dump line ({exc})") from exc
-                yield DumpRow(int(item.get("step", step)), prompt, response)
+        for number, line in numbered_lines(path):
+            try:
+                item = json.loads(line)
+                prompt, response = item["input"], item["output"]
+                if not isinstance(prompt, str) or not isinstance(response, str):
+                    raise TypeError("input and output must be strings")
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a verl rollout dump line ({exc})") from exc
+            yield DumpRow(int(item.get("step", step)), prompt, response)
 
 
 def problem_id(prompt: str) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.schemas import TrajectoryRecord
+from pipeline.trace_files import numbered_lines
 
 logger = logging.getLogger(__name__)
 
@@ -177,18 +178,15 @@ class PassLedger:
     def _load(self) -> None:
         assert self.path is not None
         torn = False
-        with open(self.path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    pid, epoch, step, next_sample = json.loads(line)
-                    self._passes[str(pid)] = _Pass(int(epoch), int(step), int(next_sample))
-                except (ValueError, TypeError) as exc:
-                    # A line cut by a crash mid-append is the expected damage (and only the last line can be).
-                    logger.warning("DAS: %s:%d unreadable (%s); ignored", self.path, number, exc)
-                    torn = True
-                self._lines += 1
+        for number, line in numbered_lines(self.path):
+            try:
+                pid, epoch, step, next_sample = json.loads(line)
+                self._passes[str(pid)] = _Pass(int(epoch), int(step), int(next_sample))
+            except (ValueError, TypeError) as exc:
+                # A line cut by a crash mid-append is the expected damage (and only the last line can be).
+                logger.warning("DAS: %s:%d unreadable (%s); ignored", self.path, number, exc)
+                torn = True
+            self._lines += 1
         if torn:
             # Appending after a torn line would glue the next record onto it: start from a clean file.
             self._rewrite()
@@ -274,19 +272,10 @@ def cluster_history_epochs(history_dir: str) -> dict[str, int]:
     """Highest stored epoch per problem over the replicas of every live node of the connected Ray cluster (each
     node reads its own `history_dir`; nodes without one contribute nothing). The trainer's node often has no
     replica (the compose head), while every GPU node has one."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from workers.verl.cluster import on_every_node
 
-    read = ray.remote(num_cpus=0)(history_epochs)
-    reads = [
-        read.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
-        ).remote(history_dir)
-        for node in ray.nodes()
-        if node["Alive"]
-    ]
     merged: dict[str, int] = {}
-    for epochs in ray.get(reads):
+    for epochs in on_every_node(history_epochs, history_dir):
         for pid, epoch in epochs.items():
             merged[pid] = max(epoch, merged.get(pid, epoch))
     return merged

@@ -86,15 +86,6 @@ def _proposer_notes(folder: str) -> list[str]:
 def proposer_metric_addresses(folder: str) -> list[str]:
     """`host:port` of every DAS proposer's `/metrics` (`workers.generator.metrics_endpoint`) on every live node of
     the connected Ray cluster, read from each node's `folder`."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from workers.verl.cluster import on_every_node
 
-    read = ray.remote(num_cpus=0)(_proposer_notes)
-    reads = [
-        read.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
-        ).remote(folder)
-        for node in ray.nodes()
-        if node["Alive"]
-    ]
-    return [address for addresses in ray.get(reads) for address in addresses]
+    return [address for addresses in on_every_node(_proposer_notes, folder) for address in addresses]

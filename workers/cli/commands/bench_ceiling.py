@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+from typing import Any
 
-from workers.cli.types import POSITIVE, epoch_temperatures, number, temperature_schedule
+from workers.cli.types import (
+    POSITIVE,
+    add_json_flag,
+    add_model_dir_argument,
+    add_temperature_arguments,
+    epoch_temperatures,
+    print_result,
+)
+
+
+def _text(result: dict[str, Any]) -> str:
+    brier = result["brier"]
+    return (
+        f"{result['tokens']} verified draft tokens, acceptance {result['acceptance']}, mean target probability "
+        f"{result['mean_target_probability']}\n"
+        f"Brier: policy {brier['policy']}, recalibrated {brier['policy_recalibrated']}, with draft-time signals "
+        f"{brier['with_draft_time_signals']}, target model's own probability {brier['target_probability']}"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -22,17 +38,7 @@ def _run(args: argparse.Namespace) -> int:
         "k": args.max_draft,
         **ceiling(records, temperatures, require_model(args.model_dir), args.max_draft),
     }
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    brier = result["brier"]
-    print(
-        f"{result['tokens']} verified draft tokens, acceptance {result['acceptance']}, mean target probability "
-        f"{result['mean_target_probability']}\n"
-        f"Brier: policy {brier['policy']}, recalibrated {brier['policy_recalibrated']}, with draft-time signals "
-        f"{brier['with_draft_time_signals']}, target model's own probability {brier['target_probability']}"
-    )
-    return 0
+    return print_result(args, result, _text)
 
 
 def register(cli) -> None:
@@ -44,16 +50,7 @@ def register(cli) -> None:
         run=_run,
     )
     parser.add_argument("trace", help="JSON Lines of trajectory records sampled by the prepared model")
-    parser.add_argument("--temperature", type=number(0), default=1.0, help="the trace's sampling temperature")
-    parser.add_argument(
-        "--temperatures",
-        type=temperature_schedule,
-        help="one temperature per epoch of the trace, comma-separated; replaces --temperature",
-    )
+    add_temperature_arguments(parser)
     parser.add_argument("--max-draft", type=POSITIVE, default=16, help="maximum draft tokens per step (K)")
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        help="the checkpoint that sampled the trace (default: das model prepare's folder)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_dir_argument(parser)
+    add_json_flag(parser)

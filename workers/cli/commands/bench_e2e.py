@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from workers.cli.types import NON_NEGATIVE, POSITIVE, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, add_json_flag, number
 
 
 def _ints(raw: str) -> tuple[int, ...]:
@@ -53,7 +53,7 @@ def register(cli) -> None:
         "rollouts are, at several batch sizes and seeds.",
         run=_bench,
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument(
         "--temperature",
         type=number(minimum=0),

@@ -3,32 +3,33 @@
 from __future__ import annotations
 
 import argparse
-import json
+from typing import Any
 
-from workers.cli.types import number
+from workers.cli.types import add_json_flag, number, print_result
 
 
-def _run(args: argparse.Namespace) -> int:
-    from workers.bench.fidelity import compare, load_report
-
-    result = compare(args.trace, load_report(args.report), args.tolerance)
-    if args.json:
-        print(json.dumps(result))
-        return 0
+def _text(result: dict[str, Any]) -> str:
+    lines = []
     for row in result["per_epoch"]:
         engine, replayed = row["engine"], row["replay"]
-        print(
+        lines.append(
             f"epoch {row['epoch']}: accepted/step engine {engine['accepted_per_step']:.3f} replay "
             f"{replayed['accepted_per_step']:.3f}; acceptance engine {engine['acceptance']:.3f} replay "
             f"{replayed['acceptance']:.3f}"
         )
     diff = result["relative_difference"]
-    print(
+    lines.append(
         f"{result['strategy']}: relative difference accepted/step {diff['accepted_per_step']}, acceptance "
         f"{diff['acceptance']} (tolerance {result['tolerance']}): "
         + ("within" if result["within_tolerance"] else "OUTSIDE")
     )
-    return 0
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from workers.bench.fidelity import compare, load_report
+
+    return print_result(args, compare(args.trace, load_report(args.report), args.tolerance), _text)
 
 
 def register(cli) -> None:
@@ -46,4 +47,4 @@ def register(cli) -> None:
     parser.add_argument(
         "--tolerance", type=number(minimum=0), default=0.10, help="allowed relative difference"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from workers.cli.commands.kafka import BUS_ENV
-from workers.cli.types import POSITIVE, SECONDS, UsageError
+from workers.cli.types import POSITIVE, SECONDS, UsageError, add_json_flag
 
 SINGLE_BROKER_ENV = "DAS_KAFKA_BOOTSTRAP"
 
@@ -34,7 +34,7 @@ def register(cli: Any) -> None:
     p.add_argument(
         "--response-tokens", type=POSITIVE, default=1000, help="median response length (log-normal)"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
+from typing import Any
 
-from workers.cli.types import POSITIVE, integer
+from workers.cli.types import POSITIVE, add_json_flag, integer, print_result, size_list
 
 
 def register(cli) -> None:
@@ -16,7 +16,7 @@ def register(cli) -> None:
         run=run,
     )
     parser.add_argument("trace", help="JSON Lines of trajectory records; the last epoch is decoded")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument("--k", type=integer(1, 64), default=8, help="num_speculative_tokens")
     parser.add_argument("--steps", type=POSITIVE, default=400, help="timed steps per batch size")
     parser.add_argument("--warmup", type=integer(0), default=50, help="untimed steps first")
@@ -24,7 +24,10 @@ def register(cli) -> None:
         "--repeats", type=POSITIVE, default=3, help="runs per batch size; the least disturbed one is reported"
     )
     parser.add_argument(
-        "--batches", type=_batch_sizes, default=(1, 64, 256), help="comma-separated batch sizes (1,64,256)"
+        "--batches",
+        type=size_list("batch sizes", "1,64,256"),
+        default=(1, 64, 256),
+        help="comma-separated batch sizes (1,64,256)",
     )
     parser.add_argument(
         "--against",
@@ -44,16 +47,6 @@ def register(cli) -> None:
     )
 
 
-def _batch_sizes(raw: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers like 1,64,256, got {raw!r}")
-    return sizes
-
-
 def run(args: argparse.Namespace) -> int:
     if args.against is not None and args.kernels_against is not None:
         raise ValueError("--against and --kernels-against are two ways to compare: pass one")
@@ -66,13 +59,12 @@ def run(args: argparse.Namespace) -> int:
     result = proposer.run(
         args.trace, k=args.k, steps=args.steps, warmup=args.warmup, batches=args.batches, repeats=args.repeats
     )
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for row in result["batches"]:
-            print(" ".join(f"{key}={value}" for key, value in row.items()))
-        print(f"load average (1 min) before/after: {result['load_average_1m']}")
-    return 0
+    return print_result(args, result, _text, indent=2)
+
+
+def _text(result: dict[str, Any]) -> str:
+    rows = [" ".join(f"{key}={value}" for key, value in row.items()) for row in result["batches"]]
+    return "\n".join([*rows, f"load average (1 min) before/after: {result['load_average_1m']}"])
 
 
 def _run_against(args: argparse.Namespace) -> int:
@@ -87,19 +79,24 @@ def _run_against(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         batches=args.batches,
     )
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"this checkout against {args.against} ({result['against']['commit'][:12]}), {args.rounds} rounds:")
+    return print_result(args, result, lambda r: _against_text(r, args), indent=2)
+
+
+def _against_text(result: dict[str, Any], args: argparse.Namespace) -> str:
+    from workers.bench import proposer_ab
+
+    lines = [
+        f"this checkout against {args.against} ({result['against']['commit'][:12]}), {args.rounds} rounds:"
+    ]
     for row in result["batches"]:
         for figure in proposer_ab.FIGURES:
             p = row[figure]
-            print(
+            lines.append(
                 f"batch {row['batch']} {figure}: {p['this_checkout_median']} vs {p['against_median']} us, "
                 f"ratio median {p['ratio_median']} (rounds {p['ratio_min']}-{p['ratio_max']}), "
                 f"of the best rounds {p['ratio_of_best']}"
             )
-    return 0
+    return "\n".join(lines)
 
 
 def _run_kernels_against(args: argparse.Namespace) -> int:
@@ -108,16 +105,17 @@ def _run_kernels_against(args: argparse.Namespace) -> int:
     result = proposer_kernels_ab.run(
         args.trace, args.kernels_against, k=args.k, steps=args.steps, warmup=args.warmup, batches=args.batches
     )
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
+    return print_result(args, result, lambda r: _kernels_against_text(r, args), indent=2)
+
+
+def _kernels_against_text(result: dict[str, Any], args: argparse.Namespace) -> str:
     commit = result["kernels_against"]["commit"][:12]
-    print(f"this checkout's step kernels against {args.kernels_against} ({commit}), paired steady steps:")
+    lines = [f"this checkout's step kernels against {args.kernels_against} ({commit}), paired steady steps:"]
     for row in result["batches"]:
-        print(
+        lines.append(
             f"batch {row['batch']}: {row['this_checkout_median_us_per_request']} vs "
             f"{row['against_median_us_per_request']} us per request, ratio median {row['ratio_median']} "
             f"(quartiles {row['ratio_p25']}-{row['ratio_p75']}, {row['steady_steps_paired']} steps), "
             f"drafts {'identical' if row['drafts_identical'] else 'differ'}"
         )
-    return 0
+    return "\n".join(lines)

@@ -8,7 +8,7 @@ from pathlib import Path
 from history_store.automaton.config import DraftConfig
 from workers.bench.cost_model import CostModel
 from workers.bench.engines import ORDERS
-from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, add_json_flag, number
 from workers.generator.settings import ProposerSettings
 
 # The flags' defaults are the configs' (one home per default).
@@ -26,7 +26,7 @@ def register(cli) -> None:
         "traces",
         help="JSON Lines of trajectory records (problem_id, epoch, sample, prompt_ids, response_ids)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument("--strategies", default=None, help="comma-separated subset (default: all)")
     parser.add_argument(
         "--cost-models",

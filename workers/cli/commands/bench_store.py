@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from workers.cli.types import NON_NEGATIVE, integer
+from workers.cli.types import NON_NEGATIVE, add_json_flag, integer
 
 
 def register(cli: Any) -> None:
@@ -16,7 +16,7 @@ def register(cli: Any) -> None:
         help="Measure history store ingest rate, bytes per token, checkpoint and restore.",
         run=run,
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
     parser.add_argument(
         "--tokens-per-size",

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from workers.cli.types import NON_NEGATIVE
+from workers.cli.types import NON_NEGATIVE, add_json_flag
 
 
 def register(cli) -> None:
     parser = cli.command(
         "bench", "tree", help="Measure suffix tree insertion, batched drafting and memory.", run=run
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
 
 

@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
-from workers.cli.types import NON_NEGATIVE, POSITIVE
+from workers.cli.types import NON_NEGATIVE, POSITIVE, add_json_flag, print_result, size_list
 
 
-def _sizes(raw: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"sizes must be positive integers like 1,2,4, got {raw!r}")
-    return sizes
+def _text(result: dict[str, Any], out: Path | None) -> str:
+    c, fit = result["cost_model"], result["fit"]
+    text = (
+        f"{result['shape']} on {result['device_name']} ({result['dtype']}, context {result['context']}): "
+        f"c_base {c['c_base'] * 1e3:.3f} ms, c_seq {c['c_seq'] * 1e3:.4f} ms, c_tok {c['c_tok'] * 1e3:.4f} ms "
+        f"(R^2 {fit['r2']}, worst point {fit['max_relative_error']:.0%} off)"
+    )
+    if out is not None:
+        text += f"\nwritten: {out} (das bench replay TRACE --cost-model {out} --cost-models default)"
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,21 +35,9 @@ def run(args: argparse.Namespace) -> int:
         args.dtype,
         args.seed,
     )
-    text = json.dumps(result, indent=2)
     if args.out is not None:
-        args.out.write_text(text + "\n")
-    if args.json:
-        print(text)
-        return 0
-    c, fit = result["cost_model"], result["fit"]
-    print(
-        f"{result['shape']} on {result['device_name']} ({result['dtype']}, context {result['context']}): "
-        f"c_base {c['c_base'] * 1e3:.3f} ms, c_seq {c['c_seq'] * 1e3:.4f} ms, c_tok {c['c_tok'] * 1e3:.4f} ms "
-        f"(R^2 {fit['r2']}, worst point {fit['max_relative_error']:.0%} off)"
-    )
-    if args.out is not None:
-        print(f"written: {args.out} (das bench replay TRACE --cost-model {args.out} --cost-models default)")
-    return 0
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return print_result(args, result, lambda r: _text(r, args.out), indent=2)
 
 
 def register(cli) -> None:
@@ -66,13 +57,13 @@ def register(cli) -> None:
     )
     parser.add_argument(
         "--batches",
-        type=_sizes,
+        type=size_list("sizes", "1,2,4"),
         default=BATCHES,
         help="comma-separated batch sizes (running sequences)",
     )
     parser.add_argument(
         "--queries",
-        type=_sizes,
+        type=size_list("sizes", "1,2,4"),
         default=QUERIES,
         help="comma-separated query tokens per sequence (1 + draft tokens)",
     )
@@ -89,4 +80,4 @@ def register(cli) -> None:
     )
     parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
-    parser.add_argument("--json", action="store_true", help="print the JSON")
+    add_json_flag(parser, "print the JSON")

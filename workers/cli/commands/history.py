@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from workers.cli.types import POSITIVE
+from workers.cli.types import POSITIVE, add_json_flag
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
@@ -24,7 +24,7 @@ def _data_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data", default=os.environ.get(DATA_ENV), help=f"history store folder (default: ${DATA_ENV})"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
 
 
 def register(cli: Any) -> None:
@@ -43,7 +43,7 @@ def register(cli: Any) -> None:
     )
     p.add_argument("checkpoint", help="a ckpt-*/backup-* folder, or a root of them (its newest is used)")
     p.add_argument("data_dir", help="folder to restore into (must not exist or be empty)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(p)
     p = cli.command(
         "history", "stats", help="Totals of the history store: problems, records, tokens, offsets.", run=stats
     )

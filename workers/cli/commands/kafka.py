@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from pipeline.schemas import MAX_EPOCH
-from workers.cli.types import NON_NEGATIVE, POSITIVE, RATE, SECONDS, integer, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, RATE, SECONDS, add_json_flag, integer, number
 
 BUS_ENV = "DAS_BUS"
 # A one-shot command (init, dlq, load) has a person waiting: brokers that answer at all answer within seconds,
@@ -97,7 +97,7 @@ def register(cli: Any) -> None:
         default=None,
         help="replicas per partition (default: 3 on three or more brokers, else 1)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(p)
 
     p = cli.command(
         "kafka",
@@ -111,7 +111,7 @@ def register(cli: Any) -> None:
     p.add_argument(
         "--idle-s", type=SECONDS, default=1.0, help="stop reading after this long without a message"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(p)
 
     p = cli.command(
         "kafka",

@@ -11,7 +11,15 @@ from typing import Any
 
 from pipeline.trace_files import trace_line, trace_writer
 from workers.cli.commands.rollout import _problems, shard
-from workers.cli.types import NON_NEGATIVE, POSITIVE, integer, number
+from workers.cli.types import (
+    NON_NEGATIVE,
+    POSITIVE,
+    add_json_flag,
+    add_model_dir_argument,
+    integer,
+    number,
+    print_result,
+)
 
 
 def policy_report_path(out: Path) -> Path:
@@ -100,13 +108,13 @@ def _learn(args: argparse.Namespace) -> int:
         shutdown_engine(llm)
         if scratch is not None:
             scratch.cleanup()
-    if args.json:
-        print(json.dumps({**header, "report": str(report_path), "epochs": epochs}))
-    else:
-        print(
+    return print_result(
+        args,
+        {**header, "report": str(report_path), "epochs": epochs},
+        lambda r: (
             f"wrote {sum(e['responses'] for e in epochs)} trajectories to {args.out}, figures to {report_path}"
-        )
-    return 0
+        ),
+    )
 
 
 def register(cli) -> None:
@@ -160,10 +168,10 @@ def register(cli) -> None:
         "--max-model-len", type=integer(16), default=2048, help="prompt plus response, in tokens"
     )
     learn.add_argument("--kv-cache-mib", type=POSITIVE, default=None, help="KV cache size (CPU default 512)")
-    learn.add_argument("--model-dir", type=Path, help="checkpoint folder (default: das model prepare's)")
+    add_model_dir_argument(learn, "checkpoint folder (default: das model prepare's)")
     learn.add_argument(
         "--work-dir",
         type=Path,
         help="folder for the updated weights (policy/, safetensors; kept); default: a temporary folder",
     )
-    learn.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_json_flag(learn, "print one JSON object at the end")

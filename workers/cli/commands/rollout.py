@@ -12,7 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.trace_files import trace_line, trace_writer
-from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, integer, number, temperature_schedule
+from workers.cli.types import (
+    NON_NEGATIVE,
+    POSITIVE,
+    UsageError,
+    add_json_flag,
+    add_model_dir_argument,
+    add_temperature_arguments,
+    integer,
+    number,
+    print_result,
+)
 from workers.rollout.worker import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
 
@@ -32,12 +42,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         type=POSITIVE,
         help="use the first N problems (default: all of --problems, or 4 built-in ones without it)",
     )
-    parser.add_argument("--temperature", type=number(0), default=1.0, help="sampling temperature (RL: 1.0)")
-    parser.add_argument(
-        "--temperatures",
-        type=temperature_schedule,
-        help="one temperature per epoch, comma-separated (e.g. 1.0,0.85,0.7,0.55: a policy that sharpens "
-        "during RL); replaces --temperature",
+    add_temperature_arguments(
+        parser,
+        "sampling temperature (RL: 1.0)",
+        "one temperature per epoch, comma-separated (e.g. 1.0,0.85,0.7,0.55: a policy that sharpens during RL)",
     )
     parser.add_argument("--seed", type=NON_NEGATIVE, default=0, help="engine-wide sampling seed")
     parser.add_argument("--max-tokens", type=POSITIVE, default=256, help="response length cap")
@@ -45,10 +53,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len", type=integer(16), default=2048, help="prompt plus response, in tokens"
     )
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        help="any Hugging Face checkpoint folder: config.json, safetensors (one file or shards), tokenizer "
+    add_model_dir_argument(
+        parser,
+        "any Hugging Face checkpoint folder: config.json, safetensors (one file or shards), tokenizer "
         "(default: das model prepare's folder)",
     )
     engine = parser.add_argument_group("engine (defaults: CPU exact and small, GPU vLLM's serving settings)")
@@ -95,7 +102,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="record each response token's sampling log probability (response_logprobs; vLLM logprobs=0)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text lines")
+    add_json_flag(parser, "print one JSON object instead of text lines")
     parser.add_argument(
         "--shard",
         type=shard,
@@ -291,11 +298,9 @@ def _traces(args: argparse.Namespace) -> int:
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(f"wrote {sum(r['requests'] for r in reports)} trajectories to {args.out}")
-    return 0
+    return print_result(
+        args, report, lambda _: f"wrote {sum(r['requests'] for r in reports)} trajectories to {args.out}"
+    )
 
 
 def register(cli) -> None:

@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from pipeline.trace_files import open_trace, trace_writer
-from workers.cli.types import epoch_temperatures, number, temperature_schedule
+from workers.cli.types import (
+    add_json_flag,
+    add_model_dir_argument,
+    add_temperature_arguments,
+    add_trace_out_argument,
+    epoch_temperatures,
+    print_result,
+)
 
 
 def _shortest(values: np.ndarray) -> list[float]:
@@ -60,16 +67,16 @@ def annotate(
     }
 
 
+def _text(report: dict[str, Any]) -> str:
+    return (
+        f"wrote {report['records']} records ({report['response_tokens']} response tokens) with their sampling "
+        f"log probabilities to {report['out']} in {report['seconds']} s"
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     report = annotate(args.trace, args.out, args.temperature, args.temperatures, args.model_dir)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(
-            f"wrote {report['records']} records ({report['response_tokens']} response tokens) with their sampling "
-            f"log probabilities to {report['out']} in {report['seconds']} s"
-        )
-    return 0
+    return print_result(args, report, _text)
 
 
 def register(cli) -> None:
@@ -81,16 +88,7 @@ def register(cli) -> None:
         run=_run,
     )
     parser.add_argument("trace", type=Path, help="JSON Lines of trajectory records (gzip if .gz)")
-    parser.add_argument("-o", "--out", type=Path, required=True, help="annotated copy to write (gzip if .gz)")
-    parser.add_argument("--temperature", type=number(0), default=1.0, help="the trace's sampling temperature")
-    parser.add_argument(
-        "--temperatures",
-        type=temperature_schedule,
-        help="one temperature per epoch of the trace, comma-separated; replaces --temperature",
-    )
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        help="the checkpoint that sampled the trace (default: das model prepare's folder)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_trace_out_argument(parser, "annotated copy to write (gzip if .gz)")
+    add_temperature_arguments(parser)
+    add_model_dir_argument(parser)
+    add_json_flag(parser)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections import Counter
 from pathlib import Path
 
 from pipeline.trace_files import trace_line, trace_writer
+from workers.cli.types import add_json_flag, add_trace_out_argument, print_result
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -32,14 +32,14 @@ def _import(args: argparse.Namespace) -> int:
         "response_tokens": sum(len(r.response_ids) for r in records),
         "records_per_epoch": {str(e): epochs[e] for e in sorted(epochs)},
     }
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(
-            f"wrote {summary['records']} trajectories of {summary['problems']} problems "
-            f"({summary['response_tokens']} response tokens) to {args.out}; next: das bench replay {args.out}"
-        )
-    return 0
+    return print_result(
+        args,
+        summary,
+        lambda s: (
+            f"wrote {s['records']} trajectories of {s['problems']} problems ({s['response_tokens']} response "
+            f"tokens) to {args.out}; next: das bench replay {args.out}"
+        ),
+    )
 
 
 def register(cli) -> None:
@@ -55,7 +55,5 @@ def register(cli) -> None:
     command.add_argument(
         "--model", type=Path, required=True, help="the run's model folder (its tokenizer re-encodes the text)"
     )
-    command.add_argument(
-        "-o", "--out", type=Path, required=True, help="trace file to write (JSON Lines; gzip if .gz)"
-    )
-    command.add_argument("--json", action="store_true", help="print one JSON object")
+    add_trace_out_argument(command, "trace file to write (JSON Lines; gzip if .gz)")
+    add_json_flag(command)
