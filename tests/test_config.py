@@ -45,16 +45,6 @@ def test_out_of_range_values_are_refused_by_name(config: type, field: str, value
         config(not_a_setting=1)
 
 
-def test_environment_errors_name_the_variable(monkeypatch) -> None:
-    monkeypatch.setenv("DAS_WINDOW_EPOCHS", "0")
-    with pytest.raises(ValueError, match="^DAS_WINDOW_EPOCHS: Input should be greater than or equal to 1"):
-        ProposerSettings.from_env()
-    monkeypatch.setenv("DAS_WINDOW_EPOCHS", "2")
-    monkeypatch.setenv("DAS_HISTORY_LOAD", "sometimes")
-    with pytest.raises(ValueError, match="^DAS_HISTORY_LOAD"):
-        ProposerSettings.from_env()
-
-
 def test_the_probability_floor_follows_the_budget() -> None:
     assert ProposerSettings().min_token_prob == BUDGET_MIN_TOKEN_PROB
     assert ProposerSettings(budget=False).min_token_prob == DraftConfig.min_token_prob

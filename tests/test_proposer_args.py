@@ -75,3 +75,9 @@ def test_unparsable_settings_name_the_variable(monkeypatch) -> None:
     monkeypatch.setenv("DAS_HISTORY_LOAD", "sometimes")
     with pytest.raises(ValueError, match="DAS_HISTORY_LOAD"):
         ProposerSettings.from_env()
+    monkeypatch.setenv("DAS_HISTORY_LOAD", "lazy")
+    monkeypatch.setenv(
+        "DAS_WINDOW_EPOCHS", "0"
+    )  # parses, but out of range: the field's rule, the variable's name
+    with pytest.raises(ValueError, match="^DAS_WINDOW_EPOCHS: Input should be greater than or equal to 1"):
+        ProposerSettings.from_env()
