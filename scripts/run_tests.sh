@@ -19,16 +19,24 @@ if [ "$#" -gt 0 ]; then
   python -m pytest -q "$@"
   exit 0
 fi
-# The modules that start a local Ray cluster or stop brokers of the three-broker cluster run one at a time,
-# after the rest. The rest run on three xdist workers, a module per worker (module-scoped engines and brokers
-# stay shared): much of the suite waits on brokers and engine start-ups, and those waits overlap. Each run
-# lists its slowest tests, for whoever makes the suite faster next.
+# The modules that start a local Ray cluster or stop brokers of the three-broker cluster run one at a time.
+# The rest run on three xdist workers, a module per worker (module-scoped engines and brokers
+# stay shared): much of the suite waits on brokers and engine start-ups, and those waits overlap. Modules go out
+# in collection order, the ones that start engines first (tests/conftest.py: LONGEST_FIRST), so no long module
+# starts last and runs alone. Each run lists its slowest tests, for whoever makes the suite faster next.
 serial=(tests/test_compose.py tests/test_compose_head.py tests/test_compose_rehearsal.py tests/test_verl_integration.py
   tests/test_verl_ray.py tests/test_verl_readme.py tests/test_kafka_cluster.py tests/test_kafka_outage.py
   tests/test_monitoring_kafka_jmx.py)
 ignored=()
 for module in "${serial[@]}"; do ignored+=(--ignore "$module"); done
+# The one-at-a-time modules use only the three-broker cluster and Ray, which no other module touches, and spend
+# most of their time waiting (outages, Ray start-ups): they run beside the xdist workers, their report after.
+serial_log=$(mktemp)
+python -m pytest -q --durations=10 "${serial[@]}" >"$serial_log" 2>&1 &
+serial_pid=$!
 status=0
-python -m pytest -q -n "${DAS_TEST_WORKERS:-3}" --dist loadfile --durations=15 "${ignored[@]}" || status=$?
-python -m pytest -q --durations=10 "${serial[@]}" || status=$?
+python -m pytest -q -n "${DAS_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder --durations=15 "${ignored[@]}" || status=$?
+wait "$serial_pid" || status=$?
+cat "$serial_log"
+rm -f "$serial_log"
 exit "$status"

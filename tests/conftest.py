@@ -24,6 +24,31 @@ from pipeline.topics import admin_client, ensure_topics
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Modules that start vLLM engines, longest first (measured by `--durations`): xdist hands modules out in
+# collection order (scripts/run_tests.sh passes --no-loadscope-reorder), so the longest start at once and the
+# many short modules fill the workers around them, instead of a long module starting last and running alone.
+LONGEST_FIRST = (
+    "test_sampling_distribution.py",
+    "test_replay_fidelity.py",
+    "test_proposer_engine.py",
+    "test_priority_engine.py",
+    "test_rollout_cli.py",
+    "test_proposer_bench.py",
+    "test_draft_threads.py",
+    "test_logprobs_sources.py",
+    "test_traces_learn.py",
+    "test_demo.py",
+    "test_bench_ceiling.py",
+    "test_verl_fully_async.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long modules first, in LONGEST_FIRST's order; the rest keep theirs (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 SINGLE_ENV = "DAS_KAFKA_BOOTSTRAP"
 CLUSTER_ENV = "DAS_KAFKA_CLUSTER_BOOTSTRAP"
 
