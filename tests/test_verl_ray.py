@@ -214,6 +214,19 @@ def _serve_like_vllm() -> Any:
     return Server
 
 
+def _rpcs_once_received(server: Any, count: int, timeout: float = 30.0) -> list[tuple[str, tuple]]:
+    """The server's RPCs once it has received `count` (or at the timeout): `prefetch_placed` sends without
+    waiting, and an async actor runs calls from different callers in no fixed order."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        rpcs = ray.get(server.rpcs_received.remote())
+        if len(rpcs) >= count or time.monotonic() > deadline:
+            return rpcs
+        time.sleep(0.05)
+
+
 async def _route(client: Any, problems: int, samples: int, passes: int) -> dict[str, list[str]]:
     """Which server each request of each problem went to, through verl's LLMServerClient.generate."""
     import uuid
@@ -374,7 +387,8 @@ def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_
             # The next step's batch: the placed problems (one per sample row), one new problem, a row without one.
             rows = [pid for pid in placement for _ in range(2)] + ["new-problem", None]
             asked = prefetch_placed(router, rows)
-            received = {sid: ray.get(server.rpcs_received.remote()) for sid, server in servers.items()}
+            wanted = 0 if router_path is None else 1
+            received = {sid: _rpcs_once_received(server, wanted) for sid, server in servers.items()}
             if router_path is None:  # verl's router places no problems: nothing to prefetch
                 assert asked == 0 and all(not rpcs for rpcs in received.values())
                 continue
@@ -399,7 +413,7 @@ def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_
             assert home != new
             prefetch_placed(router, [moved])
             # The server it left drops its tree; the one it moved to builds it.
-            assert ray.get(servers[home].rpcs_received.remote())[-1] == ("das_release", ([moved],))
-            assert ray.get(servers[new].rpcs_received.remote())[-1] == ("das_prefetch", ([moved],))
+            assert _rpcs_once_received(servers[home], 2)[-1] == ("das_release", ([moved],))
+            assert _rpcs_once_received(servers[new], 2)[-1] == ("das_prefetch", ([moved],))
     finally:
         ray.shutdown()
