@@ -60,19 +60,10 @@ def _replicate(das_processes, name, bus, topic, dlq, store_path, servers) -> str
 def test_a_damaged_sst_is_reported_rebuilt_from_kafka_and_restored_from_a_verified_backup(
     kafka_servers, kafka_topics, das_processes, tmp_path, capsys
 ):
-    topic, dlq = kafka_topics
-    bus_url = f"kafka://{','.join(kafka_servers)}"
+    bus_url, topic, dlq, store, digest = _compacted_replica(
+        kafka_servers, kafka_topics, das_processes, tmp_path, worker=0
+    )
     records = list(synthetic_records(0, COUNT, SHAPE))
-    bus = open_bus(bus_url, topic=topic)
-    for record in records:
-        bus.publish(record)
-    assert bus.close().acknowledged == COUNT
-    with HistoryStore(tmp_path / "reference") as reference:
-        reference.apply(records)
-        digest = reference.content_digest()
-    store = tmp_path / "replica"
-    _replicate(das_processes, "replica", bus_url, topic, dlq, store, kafka_servers)
-    assert das(["history", "compact", "--data", str(store)]) == 0  # everything into SST files
     assert das(["history", "backup", str(tmp_path / "backups"), "--data", str(store), "--json"]) == 0
     backup = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["backup"]
 
@@ -118,8 +109,9 @@ def test_a_damaged_sst_is_reported_rebuilt_from_kafka_and_restored_from_a_verifi
 
 
 def _compacted_replica(kafka_servers, kafka_topics, das_processes, tmp_path, worker):
-    """Publishes COUNT records of `worker`, replicates them into a compacted store; returns (bus URL, topic,
-    dead-letter topic, store folder, the content digest a clean store of those records has)."""
+    """Publishes COUNT records of `worker` (`synthetic_records(worker, COUNT, SHAPE)`), replicates them into a
+    store compacted into SST files; returns (bus URL, topic, dead-letter topic, store folder, the content digest
+    a clean store of those records has)."""
     topic, dlq = kafka_topics
     bus_url = f"kafka://{','.join(kafka_servers)}"
     records = list(synthetic_records(worker, COUNT, SHAPE))
