@@ -59,7 +59,7 @@ def load_index(store: _StoreReader, index: ProblemIndex) -> LoadReport:
     started = time.perf_counter()
     records = [r for r in (store.get(*key) for key in _in_apply_order(store)) if r is not None]
     count = index.add_trajectories(
-        (r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids) for r in records
+        (r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids, r.response_logprobs) for r in records
     )
     tokens = sum(r.response_ids.size for r in records)
     seconds = time.perf_counter() - started
@@ -146,7 +146,9 @@ class IndexedHistory:
             key = (record.problem_id, record.epoch, record.sample)
             if key in applied:
                 applied.discard(key)  # a key repeated in the batch was applied once
-                self.index.add_trajectory(*key, record.prompt_ids, record.response_ids)
+                self.index.add_trajectory(
+                    *key, record.prompt_ids, record.response_ids, record.response_logprobs
+                )
         self.index.evict_keys(result.evicted)
         now = time.monotonic()
         if now >= self._next_gauge_update:
@@ -196,7 +198,7 @@ def follow(reader: HistoryReader, index: ProblemIndex, catch_up: CatchUp | None 
         if change.op == "added":
             record = reader.get(problem_id, epoch, sample)
             if record is not None and index.add_trajectory(  # None: evicted or quarantined since
-                problem_id, epoch, sample, record.prompt_ids, record.response_ids
+                problem_id, epoch, sample, record.prompt_ids, record.response_ids, record.response_logprobs
             ):
                 added.append((change.key, int(record.response_ids.size)))
         elif change.op == "removed":

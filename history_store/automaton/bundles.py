@@ -20,6 +20,7 @@ I32_1, I32_2 = types.int32[::1], types.int32[:, ::1]
 F1, F2, F3 = types.float64[::1], types.float64[:, ::1], types.float64[:, :, ::1]
 F32_1, F32_2 = types.float32[::1], types.float32[:, ::1]
 B1 = types.boolean[::1]
+U8_1 = types.uint8[::1]
 INT, FLOAT, BOOL = types.int64, types.float64, types.boolean
 
 
@@ -63,6 +64,7 @@ class Forest(NamedTuple):
     trees: I2  # [T, TREE_FIELDS]
     seqs: I2  # [Q, SEQ_FIELDS]
     pool: I32_1  # every sequence's tokens
+    levels: U8_1  # each pooled token's sampling probability (kernels.PROB_LEVELS units; 0: unknown)
 
 
 class DraftParams(NamedTuple):
@@ -74,6 +76,7 @@ class DraftParams(NamedTuple):
     min_prob: FLOAT
     escape: FLOAT
     all_matches: BOOL
+    remembered: BOOL
 
 
 def draft_params(config: Any) -> DraftParams:
@@ -84,6 +87,7 @@ def draft_params(config: Any) -> DraftParams:
         spec_factor=config.max_spec_factor,
         spec_offset=config.max_spec_offset,
         min_prob=config.min_token_prob,
+        remembered=config.remembered_probs,
     )
 
 
@@ -93,6 +97,7 @@ class DraftOutputs(NamedTuple):
     tok: I32_2  # [rows, K] draft tokens
     prob: F32_2  # [rows, K] their path probabilities
     sup: I32_2  # [rows, K] occurrences behind each
+    mem: F32_2  # [rows, K] each one's mean sampling probability in history (-1: unknown)
     info: I32_2  # [rows, kernels.INFO_FIELDS]
     score: F1  # [rows] the draft's score
 

@@ -47,3 +47,7 @@ class DraftConfig:
     all_matches: bool = True
     """Draft from every match length along the suffix links and keep the best-scoring draft
     (SuffixDecoding's rule); False drafts from the longest match that has a continuation only."""
+
+    remembered_probs: bool = True
+    """Where history carries the probabilities its tokens were sampled with (`response_logprobs`), a draft
+    token's probability is their mean instead of a count ratio. History without them drafts as if False."""

@@ -12,8 +12,10 @@ The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel firs
           degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the state its most
           frequent continuation leads to, ties to the smaller token; -1: none), TOTAL (its continuations'
           counts summed), TOKEN (the token on every transition into it: all strings of a state end
-          alike; -1 for a root) and MASK (bit t % 31 set for each continuation token t; the sign bit marks
-          a hashed state). Insertion keeps BEST and TOTAL up to date, so drafting reads a state's best
+          alike; -1 for a root), MASK (bit t % 31 set for each continuation token t; the sign bit marks
+          a hashed state), PSUM and PKNOWN (over the state's end positions whose sampling probability is
+          known: how many, PKNOWN, and their probabilities summed in 1/PROB_LEVELS units, PSUM; the mean
+          is how sure the model was when it sampled the state's last token after its strings). Insertion keeps BEST and TOTAL up to date, so drafting reads a state's best
           continuation and its probability in O(1), and each drafted token is one row of `states` (the next
           state, its count and its token) rather than an edge row and then a state row. MASK settles most
           failed lookups from the state's own row (matching falls back along suffix links through a miss at
@@ -100,8 +102,10 @@ STATE_LAYOUT = (
     ("TOTAL", 1),
     ("TOKEN", 1),
     ("MASK", 1),
+    ("PSUM", 1),
+    ("PKNOWN", 1),
 )
-LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK, STATE_FIELDS = columns(STATE_LAYOUT)
+LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK, PSUM, PKNOWN, STATE_FIELDS = columns(STATE_LAYOUT)
 EDGE_LAYOUT = (("TOK", 1), ("TO", 1), ("NEXT", 1))
 TOK, TO, NEXT, EDGE_FIELDS = columns(EDGE_LAYOUT)
 HASH_LAYOUT = (("H_STATE", 1), ("H_TOKEN", 1), ("H_EDGE", 1))
@@ -126,8 +130,8 @@ R_SEQ, R_LIVE, R_CAND, R_MATCHED, R_STATE, R_MLEN, R_MVER, SLOT_FIELDS = columns
 # candidate repeats (`_agreement`, in candidate order).
 INFO_LAYOUT = (("I_LEN", 1), ("I_MATCH", 1), ("I_SOURCE", 1), ("I_AGREE", N_CANDIDATES - 1))
 I_LEN, I_MATCH, I_SOURCE, I_AGREE, INFO_FIELDS = columns(INFO_LAYOUT)
-# The layouts the arena's serialized and packed forms assume (83 bytes per token): fail at import, not later.
-assert (STATE_FIELDS, EDGE_FIELDS, HASH_FIELDS, TREE_FIELDS, SEQ_FIELDS) == (8, 3, 3, 6, 5)
+# The layouts the arena's serialized and packed forms assume: fail at import, not later.
+assert (STATE_FIELDS, EDGE_FIELDS, HASH_FIELDS, TREE_FIELDS, SEQ_FIELDS) == (10, 3, 3, 6, 5)
 assert (R_MATCHED, SLOT_FIELDS, INFO_FIELDS) == (
     R_CAND + N_CANDIDATES,
     3 + 4 * N_CANDIDATES,
@@ -135,6 +139,11 @@ assert (R_MATCHED, SLOT_FIELDS, INFO_FIELDS) == (
 )
 # What a kernel that may run out of room returns with the row it stopped at; the caller grows and resumes.
 DONE, NEED_ARENA, NEED_POOL, BAD_TOKEN = 0, 1, 2, 3
+# A token's sampling probability p as the probability pool holds it (uint8): 1 + round(p * PROB_LEVELS), and 0
+# for unknown (prompt tokens, records without `response_logprobs`). A state stops summing after PKNOWN_MAX
+# occurrences, so PSUM never overflows int32 (its mean is then that of the first PKNOWN_MAX).
+PROB_LEVELS = 254
+PKNOWN_MAX = (2**31 - 1) // PROB_LEVELS
 # Below this many rows a step drafts on one thread: waking a second costs about what it saves.
 PARALLEL_MIN_ROWS = 64
 
@@ -238,6 +247,8 @@ def new_state(states, meta, length, link, count, token):
     states[s, TOTAL] = 0
     states[s, TOKEN] = token
     states[s, MASK] = 0
+    states[s, PSUM] = 0
+    states[s, PKNOWN] = 0
     return np.int64(s)
 
 
@@ -276,6 +287,8 @@ def _clone(states, edges, hashes, meta, q, length):
     # The same continuations to the same states, so the same counts and the same best.
     states[c, TOTAL] = states[q, TOTAL]
     states[c, BEST] = states[q, BEST]
+    states[c, PSUM] = states[q, PSUM]  # the same end positions so far, as for COUNT
+    states[c, PKNOWN] = states[q, PKNOWN]
     e = np.int64(states[q, EDGE])
     while e != -1:
         _add_edge(states, edges, hashes, meta, c, edges[e, TOK], edges[e, TO])
@@ -297,9 +310,19 @@ def _redirect(states, edges, hashes, p, tok, old, new):
         p = np.int64(states[p, LINK])
 
 
+@njit(cache=True, inline="always")
+def _occurs(states, s, level):
+    """One more end position of state s, whose token was sampled at probability level `level` (0: unknown)."""
+    states[s, COUNT] += 1
+    if level > 0 and states[s, PKNOWN] < PKNOWN_MAX:
+        states[s, PSUM] += level - 1
+        states[s, PKNOWN] += 1
+
+
 @njit(cache=True)
-def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
-    """Appends tokens[start:end] to the sequence whose current end state is `last`.
+def extend_tokens(states, edges, hashes, meta, root, last, tokens, levels, start, end):
+    """Appends tokens[start:end] to the sequence whose current end state is `last`; levels[start:end] are their
+    sampling probabilities (PROB_LEVELS units, 0: unknown).
 
     Stops early (returning how far it got) when the arena might run out of room for the next token; the
     caller grows the arrays and calls again. Returns (next index into tokens, new end state).
@@ -354,13 +377,14 @@ def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
         # r's links, without looking up p's edge.
         p = last
         s = r
-        states[s, COUNT] += 1
+        level = levels[i]
+        _occurs(states, s, level)
         while p != -1:
             need = states[p, LEN] + 1
             if states[states[s, LINK], LEN] >= need:
                 while states[states[s, LINK], LEN] >= need:
                     s = np.int64(states[s, LINK])
-                states[s, COUNT] += 1
+                _occurs(states, s, level)
             states[p, TOTAL] += 1
             b = states[p, BEST]
             if b == -1:
@@ -376,7 +400,7 @@ def extend_tokens(states, edges, hashes, meta, root, last, tokens, start, end):
 
 
 @njit(cache=True)
-def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, q):
+def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, levels, tid, q):
     """Feeds sequence q's pooled tokens not yet in tree `tid` into it; keeps the tree's counters. Returns
     DONE, or NEED_ARENA when it stopped for room (what it added so far is kept)."""
     off = seqs[q, Q_OFF]
@@ -386,7 +410,7 @@ def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, q):
         return DONE
     s0, e0, h0 = meta[0], meta[1], meta[2]
     stop, last = extend_tokens(
-        states, edges, hashes, meta, trees[tid, ROOT], seqs[q, Q_LAST], pool, start, end
+        states, edges, hashes, meta, trees[tid, ROOT], seqs[q, Q_LAST], pool, levels, start, end
     )
     seqs[q, Q_LAST] = last
     seqs[q, Q_EXT] = stop - off
@@ -398,10 +422,10 @@ def _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, q):
 
 
 @njit(cache=True)
-def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, tid, qs, i):
+def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, levels, tid, qs, i):
     """Feeds the pooled tokens of sequences qs[i:] into tree `tid`. Returns (index reached, status)."""
     while i < qs.shape[0]:
-        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, tid, qs[i])
+        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, levels, tid, qs[i])
         if status != DONE:
             return i, status
         i += 1
@@ -457,15 +481,19 @@ def _best_child(states, state):
 
 
 @njit(cache=True)
-def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, out_sup):
+def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, out_sup, out_mem):
     """The most frequent continuation from `state` into out_tok, out_prob, out_sup (arrays: a
     bundle argument costs a reference count per member per call) while its path probability >=
     params.min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
-    the smaller token id. out_sup gets each token's count (its support). The score is the sum of the first
+    the smaller token id. out_mem gets, with `params.remembered`, how sure the model was when it sampled each
+    token after that context: the mean probability over its occurrences that carry one (-1: none do). Under
+    rejection sampling a draft token is accepted with the target's probability of it, which no count shows;
+    the budget weighs it (`workers.budget.acceptance`). It does not steer the path: from a short match it is
+    the model's confidence in another context, and as a score it chose worse drafts (learn_overlong). out_sup gets each token's count (its support). The score is the sum of the first
     `scored` tokens' probabilities. Returns (tokens, score), or (0, 0.0) as soon as the score cannot beat
     `floor` (path probabilities never grow, so at most p per scored token left)."""
-    escape, min_prob = params.escape, params.min_prob
+    escape, min_prob, remembered = params.escape, params.min_prob, params.remembered
     prob = 1.0
     score = 0.0
     n = 0
@@ -482,6 +510,8 @@ def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, ou
         out_tok[n] = states[best, TOKEN]
         out_prob[n] = p
         out_sup[n] = best_c
+        known = states[best, PKNOWN]
+        out_mem[n] = states[best, PSUM] / (known * PROB_LEVELS) if remembered and known > 0 else -1.0
         if n < scored:
             score += p
         n += 1
@@ -491,7 +521,20 @@ def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, ou
 
 @njit(cache=True)
 def draft_best(
-    states, match, budget, params, floor, out_tok, out_prob, out_sup, r, tmp_tok, tmp_prob, tmp_sup
+    states,
+    match,
+    budget,
+    params,
+    floor,
+    out_tok,
+    out_prob,
+    out_sup,
+    out_mem,
+    r,
+    tmp_tok,
+    tmp_prob,
+    tmp_sup,
+    tmp_mem,
 ):
     """Drafts from a match state and, with `params.all_matches`, from every shorter match along its suffix links
     (SuffixDecoding scores every match length and keeps the best draft). Each match of length m drafts at
@@ -519,12 +562,15 @@ def draft_best(
             scored = min(cap, length)
             if scored <= best:  # a score never exceeds its scored length, and shorter matches score fewer
                 break
-            n, score = _draft_path(states, state, cap, scored, params, best, tmp_tok, tmp_prob, tmp_sup)
+            n, score = _draft_path(
+                states, state, cap, scored, params, best, tmp_tok, tmp_prob, tmp_sup, tmp_mem
+            )
             if n > 0 and score > best:
                 for j in range(n):
                     out_tok[r, j] = tmp_tok[j]
                     out_prob[r, j] = tmp_prob[j]
                     out_sup[r, j] = tmp_sup[j]
+                    out_mem[r, j] = tmp_mem[j]
                 best_n, best_len, best = n, length, score
             if not params.all_matches:
                 break
@@ -548,7 +594,7 @@ def _commit_rows(arena, slots, rows, row):
     """Copies each row's new tokens (src[base + have : base + end]) into its pooled sequence and feeds them
     to its live tree. Returns (row reached, status)."""
     states, edges, hashes, meta, trees = arena.states, arena.edges, arena.hashes, arena.meta, arena.trees
-    seqs, pool = arena.seqs, arena.pool
+    seqs, pool, levels = arena.seqs, arena.pool, arena.levels
     req_slots, bases, ends, src = rows.slots, rows.bases, rows.ends, rows.src
     n_rows = req_slots.shape[0]
     while row < n_rows:
@@ -566,8 +612,9 @@ def _commit_rows(arena, slots, rows, row):
                 if t < 0:
                     return row, BAD_TOKEN
                 pool[off + j] = t
+                levels[off + j] = 0  # a live token's sampling probability is not known here
             seqs[q, Q_LEN] = end
-        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, slots[s, R_LIVE], q)
+        status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, levels, slots[s, R_LIVE], q)
         if status != DONE:
             return row, status
         row += 1
@@ -634,9 +681,10 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
     pool = arena.pool
     req_slots, budgets, info, scores = rows.slots, rows.budgets, out.info, out.score
     max_depth = params.max_depth
-    out_tok, out_prob, out_sup = out.tok, out.prob, out.sup
+    out_tok, out_prob, out_sup, out_mem = out.tok, out.prob, out.sup, out.mem
     k = out_tok.shape[1]
     tmp_tok, tmp_prob, tmp_sup = np.empty(k, np.int32), np.empty(k, np.float32), np.empty(k, np.int32)
+    tmp_mem = np.empty(k, np.float32)
     for r in range(lo, hi):
         _prefetch_ahead(states, edges, slots, req_slots, r, hi)
         s = req_slots[r]
@@ -695,10 +743,12 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
                 out_tok,
                 out_prob,
                 out_sup,
+                out_mem,
                 r,
                 tmp_tok,
                 tmp_prob,
                 tmp_sup,
+                tmp_mem,
             )
             if n > 0:
                 info[r, I_LEN] = n
@@ -735,7 +785,8 @@ def step_rows(arena, slots, rows, row, draft, params, out, threads):
     match state persists in the slot table and advances over the tokens committed since the last draft; a
     candidate whose tree version changed re-matches from the last `max_depth` tokens. The best draft over all
     candidates and match lengths wins (earlier candidates and longer matches win ties); out.info[r] holds its
-    length, match length and source (candidate + 1; 0: none), out.sup the count behind each draft token.
+    length, match length and source (candidate + 1; 0: none), out.sup the count behind each draft token and
+    out.mem its remembered sampling probability (-1: unknown).
     Drafting a batch of at least PARALLEL_MIN_ROWS rows uses `threads` threads (the drafts are the same);
     committing always runs on one, since rows of a problem share its live tree and all trees share the arena.
     Returns (row reached, status): anything but DONE means the caller must grow and call again.

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from history_store.automaton.bundles import DraftOutputs, StepRows, draft_params
 from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS, DraftConfig
 from history_store.automaton.dense_rows import DenseRows
 from history_store.automaton.draft_threads import usable_draft_threads
-from history_store.automaton.suffix_tree import SuffixForest, SuffixTree, as_tokens
+from history_store.automaton.suffix_tree import SuffixForest, SuffixTree, as_levels, as_tokens
 
 # A live tree is rebuilt from its active requests once finished ones hold this many times their tokens. Each
 # rebuild re-inserts the active tokens, so its cost per finished request falls as 1/DEAD_PER_LIVE; the
@@ -51,13 +52,15 @@ def eviction_bounds(keys: Iterable[tuple[str, int, int]]) -> dict[str, int]:
 @dataclass(frozen=True)
 class BatchDrafts:
     """Drafts for a batch, row-aligned with the request keys. `probs` are path probabilities; `support` is
-    the occurrence count behind each draft token (how much evidence the tree had for it). The arrays are
+    the occurrence count behind each draft token (how much evidence the tree had for it), `remembered` the
+    mean probability its occurrences were sampled with (-1: not known). The arrays are
     views of the index's step buffers: valid until its next draft."""
 
     tokens: np.ndarray  # int32 (n, K)
     lengths: np.ndarray  # int32 (n,)
     probs: np.ndarray  # float32 (n, K)
     support: np.ndarray  # int32 (n, K)
+    remembered: np.ndarray  # float32 (n, K)
     match_lens: np.ndarray  # int32 (n,)
     scores: np.ndarray  # float64 (n,)
     sources: np.ndarray  # int32 (n,): a kernels.Source
@@ -75,6 +78,7 @@ class _StepBuffers:
         self.tokens = np.zeros((rows, k), np.int32)
         self.probs = np.zeros((rows, k), np.float32)
         self.support = np.zeros((rows, k), np.int32)
+        self.remembered = np.zeros((rows, k), np.float32)
         self.info = np.zeros((rows, K.INFO_FIELDS), np.int32)
         self.scores = np.zeros(rows, np.float64)
         self._n = -1
@@ -87,6 +91,7 @@ class _StepBuffers:
                 tok=self.tokens[:n],
                 prob=self.probs[:n],
                 sup=self.support[:n],
+                mem=self.remembered[:n],
                 info=self.info[:n],
                 score=self.scores[:n],
             )
@@ -96,6 +101,7 @@ class _StepBuffers:
                 lengths=info[:, K.I_LEN],
                 probs=out.prob,
                 support=out.sup,
+                remembered=out.mem,
                 match_lens=info[:, K.I_MATCH],
                 scores=out.score,
                 sources=info[:, K.I_SOURCE],
@@ -189,16 +195,18 @@ class ProblemIndex:
         sample: int,
         prompt_ids: Sequence[int] | np.ndarray,
         response_ids: Sequence[int] | np.ndarray,
+        response_logprobs: Sequence[float] | np.ndarray | None = None,
     ) -> bool:
-        """Indexes a finished rollout. Returns False (and changes nothing) if it is already indexed or older
-        than the problem's window. A newer epoch slides the window and evicts what falls out of it."""
-        return self._add(problem_id, epoch, sample, prompt_ids, response_ids, to_global=True)
+        """Indexes a finished rollout, with the log probability each response token was sampled with when
+        known. Returns False (and changes nothing) if it is already indexed or older than the problem's
+        window. A newer epoch slides the window and evicts what falls out of it."""
+        return self._add(
+            problem_id, epoch, sample, prompt_ids, response_ids, response_logprobs, to_global=True
+        )
 
-    def add_trajectories(
-        self, records: Iterable[tuple[str, int, int, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]]
-    ) -> int:
-        """Bulk-loads rollouts (problem_id, epoch, sample, prompt_ids, response_ids) in arrival order, as at
-        start-up; returns how many were indexed. The same as adding them one by one, except that the global
+    def add_trajectories(self, records: Iterable[tuple[Any, ...]]) -> int:
+        """Bulk-loads rollouts (problem_id, epoch, sample, prompt_ids, response_ids[, response_logprobs]) in
+        arrival order, as at start-up; returns how many were indexed. The same as adding them one by one, except that the global
         tree receives only the newest rollouts that fit its window and cap, instead of being filled, trimmed
         and rebuilt over and over."""
         records = list(records)
@@ -210,13 +218,14 @@ class ProblemIndex:
             self._drop_global(k for k in self._global_seq if k[1] < start)
             room = self.global_tokens - self._global.num_tokens
             for i in range(len(records) - 1, -1, -1):
-                _, epoch, _, prompt, response = records[i]
+                _, epoch, _, prompt, response = records[i][:5]
                 size = min(len(prompt), self.config.max_depth) + len(response)
                 if epoch >= start and size <= room:
                     to_global[i] = True
                     room -= size
         return sum(
-            self._add(*record, to_global=flag) for record, flag in zip(records, to_global, strict=True)
+            self._add(*record[:5], record[5] if len(record) > 5 else None, to_global=flag)
+            for record, flag in zip(records, to_global, strict=True)
         )
 
     def _add(
@@ -226,6 +235,7 @@ class ProblemIndex:
         sample: int,
         prompt_ids: Sequence[int] | np.ndarray,
         response_ids: Sequence[int] | np.ndarray,
+        response_logprobs: Sequence[float] | np.ndarray | None,
         to_global: bool,
     ) -> bool:
         if not isinstance(problem_id, str) or not problem_id:
@@ -234,6 +244,7 @@ class ProblemIndex:
             raise ValueError(f"epoch and sample must be >= 0, got {epoch}, {sample}")
         prompt = as_tokens(prompt_ids, "prompt_ids")
         response = as_tokens(response_ids, "response_ids")
+        tokens, levels = self._sequence(prompt, response, response_logprobs)  # validates before any change
         problem = self._problems.get(problem_id)
         if problem is None:
             problem = self._problems[problem_id] = _Problem(SuffixTree(self.config, self.forest))
@@ -250,12 +261,10 @@ class ProblemIndex:
         if epoch > problem.newest_epoch:
             problem.newest_epoch = epoch
             self.evict_epochs_before(problem_id, self.window_start(problem_id, epoch))
-        # The prompt's tail lets drafting start at the first response token; more prompt adds nothing.
-        tokens = np.concatenate([prompt[-self.config.max_depth :], response])
         seq_id = problem.next_seq
         problem.next_seq += 1
         if self._builds(problem_id):
-            problem.tree.extend(seq_id, tokens)
+            problem.tree.extend(seq_id, tokens, levels)
             problem.tree.invalidate_matches()
         problem.seq_of[(epoch, sample)] = seq_id
         problem.lengths[(epoch, sample)] = int(response.shape[0])
@@ -264,8 +273,23 @@ class ProblemIndex:
             and self._global is not None
             and epoch >= self.window_start(problem_id, self._global_newest)
         ):
-            self._add_global((problem_id, epoch, sample), tokens)
+            self._add_global((problem_id, epoch, sample), tokens, levels)
         return True
+
+    def _sequence(
+        self,
+        prompt: np.ndarray,
+        response: np.ndarray,
+        response_logprobs: Sequence[float] | np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A rollout as its trees hold it: the prompt's tail (it lets drafting start at the first response
+        token; more prompt adds nothing) and the response, with each token's sampling probability level
+        (unknown for the prompt). Raises ValueError on log probabilities that do not fit the response."""
+        head = prompt[-self.config.max_depth :]
+        levels = np.concatenate(
+            [np.zeros(head.shape[0], np.uint8), as_levels(response_logprobs, response.shape[0])]
+        )
+        return np.concatenate([head, response]), levels
 
     def evict_epochs_before(self, problem_id: str, min_epoch: int) -> list[tuple[int, int]]:
         """Removes a problem's rollouts of epochs < min_epoch from its tree; returns their (epoch, sample)."""
@@ -327,13 +351,11 @@ class ProblemIndex:
         """Whether the problem's history tree is built (always, in an eager index)."""
         return self._resident is None or problem_id in self._resident
 
-    def make_resident(
-        self, problem_id: str, fetch: Callable[[str, int, int], tuple[np.ndarray, np.ndarray] | None]
-    ) -> int:
+    def make_resident(self, problem_id: str, fetch: Callable[[str, int, int], tuple[Any, ...] | None]) -> int:
         """Builds a lazy index's history tree of `problem_id` from the rollouts its window holds, whose
-        (prompt, response) tokens `fetch(problem_id, epoch, sample)` returns (None: the store no longer has
-        it; the rollout then leaves the window, as when the store quarantines it). Returns the tokens added
-        (0 when it was resident already or has no history)."""
+        (prompt, response[, response logprobs]) `fetch(problem_id, epoch, sample)` returns (None: the store no
+        longer has it; the rollout then leaves the window, as when the store quarantines it). Returns the
+        tokens added (0 when it was resident already or has no history)."""
         if self.is_resident(problem_id):
             return 0
         self._resident.add(problem_id)  # type: ignore[union-attr]  # is_resident is True without the set
@@ -347,9 +369,11 @@ class ProblemIndex:
                 del problem.seq_of[(epoch, sample)], problem.lengths[(epoch, sample)]
                 self._drop_global([(problem_id, epoch, sample)])
                 continue
-            prompt, response = tokens
+            prompt, response = as_tokens(tokens[0], "prompt_ids"), as_tokens(tokens[1], "response_ids")
             if self.use_history:
-                problem.tree.extend(seq_id, np.concatenate([prompt[-self.config.max_depth :], response]))
+                problem.tree.extend(
+                    seq_id, *self._sequence(prompt, response, tokens[2] if len(tokens) > 2 else None)
+                )
         problem.tree.invalidate_matches()
         return problem.tree.num_tokens - before
 
@@ -377,14 +401,14 @@ class ProblemIndex:
         """Trajectory keys in the global tree, oldest first (the order its token cap drops them in)."""
         return [key for key, _ in self._global_fifo if key in self._global_seq]
 
-    def _add_global(self, key: tuple[str, int, int], tokens: np.ndarray) -> None:
+    def _add_global(self, key: tuple[str, int, int], tokens: np.ndarray, levels: np.ndarray) -> None:
         seq_id = self._global_next
         self._global_next += 1
         # No re-match for requests drafting from the global tree: every finished rollout lands here, so a
         # re-match would cost every row of the batch a full re-match whenever any request finishes, and on
         # real rollouts it found nothing the request's held match and its live tree did not (replay, same
         # figures). Additions never invalidate a held match (see advance_match); only rebuilds do.
-        self._global.extend(seq_id, tokens)
+        self._global.extend(seq_id, tokens, levels)
         self._global_seq[key] = seq_id
         self._global_fifo.append((key, tokens.shape[0]))
         if self._global.num_tokens > self.global_tokens:

@@ -23,19 +23,40 @@ from history_store.automaton.config import DraftConfig
 
 MAX_TOKEN_ID = 2**31 - 1
 _SERIAL_MAGIC = b"DAST"
-_SERIAL_VERSION = 1
+# 1: tokens only; 2: each sequence's tokens, then a flag and (when set) their sampling probability levels.
+_SERIAL_VERSION = 2
 
 
 @dataclass(frozen=True)
 class Draft:
-    """Draft tokens, the path probability and support (occurrence count) of each, the matched context length
-    and the score (sum of probs)."""
+    """Draft tokens, the path probability and support (occurrence count) of each, the matched context length,
+    the score (sum of probs), and each token's remembered sampling probability (-1: unknown)."""
 
     tokens: np.ndarray
     probs: np.ndarray
     support: np.ndarray
     match_len: int
     score: float
+    remembered: np.ndarray
+
+
+def as_levels(logprobs: Sequence[float] | np.ndarray | None, n: int) -> np.ndarray:
+    """Sampling log probabilities as the pool keeps them (uint8, `kernels.PROB_LEVELS` units, 0: unknown);
+    all unknown for None. NaN marks one unknown token.
+
+    Raises ValueError when there is not one per token, or one is positive or infinite.
+    """
+    if logprobs is None:
+        return np.zeros(n, np.uint8)
+    lp = np.asarray(logprobs, np.float64)
+    if lp.shape != (n,):
+        raise ValueError(f"need one log probability per token ({n}), got shape {lp.shape}")
+    known = ~np.isnan(lp)
+    if np.isinf(lp).any() or (lp[known] > 0).any():
+        raise ValueError("log probabilities must be finite and <= 0")
+    levels = np.zeros(n, np.uint8)
+    levels[known] = 1 + np.rint(np.exp(lp[known]) * K.PROB_LEVELS).astype(np.uint8)
+    return levels
 
 
 def as_tokens(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.ndarray:
@@ -86,6 +107,7 @@ class SuffixForest:
         self.seqs = np.zeros((64, K.SEQ_FIELDS), np.int64)
         self._free_seqs: list[int] = list(range(63, -1, -1))
         self.pool = np.zeros(max(64, int(capacity_tokens)), np.int32)
+        self.levels = np.zeros(self.pool.shape[0], np.uint8)  # each pooled token's `as_levels`
         self._pool_used = 0
         self._pool_garbage = 0
         self._version = 0
@@ -122,7 +144,7 @@ class SuffixForest:
     @property
     def memory_bytes(self) -> int:
         """Bytes the arena, its tables and the token pool have allocated."""
-        return sum(a.nbytes for a in (*self.arena, self.trees, self.seqs, self.pool))
+        return sum(a.nbytes for a in (*self.arena, self.trees, self.seqs, self.pool, self.levels))
 
     # ---- trees and sequences -------------------------------------------------------------------------
 
@@ -178,6 +200,10 @@ class SuffixForest:
         off, length = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
         return self.pool[off : off + length]
 
+    def seq_levels(self, q: int) -> np.ndarray:
+        off, length = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
+        return self.levels[off : off + length]
+
     def make_room(self, q: int, length: int) -> None:
         """Moves sequence q to a segment that holds `length` tokens (doubling, so appends stay O(1))."""
         cap = int(self.seqs[q, K.Q_CAP])
@@ -187,6 +213,7 @@ class SuffixForest:
         off = self._reserve(new_cap)  # may compact the pool: read the old offset after it
         old, used = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
         self.pool[off : off + used] = self.pool[old : old + used]
+        self.levels[off : off + used] = self.levels[old : old + used]
         self.seqs[q, K.Q_OFF] = off
         self.seqs[q, K.Q_CAP] = new_cap
         self._pool_garbage += cap
@@ -197,6 +224,7 @@ class SuffixForest:
                 self._compact_pool()
             if self._pool_used + size > self.pool.shape[0]:
                 self.pool = _resized(self.pool, _grown(self.pool.shape[0], self._pool_used + size))
+                self.levels = _resized(self.levels, self.pool.shape[0])
                 self.replaced()
         off = self._pool_used
         self._pool_used += size
@@ -211,6 +239,7 @@ class SuffixForest:
             cap = int(self.seqs[q, K.Q_CAP])
             used = int(self.seqs[q, K.Q_LEN])
             self.pool[pos : pos + used] = self.pool[off : off + used]
+            self.levels[pos : pos + used] = self.levels[off : off + used]
             self.seqs[q, K.Q_OFF] = pos
             pos += cap
         self._pool_used = pos
@@ -223,7 +252,7 @@ class SuffixForest:
         arr = np.asarray(qs, np.int64)
         i = 0
         while i < arr.shape[0]:
-            i, status = K.extend_seqs(*self.arena, self.trees, self.seqs, self.pool, tid, arr, i)
+            i, status = K.extend_seqs(*self.arena, self.trees, self.seqs, self.pool, self.levels, tid, arr, i)
             if status != K.DONE:
                 self.grow_for(tid, int(arr[i]))
 
@@ -277,7 +306,8 @@ class SuffixForest:
         tests after any mutation: counters within the arrays; from each root, every reachable state's edges
         carry distinct tokens that its MASK and (when hashed) the hash find, and lead to longer states ending
         in that token whose counts sum to its TOTAL; its BEST is its most frequent continuation (ties: the
-        smaller token); its suffix link leads to a shorter state of the same tree; a root's COUNT is its
+        smaller token); its known sampling probabilities are at most its count and sum within range; its suffix
+        link leads to a shorter state of the same tree; a root's COUNT is its
         degree; a sequence's inserted tokens fit its length and its length its capacity. Raises
         AssertionError naming the first broken invariant."""
         states, edges, hashes, meta = self.states, self.edges, self.hashes, self.meta
@@ -325,6 +355,10 @@ class SuffixForest:
                 if s == root:
                     assert states[s, K.COUNT] == len(out), f"tree {tid}: the root's COUNT is not its degree"
                     continue
+                known, psum = int(states[s, K.PKNOWN]), int(states[s, K.PSUM])
+                assert 0 <= known <= states[s, K.COUNT] and 0 <= psum <= known * K.PROB_LEVELS, (
+                    f"state {s}: {known} known probabilities summing to {psum} at count {states[s, K.COUNT]}"
+                )
                 link = int(states[s, K.LINK])
                 assert link in children, f"state {s}: suffix link {link} leaves tree {tid}"
                 assert states[link, K.LEN] < states[s, K.LEN], f"state {s}: suffix link {link} is not shorter"
@@ -397,7 +431,7 @@ class SuffixTree:
             f.states.strides[0] * row[K.T_STATES]
             + f.edges.strides[0] * row[K.T_EDGES]
             + f.hashes.strides[0] * row[K.T_HASHED]
-            + f.pool.itemsize * row[K.T_TOKENS]
+            + (f.pool.itemsize + f.levels.itemsize) * row[K.T_TOKENS]
         )
 
     def seq_row(self, seq_id: int) -> int:
@@ -415,9 +449,19 @@ class SuffixTree:
         self._seqs[seq_id] = q
         return q
 
-    def extend(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> None:
-        """Appends tokens to sequence `seq_id` (creating it). Raises ValueError/TypeError on bad tokens."""
+    def extend(
+        self,
+        seq_id: int,
+        tokens: Sequence[int] | np.ndarray,
+        levels: np.ndarray | None = None,
+    ) -> None:
+        """Appends tokens to sequence `seq_id` (creating it), with their sampling probabilities as `as_levels`
+        gives them (None: unknown). Raises ValueError/TypeError on bad tokens."""
         toks = as_tokens(tokens)
+        if levels is not None and np.shape(levels) != toks.shape:
+            raise ValueError(
+                f"need one probability level per token ({toks.shape[0]}), got {np.shape(levels)}"
+            )
         q = self._seqs.get(seq_id)
         if q is None:
             q = self.add_seq(seq_id, toks.shape[0])
@@ -428,6 +472,7 @@ class SuffixTree:
         f.make_room(q, length + toks.shape[0])
         off = int(f.seqs[q, K.Q_OFF])
         f.pool[off + length : off + length + toks.shape[0]] = toks
+        f.levels[off + length : off + length + toks.shape[0]] = 0 if levels is None else levels
         f.seqs[q, K.Q_LEN] = length + toks.shape[0]
         f.extend_tree(self.tid, [q])
 
@@ -468,6 +513,7 @@ class SuffixTree:
             tok=np.empty((1, budget), np.int32),
             prob=np.empty((1, budget), np.float32),
             sup=np.empty((1, budget), np.int32),
+            mem=np.empty((1, budget), np.float32),
             info=np.empty((1, K.INFO_FIELDS), np.int32),
             score=np.empty(1),
         )
@@ -480,22 +526,35 @@ class SuffixTree:
             out.tok,
             out.prob,
             out.sup,
+            out.mem,
             0,
             np.empty(budget, np.int32),
             np.empty(budget, np.float32),
             np.empty(budget, np.int32),
+            np.empty(budget, np.float32),
         )
         return Draft(
-            out.tok[0, :n].copy(), out.prob[0, :n].copy(), out.sup[0, :n].copy(), int(match_len), float(score)
+            out.tok[0, :n].copy(),
+            out.prob[0, :n].copy(),
+            out.sup[0, :n].copy(),
+            int(match_len),
+            float(score),
+            out.mem[0, :n].copy(),
         )
 
     def to_bytes(self) -> bytes:
-        """Compact serialized form: the sequences (the automaton is rebuilt on load)."""
+        """Compact serialized form: the sequences and their probability levels (the automaton is rebuilt on
+        load)."""
         parts = [_SERIAL_MAGIC, struct.pack("<HI", _SERIAL_VERSION, len(self._seqs))]
         for seq_id, q in self._seqs.items():
             toks = self.forest.seq_tokens(q)
+            levels = self.forest.seq_levels(q)
+            known = bool(levels.any())
             parts.append(struct.pack("<qI", seq_id, toks.shape[0]))
             parts.append(toks.astype("<i4", copy=False).tobytes())
+            parts.append(struct.pack("<B", known))
+            if known:
+                parts.append(levels.tobytes())
         return b"".join(parts)
 
     @classmethod
@@ -507,7 +566,7 @@ class SuffixTree:
         if len(view) < 10 or bytes(view[:4]) != _SERIAL_MAGIC:
             raise ValueError("not a serialized suffix tree (bad magic)")
         version, n_seqs = struct.unpack_from("<HI", view, 4)
-        if version != _SERIAL_VERSION:
+        if version not in (1, _SERIAL_VERSION):
             raise ValueError(f"unsupported suffix tree serialization version {version}")
         tree = cls(config, forest)
         pos = 10
@@ -518,8 +577,22 @@ class SuffixTree:
             pos += 12
             if pos + 4 * n > len(view):
                 raise ValueError("truncated suffix tree buffer")
-            tree.extend(seq_id, np.frombuffer(view[pos : pos + 4 * n], "<i4").astype(np.int32))
+            tokens = np.frombuffer(view[pos : pos + 4 * n], "<i4").astype(np.int32)
             pos += 4 * n
+            levels = None
+            if version >= 2:
+                if pos + 1 > len(view):
+                    raise ValueError("truncated suffix tree buffer")
+                known = view[pos]
+                pos += 1
+                if known:
+                    if pos + n > len(view):
+                        raise ValueError("truncated suffix tree buffer")
+                    levels = np.frombuffer(view[pos : pos + n], np.uint8).copy()
+                    if int(levels.max(initial=0)) > K.PROB_LEVELS + 1:
+                        raise ValueError("probability level out of range in suffix tree buffer")
+                    pos += n
+            tree.extend(seq_id, tokens, levels)
         if pos != len(view):
             raise ValueError("trailing bytes after serialized suffix tree")
         return tree

@@ -114,7 +114,12 @@ def _accepted_prefix(drafts, kept, responses, starts, positions, remaining, out)
 def _suffix_rules(config: DraftConfig) -> DraftConfig:
     # SuffixDecoding's own rules: raw count ratios, probability floor 0.1, match-length factor 1.
     return dataclasses.replace(
-        config, escape=0.0, min_token_prob=0.1, max_spec_factor=1.0, max_spec_offset=0.0
+        config,
+        escape=0.0,
+        min_token_prob=0.1,
+        max_spec_factor=1.0,
+        max_spec_offset=0.0,
+        remembered_probs=False,
     )
 
 
@@ -267,6 +272,10 @@ class VerifiedStep:
     accepted: np.ndarray  # of those, the accepted prefix
     remaining: np.ndarray  # tokens left in each row's response (a draft past its end is never accepted)
     predicted: np.ndarray | None  # (rows, K) the budget's path acceptance probabilities (das only)
+    probs: np.ndarray  # (rows, K) the tree's path probabilities of the drafts
+    sources: np.ndarray  # each row's draft source (a kernels.Source)
+    remembered: np.ndarray  # (rows, K) each draft token's mean sampling probability in history (-1: unknown)
+    match_lens: np.ndarray  # each row's matched context length
 
 
 @dataclass
@@ -395,6 +404,7 @@ def simulate(
                         result.support,
                         result.agreement,
                         result.tokens,
+                        result.remembered,
                     )
                     kept = kept.astype(np.int64)
             accepted = np.zeros(n, np.int64)
@@ -410,6 +420,10 @@ def simulate(
                         accepted,
                         remaining,
                         policy.last_predicted if policy is not None else None,
+                        result.probs,
+                        result.sources,
+                        result.remembered,
+                        result.match_lens,
                     )
                 )
             if strategy == "oracle":
@@ -448,7 +462,14 @@ def simulate(
                 r = batch[i]
                 if index is not None:
                     index.finish_request(keys[i])
-                    index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
+                    index.add_trajectory(
+                        r.problem_id,
+                        r.epoch,
+                        r.sample,
+                        r.prompt_ids,
+                        r.response_ids,
+                        r.response_logprobs,
+                    )
                 if policy is not None:
                     policy.finish(int(slots[i]))
                     policy.lengths.observe(r.problem_id, len(r.response_ids))

@@ -15,7 +15,8 @@ from workers.budget.state import AcceptanceState
 
 # Features of a draft token (see `_features_of`), by column: an intercept per draft source (Source.HISTORY,
 # LIVE and GLOBAL in that order), the tree's conditional ratio, match length, position, the request's, the
-# problem's and the token's recent gain, the support, and the other trees' agreement.
+# problem's and the token's recent gain, the support, the other trees' agreement, and how sure the model was when
+# it sampled the token in history (with whether that is known).
 FEATURE_LAYOUT = (
     ("F_SOURCE", N_CANDIDATES),
     ("F_RATIO", 1),
@@ -26,11 +27,24 @@ FEATURE_LAYOUT = (
     ("F_SUPPORT", 1),
     ("F_AGREEMENT", 1),
     ("F_TOKEN", 1),
+    ("F_REMEMBERED", 1),
+    ("F_KNOWN", 1),
 )
-F_SOURCE, F_RATIO, F_MATCH, F_POSITION, F_REQUEST, F_PROBLEM, F_SUPPORT, F_AGREEMENT, F_TOKEN, N_FEATURES = (
-    columns(FEATURE_LAYOUT)
-)
-assert N_FEATURES == N_CANDIDATES + 8
+(
+    F_SOURCE,
+    F_RATIO,
+    F_MATCH,
+    F_POSITION,
+    F_REQUEST,
+    F_PROBLEM,
+    F_SUPPORT,
+    F_AGREEMENT,
+    F_TOKEN,
+    F_REMEMBERED,
+    F_KNOWN,
+    N_FEATURES,
+) = columns(FEATURE_LAYOUT)
+assert N_FEATURES == N_CANDIDATES + 10
 # Buckets of the drafted tokens' recent outcomes (`token_outcomes`): token ids hashed into a table that stays
 # in cache (a vocabulary-sized one would be a cache miss per draft token); collisions only blur it.
 TOKEN_BUCKETS = 4096
@@ -46,7 +60,19 @@ def _log_odds_gain(outcomes, row):
 
 @njit(cache=True)
 def _features_of(
-    ratio, support, agreement, source, i, j, log_match, request_gain, problem_gain, token_gain, out, s
+    ratio,
+    support,
+    remembered,
+    agreement,
+    source,
+    i,
+    j,
+    log_match,
+    request_gain,
+    problem_gain,
+    token_gain,
+    out,
+    s,
 ):
     """Features of row i's draft token j, into out[s, j], for its acceptance given token j-1 was accepted:
     which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
@@ -57,7 +83,11 @@ def _features_of(
     from one sighting is weaker evidence than one from 100), and half the number of the other trees whose own
     likeliest path drafts the token too (`agreement`: the row's two counts of draft tokens they repeat), and
     how much better or worse than predicted the same token did when drafted before (`token_gain`: how freely
-    the model picks a token varies with the token, which no tree's counts say).
+    the model picks a token varies with the token, which no tree's counts say), and the logit of the mean
+    probability the token was sampled with after the same context in history (`remembered`, -1: unknown; then
+    it and its known flag are 0, so a model that never saw one predicts exactly as without them: under
+    rejection sampling a draft token is accepted with the target's probability of it, and a count of 1 after
+    a token sampled at 0.04 looks the same as one after a token sampled at 0.97).
     ratio is the tree's p_j / p_(j-1) (0 without p_(j-1)) and log_match the row's log1p(match length) / 4. Every
     array is indexed by row rather than passed as a row view, and the drafts' arrays come one by one rather than
     as their Drafted bundle: a view costs two atomic reference counts and a bundle argument one per member per
@@ -76,6 +106,14 @@ def _features_of(
         agreeing += agreement[i, c] > j
     out[s, j, F_AGREEMENT] = agreeing / 2.0
     out[s, j, F_TOKEN] = token_gain
+    known = remembered[i, j]
+    if known >= 0.0:
+        known = min(max(known, 0.02), 0.98)
+        out[s, j, F_REMEMBERED] = np.log(known / (1.0 - known))
+        out[s, j, F_KNOWN] = 1.0
+    else:
+        out[s, j, F_REMEMBERED] = 0.0
+        out[s, j, F_KNOWN] = 0.0
 
 
 # log1p(j) / 2 for draft positions j: a table lookup instead of a logarithm per draft token.
@@ -121,6 +159,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
     AcceptanceState."""
     probs, lengths, match_lens, tokens = drafted.probs, drafted.lengths, drafted.match_lens, drafted.tokens
     support, agreement, sources = drafted.support, drafted.agreement, drafted.sources
+    remembered = drafted.remembered
     slot_problem, request_outcomes = policy.slot_problem, policy.request_outcomes
     problem_outcomes = policy.problem_outcomes
     token_outcomes, drafted_bucket, features = policy.token_outcomes, policy.drafted_bucket, policy.features
@@ -161,6 +200,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
             _features_of(
                 ratio,
                 support,
+                remembered,
                 agreement,
                 source,
                 i,
@@ -334,6 +374,9 @@ class AcceptanceModel:
         # A token's own record: on dev_rollouts and rl_t1.0 (ad hoc, replayed drafts) adding 0.5-0.75 of its log
         # odds gain to the model's log odds took the Brier score from 0.188 to 0.177 and 0.194 to 0.179.
         self.weights[F_TOKEN] = 0.5
+        import os
+
+        self.weights[F_REMEMBERED] = float(os.environ.get("W_MEM", "0"))
         self.accumulated = np.zeros((N_FEATURES, N_FEATURES))  # the forgetting sum of past curvatures
         self.gradient = np.zeros(N_FEATURES)
         self.curvature = np.zeros((N_FEATURES, N_FEATURES))

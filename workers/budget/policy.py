@@ -292,6 +292,7 @@ class BudgetPolicy:
         support: np.ndarray,
         agreement: np.ndarray,
         tokens: np.ndarray,
+        remembered: np.ndarray | None = None,
     ) -> np.ndarray:
         """Draft lengths after the pay-off rule, for the rows of the last `budgets` call (a view of a reused
         buffer, like `last_predicted`: valid until the next step's `truncate`).
@@ -304,6 +305,8 @@ class BudgetPolicy:
             support: occurrences behind each draft token (n, K).
             agreement: (n, 2) draft tokens each other tree's likeliest path repeats (BatchDrafts.agreement).
             tokens: the drafted token ids (n, K).
+            remembered: the mean probability each draft token was sampled with in history, float32 (n, K),
+                -1 where unknown (BatchDrafts.remembered); None: unknown everywhere.
         """
         slots = self._slots
         n = len(lengths)
@@ -316,6 +319,9 @@ class BudgetPolicy:
             tokens=np.asarray(tokens),
             probs=np.asarray(probs),
             support=np.asarray(support),
+            remembered=np.full(np.shape(probs), -1.0, np.float32)
+            if remembered is None
+            else np.asarray(remembered),
             lengths=np.asarray(lengths),
             match_lens=np.asarray(match_lens),
             sources=np.asarray(sources),

@@ -93,6 +93,7 @@ class Drafted(NamedTuple):
     tokens: np.ndarray  # [rows, K] draft token ids
     probs: np.ndarray  # [rows, K] the tree's path probabilities
     support: np.ndarray  # [rows, K] occurrences behind each draft token
+    remembered: np.ndarray  # [rows, K] their mean sampling probability in history (-1: unknown)
     lengths: np.ndarray  # [rows] tokens drafted (at most the budget)
     match_lens: np.ndarray  # [rows] context suffix length the draft was matched on
     sources: np.ndarray  # [rows] which tree drafted it (a kernels.Source)

@@ -313,12 +313,27 @@ class DasProposer:
         for raw in records:
             record = raw if isinstance(raw, TrajectoryRecord) else TrajectoryRecord.model_validate(raw)
             added += self._add(
-                record.problem_id, record.epoch, record.sample, record.prompt_ids, record.response_ids
+                record.problem_id,
+                record.epoch,
+                record.sample,
+                record.prompt_ids,
+                record.response_ids,
+                record.response_logprobs,
             )
         return added
 
-    def _add(self, problem_id: str, epoch: int, sample: int, prompt_ids: Any, response_ids: Any) -> int:
-        new = self.index.add_trajectory(problem_id, epoch, sample, prompt_ids, response_ids)
+    def _add(
+        self,
+        problem_id: str,
+        epoch: int,
+        sample: int,
+        prompt_ids: Any,
+        response_ids: Any,
+        response_logprobs: Any = None,
+    ) -> int:
+        new = self.index.add_trajectory(
+            problem_id, epoch, sample, prompt_ids, response_ids, response_logprobs
+        )
         if new:
             self.policy.lengths.observe(problem_id, len(response_ids))
         return int(new)
@@ -356,9 +371,11 @@ class DasProposer:
         started = time.perf_counter()
         replica = self._replica
 
-        def fetch(pid: str, epoch: int, sample: int) -> tuple[np.ndarray, np.ndarray] | None:
+        def fetch(pid: str, epoch: int, sample: int) -> tuple[Any, ...] | None:
             record = replica.get(pid, epoch, sample)
-            return None if record is None else (record.prompt_ids, record.response_ids)
+            if record is None:
+                return None
+            return record.prompt_ids, record.response_ids, record.response_logprobs
 
         tokens = self.index.make_resident(problem_id, fetch)
         seconds = time.perf_counter() - started

@@ -138,6 +138,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
             tokens=out.tok,
             probs=out.prob,
             support=out.sup,
+            remembered=out.mem,
             lengths=info[:, K.I_LEN],
             match_lens=info[:, K.I_MATCH],
             sources=sources,

@@ -277,7 +277,9 @@ class ProblemIndexListener:
 
     def on_applied(self, records: Sequence[TrajectoryLike]) -> None:
         for r in records:
-            self.index.add_trajectory(r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids)
+            self.index.add_trajectory(
+                r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids, r.response_logprobs
+            )
 
     def on_evicted(self, keys: Sequence[Key]) -> None:
         self.index.evict_keys(keys)

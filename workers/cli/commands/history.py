@@ -147,7 +147,9 @@ def inspect(args: argparse.Namespace) -> int:
         # The problem's tree alone (no global tree): the size its history adds to a replica.
         index = ProblemIndex(window_epochs=reader.window_epochs, global_tokens=0)
         for record in reader.iter_trajectories(args.problem_id):
-            index.add_trajectory(*record.key, record.prompt_ids, record.response_ids)
+            index.add_trajectory(
+                *record.key, record.prompt_ids, record.response_ids, record.response_logprobs
+            )
         tree = index.problem_stats(args.problem_id)
         lengths = reader.length_stats(args.problem_id)
         return {
