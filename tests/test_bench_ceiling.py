@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from workers.bench import replay
-from workers.bench.ceiling import VerifiedTokens, ceiling, verified_tokens
+from workers.bench.ceiling import VerifiedTokens, ceiling, remembered_report, verified_tokens
 from workers.generator.model import require_model
 
 pytestmark = pytest.mark.vllm  # the prepared model
@@ -35,7 +35,7 @@ def report(records) -> dict:
 
 
 def test_verified_tokens_are_the_replays_kept_and_accepted_draft_tokens(records) -> None:
-    found = verified_tokens(records, 16)
+    found, makespan = verified_tokens(records, 16)
     summary = replay.summarize(replay.simulate(records, "das", replay.DraftConfig()), replay.CostModel())
     # Every accepted draft token is verified; a row's tokens after its first rejection or past its response's
     # end are not.
@@ -48,6 +48,26 @@ def test_verified_tokens_are_the_replays_kept_and_accepted_draft_tokens(records)
         assert position >= 1  # the first token comes from the prefill, undrafted
         assert accepted == (by_record[key].response_ids[position] == token)
     assert all(0.0 <= p <= 1.0 for p in found.predicted)
+    assert makespan == summary["projected_makespan_s"]
+
+
+def test_remembered_probabilities_are_reported_beside_the_counts_alone(report) -> None:
+    """An unannotated trace has no remembered section; its annotated copy reports the remembered probability
+    where history has one, by match length, and the budget's Brier score and makespan without it."""
+    assert report["remembered"] is None
+    every = replay.load_traces(REPO / "data" / "annotated" / "fidelity_das.jsonl.gz")
+    problems = sorted({r.problem_id for r in every})[:4]
+    annotated = [r for r in every if r.problem_id in problems]
+    found, makespan = verified_tokens(annotated, 16)
+    section = remembered_report(found, annotated, 16, makespan)
+    assert 0.1 < section["share"] < 1.0  # epoch 0 and the live trees have none
+    assert sum(band["tokens"] for band in section["by_match_length"]) == round(
+        section["share"] * len(found.keys)
+    )
+    for band in section["by_match_length"]:
+        assert 0.0 < band["mean_remembered"] <= 1.0 and 0.0 <= band["brier_remembered"] <= 1.0
+    assert 0.0 < section["brier_policy"] < 0.3 and 0.0 < section["brier_policy_without"] < 0.3
+    assert section["makespan_s"]["without"] > 0 and section["makespan_s"]["with"] > 0
 
 
 def test_the_target_models_probability_is_the_acceptance_rate_and_beats_the_policy(report) -> None:
@@ -78,12 +98,17 @@ def test_conditional_predictions_divide_each_path_by_the_previous_one() -> None:
         accepted=np.array([1, 0]),
         remaining=np.array([10, 10]),
         predicted=np.array([[0.8, 0.4, 0.1], [0.9, 0.9, 0.9]]),
+        probs=np.array([[0.9, 0.6, 0.3], [0.9, 0.9, 0.9]], np.float32),
+        sources=np.array([1, 2]),
+        remembered=np.array([[0.7, 0.2, 0.1], [-1.0, -1.0, -1.0]], np.float32),
+        match_lens=np.array([5, 2]),
     )
     found = VerifiedTokens()
     found.add(step)
     # Row 0 tried its first two tokens (the second was rejected, the third never tried); row 1 kept none.
     assert found.positions == [3, 4] and found.tokens == [7, 8] and found.accepted == [True, False]
     assert found.predicted == pytest.approx([0.8, 0.5])
+    assert found.remembered == pytest.approx([0.7, 0.2]) and found.match_lens == [5, 5]
     # A response with one token left: the draft's second token lies past its end.
     found = VerifiedTokens()
     found.add(dataclasses.replace(step, accepted=np.array([1, 0]), remaining=np.array([1, 10])))

@@ -15,7 +15,11 @@ replay` scores as the budget's calibration, one conditional probability per toke
   it was drawn from (what the engine knows when the proposer drafts), each fitted on half of the epochs and
   scored on the other half, both ways;
 - `mean_target_probability` against `acceptance`: equal in expectation, a check that exact-match acceptance
-  in the replay is rejection sampling's (the trace's sampling settings must be given: `--temperature(s)`).
+  in the replay is rejection sampling's (the trace's sampling settings must be given: `--temperature(s)`);
+- `remembered` (a trace whose records carry `response_logprobs`): the share of verified tokens whose history
+  remembers how sure the model was, the Brier score of that remembered probability and of the policy on them
+  (overall and by match length), and `brier_policy_without` / `makespan_s`: the same replay drafting from
+  counts alone, the budget's Brier score and projected makespan (default cost model) with and without them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
+from workers.bench.cost_model import CostModel
 from workers.generator.teacher_forcing import TeacherForcedModel
 
 _CLIP = 1e-3  # conditional probabilities are clipped into [_CLIP, 1 - _CLIP] before their log odds
@@ -47,6 +52,8 @@ class VerifiedTokens:
     accepted: list[bool] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
     draft_index: list[int] = field(default_factory=list)
+    remembered: list[float] = field(default_factory=list)  # -1: history holds no sampling probability
+    match_lens: list[int] = field(default_factory=list)
 
     def add(self, step: replay.VerifiedStep) -> None:
         assert step.predicted is not None, "only das's steps carry the budget's predictions"
@@ -64,14 +71,64 @@ class VerifiedTokens:
                 self.accepted.append(j < int(step.accepted[row]))
                 self.epochs.append(step.epoch)
                 self.draft_index.append(j)
+                self.remembered.append(float(step.remembered[row, j]))
+                self.match_lens.append(int(step.match_lens[row]))
                 previous = path
 
 
-def verified_tokens(records: list[TrajectoryRecord], k: int) -> VerifiedTokens:
-    """Replays the records with das (default cost model, K = k) and collects its verified draft tokens."""
+def verified_tokens(
+    records: list[TrajectoryRecord], k: int, remembered: bool = True
+) -> tuple[VerifiedTokens, float]:
+    """Replays the records with das (default cost model, K = k) and collects its verified draft tokens;
+    returns them and the projected makespan."""
     found = VerifiedTokens()
-    replay.simulate(records, "das", DraftConfig(max_spec_tokens=k), on_verified=found.add)
-    return found
+    sim = replay.simulate(
+        records, "das", DraftConfig(max_spec_tokens=k, remembered_probs=remembered), on_verified=found.add
+    )
+    return found, replay.summarize(sim, CostModel())["projected_makespan_s"]
+
+
+# Match lengths the remembered report splits by: from a short match the remembered probability is the model's
+# confidence in other contexts, from a long one in nearly this one.
+_MATCH_BANDS = ((0, 4), (4, 16), (16, 1 << 30))
+
+
+def remembered_report(
+    found: VerifiedTokens, records: list[TrajectoryRecord], k: int, makespan: float
+) -> dict[str, Any] | None:
+    """The `remembered` section (module docstring); None when no record carries probabilities."""
+    if not any(r.response_logprobs is not None for r in records):
+        return None
+    y = np.asarray(found.accepted, np.float64)
+    predicted = np.asarray(found.predicted)
+    mem = np.asarray(found.remembered)
+    match = np.asarray(found.match_lens)
+    known = mem >= 0
+    without, makespan_without = verified_tokens(records, k, remembered=False)
+    y0, p0 = np.asarray(without.accepted, np.float64), np.asarray(without.predicted)
+    bands = []
+    for lo, hi in _MATCH_BANDS:
+        part = known & (match >= lo) & (match < hi)
+        if part.any():
+            bands.append(
+                {
+                    "match_lengths": f"{lo}-{hi - 1}" if hi < 1 << 30 else f"{lo}+",
+                    "tokens": int(part.sum()),
+                    "acceptance": round(float(y[part].mean()), 4),
+                    "mean_remembered": round(float(mem[part].mean()), 4),
+                    "brier_remembered": round(_brier(mem[part], y[part]), 4),
+                    "brier_policy": round(_brier(predicted[part], y[part]), 4),
+                }
+            )
+    return {
+        "share": round(float(known.mean()), 4),
+        "brier_remembered": round(_brier(mem[known], y[known]), 4) if known.any() else None,
+        "brier_policy_where_known": round(_brier(predicted[known], y[known]), 4) if known.any() else None,
+        "by_match_length": bands,
+        "brier_policy": round(_brier(predicted, y), 4),
+        "brier_policy_without": round(_brier(p0, y0), 4),
+        "makespan_s": {"with": round(makespan, 3), "without": round(makespan_without, 3)},
+    }
 
 
 def target_probabilities(
@@ -157,7 +214,7 @@ def ceiling(
         raise ValueError(
             f"no sampling temperature for epoch(s) {missing}: pass --temperature or --temperatures"
         )
-    found = verified_tokens(records, k)
+    found, makespan = verified_tokens(records, k)
     if not found.keys:
         raise ValueError("the replay verified no draft token: nothing to score")
     target, last_logprob, last_entropy = target_probabilities(records, found, model_dir, temperatures)
@@ -196,6 +253,7 @@ def ceiling(
         ],
         "target_probability_below_0.1": round(float(np.mean(target < 0.1)), 4),
         "target_probability_above_0.9": round(float(np.mean(target > 0.9)), 4),
+        "remembered": remembered_report(found, records, k, makespan),
     }
 
 
