@@ -130,3 +130,27 @@ def test_index_validates_logprobs_before_any_change() -> None:
         index.add_trajectory("p", 2, 1, [1, 2], [3, 4, 5], [0.5, -0.1, -0.1])
     # Nothing changed: epoch 0 is still in the window (a newer epoch would have evicted it).
     assert index.problem_stats("p")["samples"] == 1
+
+
+def test_a_replay_without_probabilities_is_todays() -> None:
+    """Records without `response_logprobs` replay exactly as with the feature off (today's drafting and
+    budget), and so does an annotated trace with it off; with it on, the annotated trace's drafts are the
+    same tokens (the budget alone may keep fewer or more of them)."""
+    from pathlib import Path
+
+    from workers.bench import replay
+    from workers.bench.cost_model import CostModel
+
+    path = Path(__file__).resolve().parents[1] / "data" / "annotated" / "fidelity_das.jsonl.gz"
+    annotated = [r for r in replay.load_traces(path) if r.problem_id in ("builtin-0", "builtin-1", "builtin-7")]
+    assert annotated and all(r.response_logprobs is not None for r in annotated)
+    stripped = [r.model_copy(update={"response_logprobs": None}) for r in annotated]
+
+    def summary(records: list, remembered: bool) -> dict:
+        config = DraftConfig(remembered_probs=remembered)
+        return replay.summarize(replay.simulate(records, "das", config), CostModel())
+
+    today = summary(annotated, remembered=False)
+    assert summary(stripped, remembered=True) == today
+    assert summary(stripped, remembered=False) == today
+    assert summary(annotated, remembered=True)["tokens"] == today["tokens"]
