@@ -142,7 +142,9 @@ def test_a_replay_without_probabilities_is_todays() -> None:
     from workers.bench.cost_model import CostModel
 
     path = Path(__file__).resolve().parents[1] / "data" / "annotated" / "fidelity_das.jsonl.gz"
-    annotated = [r for r in replay.load_traces(path) if r.problem_id in ("builtin-0", "builtin-1", "builtin-7")]
+    annotated = [
+        r for r in replay.load_traces(path) if r.problem_id in ("builtin-0", "builtin-1", "builtin-7")
+    ]
     assert annotated and all(r.response_logprobs is not None for r in annotated)
     stripped = [r.model_copy(update={"response_logprobs": None}) for r in annotated]
 
@@ -154,3 +156,21 @@ def test_a_replay_without_probabilities_is_todays() -> None:
     assert summary(stripped, remembered=True) == today
     assert summary(stripped, remembered=False) == today
     assert summary(annotated, remembered=True)["tokens"] == today["tokens"]
+
+
+def test_ceiling_remembered_only_needs_an_annotated_trace() -> None:
+    from pathlib import Path
+
+    from workers.bench import replay
+    from workers.bench.ceiling import remembered_only
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    keep = ("builtin-0", "builtin-1", "builtin-7")
+    plain = [r for r in replay.load_traces(data / "fidelity_das.jsonl.gz") if r.problem_id in keep]
+    with pytest.raises(ValueError, match="annotate the trace first"):
+        remembered_only(plain)
+    annotated = [
+        r for r in replay.load_traces(data / "annotated" / "fidelity_das.jsonl.gz") if r.problem_id in keep
+    ]
+    report = remembered_only(annotated)
+    assert report["tokens"] > 100 and 0.0 < report["remembered"]["share"] < 1.0

@@ -257,5 +257,24 @@ def ceiling(
     }
 
 
+def remembered_only(records: list[TrajectoryRecord], k: int = 16) -> dict[str, Any]:
+    """The replay side of the report without the target model (`--remembered-only`): verified tokens, their
+    acceptance, the budget's Brier score and the `remembered` section.
+
+    Raises:
+        ValueError: no record carries `response_logprobs`, or the replay verified no draft token.
+    """
+    found, makespan = verified_tokens(records, k)
+    if not found.keys:
+        raise ValueError("the replay verified no draft token: nothing to score")
+    section = remembered_report(found, records, k, makespan)
+    if section is None:
+        raise ValueError(
+            "no record carries response_logprobs: annotate the trace first (das traces annotate)"
+        )
+    y = np.asarray(found.accepted, np.float64)
+    return {"tokens": int(y.shape[0]), "acceptance": round(float(y.mean()), 4), "remembered": section}
+
+
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 4)

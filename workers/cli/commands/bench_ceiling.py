@@ -25,12 +25,26 @@ def _text(result: dict[str, Any]) -> str:
     )
 
 
+def _remembered_text(result: dict[str, Any]) -> str:
+    section = result["remembered"]
+    return (
+        f"{result['tokens']} verified draft tokens, acceptance {result['acceptance']}; "
+        f"{section['share']:.0%} with a remembered probability (Brier {section['brier_remembered']}, the "
+        f"budget's {section['brier_policy_where_known']} on them)\n"
+        f"budget's Brier {section['brier_policy']} with them, {section['brier_policy_without']} without; "
+        f"makespan {section['makespan_s']['with']} s with, {section['makespan_s']['without']} s without"
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
-    from workers.bench.ceiling import ceiling
+    from workers.bench.ceiling import ceiling, remembered_only
     from workers.bench.replay import load_traces
     from workers.generator.model import require_model
 
     records = load_traces(args.trace)
+    if args.remembered_only:
+        result = {"trace": str(args.trace), "k": args.max_draft, **remembered_only(records, args.max_draft)}
+        return print_result(args, result, _remembered_text)
     temperatures = epoch_temperatures({r.epoch for r in records}, args.temperature, args.temperatures)
     result = {
         "trace": str(args.trace),
@@ -52,5 +66,11 @@ def register(cli) -> None:
     parser.add_argument("trace", help="JSON Lines of trajectory records sampled by the prepared model")
     add_temperature_arguments(parser)
     parser.add_argument("--max-draft", type=POSITIVE, default=16, help="maximum draft tokens per step (K)")
+    parser.add_argument(
+        "--remembered-only",
+        action="store_true",
+        help="only the replay's side for an annotated trace (no model, no temperatures): the remembered "
+        "probabilities against the outcomes, and the budget with and without them",
+    )
     add_model_dir_argument(parser)
     add_json_flag(parser)
