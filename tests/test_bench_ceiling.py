@@ -58,8 +58,8 @@ def test_remembered_probabilities_are_reported_beside_the_counts_alone(report) -
     every = replay.load_traces(REPO / "data" / "annotated" / "fidelity_das.jsonl.gz")
     problems = sorted({r.problem_id for r in every})[:4]
     annotated = [r for r in every if r.problem_id in problems]
-    found, makespan = verified_tokens(annotated, 16)
-    section = remembered_report(found, annotated, 16, makespan)
+    found, _ = verified_tokens(annotated, 16, remembered=True)
+    section = remembered_report(annotated, 16)
     assert 0.1 < section["share"] < 1.0  # epoch 0 and the live trees have none
     assert sum(band["tokens"] for band in section["by_match_length"]) == round(
         section["share"] * len(found.keys)

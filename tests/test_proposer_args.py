@@ -48,8 +48,10 @@ def test_settings_come_from_das_environment_variables(monkeypatch) -> None:
     monkeypatch.setenv("DAS_BUDGET", "off")
     monkeypatch.setenv("DAS_MIN_TOKEN_PROB", "0.2")
     monkeypatch.setenv("DAS_HISTORY_DIR", "/tmp/replica")
+    monkeypatch.setenv("DAS_REMEMBERED_PROBS", "on")
     settings = ProposerSettings.from_env()
     assert (settings.budget, settings.min_token_prob, settings.history_dir) == (False, 0.2, "/tmp/replica")
+    assert settings.drafting(8).remembered_probs
 
 
 def test_the_probability_floor_follows_the_budget_alike_in_code_and_in_the_environment(monkeypatch) -> None:
@@ -72,6 +74,10 @@ def test_unparsable_settings_name_the_variable(monkeypatch) -> None:
     with pytest.raises(ValueError, match="DAS_BUDGET"):
         ProposerSettings.from_env()
     monkeypatch.setenv("DAS_BUDGET", "on")
+    monkeypatch.setenv("DAS_REMEMBERED_PROBS", "yes")
+    with pytest.raises(ValueError, match="DAS_REMEMBERED_PROBS"):
+        ProposerSettings.from_env()
+    monkeypatch.setenv("DAS_REMEMBERED_PROBS", "off")
     monkeypatch.setenv("DAS_HISTORY_LOAD", "sometimes")
     with pytest.raises(ValueError, match="DAS_HISTORY_LOAD"):
         ProposerSettings.from_env()

@@ -106,7 +106,7 @@ def test_drafts_are_the_counts_and_carry_the_remembered_mean() -> None:
     """The remembered probabilities never change a draft; the draft token's mean sampling probability after
     the matched context comes beside it, -1 where history has none."""
     base = [1, 2, 3, 4, 5, 6, 7, 8]
-    plain, annotated = SuffixTree(), SuffixTree()
+    plain, annotated = SuffixTree(), SuffixTree(DraftConfig(remembered_probs=True))
     for seq_id, (p3, p4) in enumerate([(0.9, 0.2), (0.5, 0.4)]):
         logprobs = np.log([1.0, 1.0, p3, p4, 1.0, 1.0, 1.0, 1.0])
         plain.extend(seq_id, base)
@@ -116,7 +116,7 @@ def test_drafts_are_the_counts_and_carry_the_remembered_mean() -> None:
     assert np.array_equal(a.probs, b.probs) and np.array_equal(a.support, b.support)
     assert plain.speculate([1, 2], 4).remembered.tolist() == [-1.0, -1.0]
     assert np.allclose(b.remembered, [0.7, 0.3], atol=1 / K.PROB_LEVELS)
-    off = SuffixTree(DraftConfig(remembered_probs=False))
+    off = SuffixTree()  # the default: remembered probabilities off
     off.extend(0, base, as_levels(np.zeros(len(base)), len(base)))
     assert off.speculate([1, 2], 4).remembered.tolist() == [-1.0, -1.0]
 
@@ -173,4 +173,4 @@ def test_ceiling_remembered_only_needs_an_annotated_trace() -> None:
         r for r in replay.load_traces(data / "annotated" / "fidelity_das.jsonl.gz") if r.problem_id in keep
     ]
     report = remembered_only(annotated)
-    assert report["tokens"] > 100 and 0.0 < report["remembered"]["share"] < 1.0
+    assert report["remembered"]["tokens"] > 100 and 0.0 < report["remembered"]["share"] < 1.0

@@ -77,7 +77,7 @@ class VerifiedTokens:
 
 
 def verified_tokens(
-    records: list[TrajectoryRecord], k: int, remembered: bool = True
+    records: list[TrajectoryRecord], k: int, remembered: bool = DraftConfig.remembered_probs
 ) -> tuple[VerifiedTokens, float]:
     """Replays the records with das (default cost model, K = k) and collects its verified draft tokens;
     returns them and the projected makespan."""
@@ -93,12 +93,12 @@ def verified_tokens(
 _MATCH_BANDS = ((0, 4), (4, 16), (16, 1 << 30))
 
 
-def remembered_report(
-    found: VerifiedTokens, records: list[TrajectoryRecord], k: int, makespan: float
-) -> dict[str, Any] | None:
-    """The `remembered` section (module docstring); None when no record carries probabilities."""
+def remembered_report(records: list[TrajectoryRecord], k: int) -> dict[str, Any] | None:
+    """The `remembered` section (module docstring): das replayed with the remembered probabilities and
+    without; None when no record carries them."""
     if not any(r.response_logprobs is not None for r in records):
         return None
+    found, makespan = verified_tokens(records, k, remembered=True)
     y = np.asarray(found.accepted, np.float64)
     predicted = np.asarray(found.predicted)
     mem = np.asarray(found.remembered)
@@ -121,6 +121,8 @@ def remembered_report(
                 }
             )
     return {
+        "tokens": int(y.shape[0]),
+        "acceptance": round(float(y.mean()), 4),
         "share": round(float(known.mean()), 4),
         "brier_remembered": round(_brier(mem[known], y[known]), 4) if known.any() else None,
         "brier_policy_where_known": round(_brier(predicted[known], y[known]), 4) if known.any() else None,
@@ -253,27 +255,22 @@ def ceiling(
         ],
         "target_probability_below_0.1": round(float(np.mean(target < 0.1)), 4),
         "target_probability_above_0.9": round(float(np.mean(target > 0.9)), 4),
-        "remembered": remembered_report(found, records, k, makespan),
+        "remembered": remembered_report(records, k),
     }
 
 
 def remembered_only(records: list[TrajectoryRecord], k: int = 16) -> dict[str, Any]:
-    """The replay side of the report without the target model (`--remembered-only`): verified tokens, their
-    acceptance, the budget's Brier score and the `remembered` section.
+    """The replay side of the report without the target model (`--remembered-only`): the `remembered` section.
 
     Raises:
-        ValueError: no record carries `response_logprobs`, or the replay verified no draft token.
+        ValueError: no record carries `response_logprobs`.
     """
-    found, makespan = verified_tokens(records, k)
-    if not found.keys:
-        raise ValueError("the replay verified no draft token: nothing to score")
-    section = remembered_report(found, records, k, makespan)
+    section = remembered_report(records, k)
     if section is None:
         raise ValueError(
             "no record carries response_logprobs: annotate the trace first (das traces annotate)"
         )
-    y = np.asarray(found.accepted, np.float64)
-    return {"tokens": int(y.shape[0]), "acceptance": round(float(y.mean()), 4), "remembered": section}
+    return {"remembered": section}
 
 
 def _rounded(value: float | None) -> float | None:

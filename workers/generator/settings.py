@@ -43,6 +43,7 @@ _ENV = {
     "catch_up_interval_s": "DAS_CATCH_UP_INTERVAL_S",
     "history_load": "DAS_HISTORY_LOAD",
     "draft_threads": "DAS_DRAFT_THREADS",
+    "remembered_probs": "DAS_REMEMBERED_PROBS",
 }
 
 
@@ -86,6 +87,9 @@ class ProposerSettings:
     drafts do not depend on it. One unless asked: more helped only on a machine measured here, and hurt in
     vLLM's CPU engine."""
 
+    remembered_probs: bool = DraftConfig.remembered_probs
+    """`DraftConfig.remembered_probs` (`DAS_REMEMBERED_PROBS=on|off`)."""
+
     def __post_init__(self) -> None:
         if self.min_token_prob is None:
             default = BUDGET_MIN_TOKEN_PROB if self.budget else DraftConfig.min_token_prob
@@ -99,6 +103,7 @@ class ProposerSettings:
             max_spec_factor=self.max_spec_factor,
             max_spec_offset=self.max_spec_offset,
             min_token_prob=self.min_token_prob,
+            remembered_probs=self.remembered_probs,
         )
 
     @classmethod
@@ -110,6 +115,11 @@ class ProposerSettings:
         if budget not in ("on", "off"):
             raise ValueError(f"DAS_BUDGET must be 'on' or 'off', got {budget!r}")
         given: dict[str, Any] = {"budget": budget == "on", "history_dir": env.get("DAS_HISTORY_DIR") or None}
+        remembered = env.get("DAS_REMEMBERED_PROBS")
+        if remembered is not None:
+            if remembered.lower() not in ("on", "off"):
+                raise ValueError(f"DAS_REMEMBERED_PROBS must be 'on' or 'off', got {remembered!r}")
+            given["remembered_probs"] = remembered.lower() == "on"
         if "DAS_HISTORY_LOAD" in env:
             given["history_load"] = env["DAS_HISTORY_LOAD"].lower()
         for name in ("window_epochs", "max_depth", "min_token_prob", "max_spec_factor", "max_spec_offset"):

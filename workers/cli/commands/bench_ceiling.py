@@ -28,7 +28,7 @@ def _text(result: dict[str, Any]) -> str:
 def _remembered_text(result: dict[str, Any]) -> str:
     section = result["remembered"]
     return (
-        f"{result['tokens']} verified draft tokens, acceptance {result['acceptance']}; "
+        f"{section['tokens']} verified draft tokens, acceptance {section['acceptance']}; "
         f"{section['share']:.0%} with a remembered probability (Brier {section['brier_remembered']}, the "
         f"budget's {section['brier_policy_where_known']} on them)\n"
         f"budget's Brier {section['brier_policy']} with them, {section['brier_policy_without']} without; "

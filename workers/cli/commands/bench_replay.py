@@ -61,9 +61,11 @@ def register(cli) -> None:
         "--escape", type=number(0), default=DRAFT.escape, help="pseudo-count of unseen continuations (das)"
     )
     parser.add_argument(
-        "--no-remembered-probs",
+        "--remembered-probs",
         action="store_true",
-        help="draft from counts alone even where the trace carries response_logprobs (das, das-unbudgeted)",
+        default=DRAFT.remembered_probs,
+        help="das's budget weighs each draft token's remembered sampling probability, where the trace carries "
+        "response_logprobs (data/annotated/)",
     )
     parser.add_argument(
         "--longest-match",
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         min_token_prob=args.min_token_prob,
         escape=args.escape,
         all_matches=not args.longest_match,
-        remembered_probs=DRAFT.remembered_probs and not args.no_remembered_probs,
+        remembered_probs=args.remembered_probs,
     )
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.progress else None
     if args.kv_tokens is not None and args.max_num_seqs is None:
