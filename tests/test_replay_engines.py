@@ -119,11 +119,16 @@ def test_queued_requests_are_tail_candidates_in_the_budget_weights():
     outputs = np.array([40, 40])
     headroom = np.array([4, 4])
     policy.budgets(rows, outputs, headroom)
-    alone = policy._value.copy()
+    alone = policy._buffers.views(2).weights.copy()
     budgets, classes = policy.budgets(rows, outputs, headroom, queued=np.array([2, 3]))
     # Two requests not yet started will outlast both running ones: the running ones are rarely the tail.
     assert budgets.shape == (2,) and classes.shape == (2,) and policy._slots.tolist() == [0, 1]
-    assert (policy._value < alone).all()
+    assert (policy._buffers.views(4).weights[:2] < alone).all()
+    # But with a queue every freed slot admits the next request: a token accepted by either running row brings
+    # the last admission half a step closer, so each is worth at least half the step's fixed cost.
+    c_base, c_seq, c_tok = policy.cost.coefficients
+    assert np.allclose(policy._value, c_base / 2 + c_seq + c_tok)
+    assert (budgets == 4).all()
 
 
 def test_the_predictor_expects_lengths_under_the_cap_from_history_and_the_pool():

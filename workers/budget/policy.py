@@ -52,11 +52,12 @@ SHORT, MEDIUM, LONG = 0, 1, 2
 
 
 @njit(cache=True, inline="always")
-def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients, buffers):
+def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients, buffers, running):
     """`BudgetPolicy.budgets` in one call: each row's critical weight, the value of one of its accepted tokens,
     its class and budget (into `buffers`, a PolicyBuffers). Marks the slots that just outlived their problem's
     lengths in `policy.outlived` and returns how many did. `lengths` is a LengthState, `coefficients` the cost
-    model's."""
+    model's. The first `running` rows are running; the rest (if any) are queued requests, which compete for
+    the tail but get no budget."""
     slot_problem, accepted_rate, outlived = policy.slot_problem, policy.accepted_rate, policy.outlived
     max_length = policy.max_length
     length_count, quantile_table = lengths.count, lengths.quantiles
@@ -92,6 +93,10 @@ def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients,
         below=buffers.tail_below,
     )
     c_base, c_seq, c_tok = coefficients[0], coefficients[1], coefficients[2]
+    # With requests queued, the engine is full and every slot a request frees admits the next one: a token
+    # accepted anywhere brings every later admission, the last one's too, about 1/running of a step closer.
+    # Without a queue only the batch's last request's tokens shorten the epoch beyond their own share.
+    floor = 1.0 / running if running < n else 0.0
     promoted = 0
     for i in range(n):
         s = slots[i]
@@ -101,7 +106,7 @@ def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients,
             promoted += 1
         # One accepted token is one step fewer for its request: its own share of that step always, and the
         # whole step when the request is the batch's last.
-        value[i] = weights[i] * c_base + c_seq + c_tok
+        value[i] = max(weights[i], floor) * c_base + c_seq + c_tok
         if value[i] >= c_tok:
             # For dashboards: long = likelier than average to be the batch's last.
             classes[i] = LONG if weights[i] * n >= 1.0 else MEDIUM
@@ -260,6 +265,7 @@ class BudgetPolicy:
             lengths=self.lengths.kernel_state(),
             coefficients=self.cost.coefficients,
             buffers=buffers,
+            running=n,
         )
         self.count_promotions(promoted)
         self._value = buffers.value[:n]

@@ -121,6 +121,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
                 lengths=t.lengths,
                 coefficients=t.cost.coefficients,
                 buffers=buffers,
+                running=slots.shape[0],  # the engine's waiting queue is not visible here
             )
         else:
             for i in range(slots.shape[0]):
