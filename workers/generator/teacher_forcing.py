@@ -3,7 +3,8 @@ response, for `das bench ceiling` (the probability of each drafted token) and `d
 probability each response token was sampled with).
 
 It runs the checkpoint with transformers in float32, the dtype the CPU engine samples in, so its values match
-the engine's to float rounding; the vocabulary head runs only at the positions asked for.
+the engine's to float rounding (or, asked for, under bfloat16 autocast: about 2.5x faster on CPUs with AMX, at
+about 0.04 nats of error per token); the vocabulary head runs only at the positions asked for.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ FORWARD_BATCH = 8
 class TeacherForcedModel:
     """A causal language model checkpoint loaded for teacher-forced scoring."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, bfloat16: bool = False) -> None:
+        """bfloat16: run the forward under bfloat16 autocast (the weights stay float32)."""
         import torch
         from transformers import AutoModelForCausalLM
 
         self._torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self._bfloat16 = bfloat16
 
     def logits(
         self, records: Sequence[TrajectoryRecord], rows: Callable[[TrajectoryRecord], Sequence[int]]
@@ -50,11 +53,11 @@ class TeacherForcedModel:
             for row, seq in enumerate(sequences):
                 ids[row, : len(seq)] = torch.tensor(seq)
                 mask[row, : len(seq)] = 1
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self._bfloat16):
                 hidden = self.model.model(input_ids=ids, attention_mask=mask).last_hidden_state
                 for row, i in enumerate(batch):
                     at = torch.as_tensor(rows(records[i]), dtype=torch.long)
-                    yield i, self.model.lm_head(hidden[row, at])
+                    yield i, self.model.lm_head(hidden[row, at]).float()
 
     def sampled_logprobs(
         self, records: Sequence[TrajectoryRecord], temperatures: Sequence[float]

@@ -29,7 +29,12 @@ def _shortest(values: np.ndarray) -> list[float]:
 
 
 def annotate(
-    trace: Path, out: Path, temperature: float, temperatures: tuple[float, ...] | None, model_dir: Path | None
+    trace: Path,
+    out: Path,
+    temperature: float,
+    temperatures: tuple[float, ...] | None,
+    model_dir: Path | None,
+    bfloat16: bool = False,
 ) -> dict[str, Any]:
     """Writes `out`: `trace` line by line, each object with `response_logprobs` added (or replaced); every
     other field is kept as it was, including fields the record model does not know.
@@ -44,7 +49,7 @@ def annotate(
     records = load_traces(trace)  # validates every line first: nothing is written from a malformed trace
     by_epoch = epoch_temperatures({r.epoch for r in records}, temperature, temperatures)
     started = time.perf_counter()
-    logprobs = TeacherForcedModel(require_model(model_dir)).sampled_logprobs(
+    logprobs = TeacherForcedModel(require_model(model_dir), bfloat16).sampled_logprobs(
         records, [by_epoch[r.epoch] for r in records]
     )
     seconds = time.perf_counter() - started
@@ -62,6 +67,7 @@ def annotate(
         "temperatures": {str(e): t for e, t in by_epoch.items()},
         "records": len(records),
         "response_tokens": tokens,
+        "dtype": "bfloat16 autocast" if bfloat16 else "float32",
         "seconds": round(seconds, 1),
         "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
     }
@@ -75,7 +81,9 @@ def _text(report: dict[str, Any]) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    report = annotate(args.trace, args.out, args.temperature, args.temperatures, args.model_dir)
+    report = annotate(
+        args.trace, args.out, args.temperature, args.temperatures, args.model_dir, args.dtype == "bfloat16"
+    )
     return print_result(args, report, _text)
 
 
@@ -90,5 +98,12 @@ def register(cli) -> None:
     parser.add_argument("trace", type=Path, help="JSON Lines of trajectory records (gzip if .gz)")
     add_trace_out_argument(parser, "annotated copy to write (gzip if .gz)")
     add_temperature_arguments(parser)
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="float32: the CPU engine's own values; bfloat16: autocast, about 2.5x faster with AMX, about 0.04 "
+        "nats off per token",
+    )
     add_model_dir_argument(parser)
     add_json_flag(parser)
