@@ -481,19 +481,15 @@ def _best_child(states, state):
 
 
 @njit(cache=True)
-def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, out_sup, out_mem):
+def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, out_sup):
     """The most frequent continuation from `state` into out_tok, out_prob, out_sup (arrays: a
     bundle argument costs a reference count per member per call) while its path probability >=
     params.min_prob, up to cap tokens.
     Probabilities are count(x+t) / (sum over continuations + escape), multiplied along the path; ties go to
-    the smaller token id. out_mem gets, with `params.remembered`, how sure the model was when it sampled each
-    token after that context: the mean probability over its occurrences that carry one (-1: none do). Under
-    rejection sampling a draft token is accepted with the target's probability of it, which no count shows;
-    the budget weighs it (`workers.budget.acceptance`). It does not steer the path: from a short match it is
-    the model's confidence in another context, and as a score it chose worse drafts (learn_overlong). out_sup gets each token's count (its support). The score is the sum of the first
+    the smaller token id. out_sup gets each token's count (its support). The score is the sum of the first
     `scored` tokens' probabilities. Returns (tokens, score), or (0, 0.0) as soon as the score cannot beat
     `floor` (path probabilities never grow, so at most p per scored token left)."""
-    escape, min_prob, remembered = params.escape, params.min_prob, params.remembered
+    escape, min_prob = params.escape, params.min_prob
     prob = 1.0
     score = 0.0
     n = 0
@@ -510,8 +506,6 @@ def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, ou
         out_tok[n] = states[best, TOKEN]
         out_prob[n] = p
         out_sup[n] = best_c
-        known = states[best, PKNOWN]
-        out_mem[n] = states[best, PSUM] / (known * PROB_LEVELS) if remembered and known > 0 else -1.0
         if n < scored:
             score += p
         n += 1
@@ -521,20 +515,7 @@ def _draft_path(states, state, cap, scored, params, floor, out_tok, out_prob, ou
 
 @njit(cache=True)
 def draft_best(
-    states,
-    match,
-    budget,
-    params,
-    floor,
-    out_tok,
-    out_prob,
-    out_sup,
-    out_mem,
-    r,
-    tmp_tok,
-    tmp_prob,
-    tmp_sup,
-    tmp_mem,
+    states, match, budget, params, floor, out_tok, out_prob, out_sup, r, tmp_tok, tmp_prob, tmp_sup
 ):
     """Drafts from a match state and, with `params.all_matches`, from every shorter match along its suffix links
     (SuffixDecoding scores every match length and keeps the best draft). Each match of length m drafts at
@@ -549,11 +530,13 @@ def draft_best(
     Arrays, not bundles, because this runs per candidate of every row: each array member of a bundle
     argument costs a reference count on entry and another on exit (bundled, drafting measured twice as slow
     per row at batch 256).
-    Returns (tokens, match length, score) of the kept draft, (0, 0, floor) when none beat the floor.
+    Returns (tokens, match length, score, the state it was drafted from) of the kept draft, (0, 0, floor, -1)
+    when none beat the floor.
     """
     best_n = 0
     best_len = 0
     best = floor
+    best_state = np.int64(-1)
     root, state, length = match
     k = out_tok.shape[1]
     while state != root:
@@ -562,21 +545,33 @@ def draft_best(
             scored = min(cap, length)
             if scored <= best:  # a score never exceeds its scored length, and shorter matches score fewer
                 break
-            n, score = _draft_path(
-                states, state, cap, scored, params, best, tmp_tok, tmp_prob, tmp_sup, tmp_mem
-            )
+            n, score = _draft_path(states, state, cap, scored, params, best, tmp_tok, tmp_prob, tmp_sup)
             if n > 0 and score > best:
                 for j in range(n):
                     out_tok[r, j] = tmp_tok[j]
                     out_prob[r, j] = tmp_prob[j]
                     out_sup[r, j] = tmp_sup[j]
-                    out_mem[r, j] = tmp_mem[j]
-                best_n, best_len, best = n, length, score
+                best_n, best_len, best, best_state = n, length, score, state
             if not params.all_matches:
                 break
         state = np.int64(states[state, LINK])
         length = np.int64(states[state, LEN])
-    return best_n, best_len, best
+    return best_n, best_len, best, best_state
+
+
+@njit(cache=True)
+def remembered_path(states, state, n, remembered, out_mem, r):
+    """Into out_mem[r, :n]: how sure the model was when it sampled each token of the n-token draft drafted from
+    `state` (its BEST path), after that context: the mean probability over the occurrences that carry one, -1
+    where none do or `remembered` is off. Under rejection sampling a draft token is accepted with the target's
+    probability of it, which no count shows; the budget may weigh it (`workers.budget.acceptance`). It does
+    not steer the draft: from a short match it is the model's confidence in other contexts, and as the path's
+    probability it chose worse drafts (docs/benchmarks.md, "Remembered probabilities"). Run once for the kept
+    draft, not per candidate."""
+    for j in range(n):
+        state = np.int64(states[state, BEST])
+        known = states[state, PKNOWN]
+        out_mem[r, j] = states[state, PSUM] / (known * PROB_LEVELS) if remembered and known > 0 else -1.0
 
 
 @njit(cache=True)
@@ -681,10 +676,9 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
     pool = arena.pool
     req_slots, budgets, info, scores = rows.slots, rows.budgets, out.info, out.score
     max_depth = params.max_depth
-    out_tok, out_prob, out_sup, out_mem = out.tok, out.prob, out.sup, out.mem
+    out_tok, out_prob, out_sup = out.tok, out.prob, out.sup
     k = out_tok.shape[1]
     tmp_tok, tmp_prob, tmp_sup = np.empty(k, np.int32), np.empty(k, np.float32), np.empty(k, np.int32)
-    tmp_mem = np.empty(k, np.float32)
     for r in range(lo, hi):
         _prefetch_ahead(states, edges, slots, req_slots, r, hi)
         s = req_slots[r]
@@ -695,6 +689,7 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
         for f in range(INFO_FIELDS):
             info[r, f] = 0
         scores[r] = 0.0
+        drafted_from = np.int64(-1)  # the state the kept draft was drafted from
         for c in range(N_CANDIDATES):
             tid = slots[s, R_CAND + c]
             if tid < 0:
@@ -734,7 +729,7 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
             slots[s, R_MLEN + c] = ln
             if budget <= 0:
                 continue
-            n, used, score = draft_best(
+            n, used, score, origin = draft_best(
                 states,
                 (root, st, ln),
                 budget,
@@ -743,20 +738,20 @@ def _draft_range(arena, slots, rows, lo, hi, params, out):
                 out_tok,
                 out_prob,
                 out_sup,
-                out_mem,
                 r,
                 tmp_tok,
                 tmp_prob,
                 tmp_sup,
-                tmp_mem,
             )
             if n > 0:
                 info[r, I_LEN] = n
                 info[r, I_MATCH] = used
                 info[r, I_SOURCE] = c + 1
                 scores[r] = score
+                drafted_from = origin
         n = info[r, I_LEN]
-        if n > 0:  # the other candidates' agreement, in candidate order
+        if n > 0:  # the kept draft's remembered probabilities, and the other candidates' agreement
+            remembered_path(states, drafted_from, n, params.remembered, out.mem, r)
             chosen = info[r, I_SOURCE] - 1
             for j in range(
                 N_CANDIDATES - 1

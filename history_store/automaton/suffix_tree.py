@@ -517,7 +517,7 @@ class SuffixTree:
             info=np.empty((1, K.INFO_FIELDS), np.int32),
             score=np.empty(1),
         )
-        n, match_len, score = K.draft_best(
+        n, match_len, score, origin = K.draft_best(
             f.states,
             (root, state, length),
             budget,
@@ -526,13 +526,12 @@ class SuffixTree:
             out.tok,
             out.prob,
             out.sup,
-            out.mem,
             0,
             np.empty(budget, np.int32),
             np.empty(budget, np.float32),
             np.empty(budget, np.int32),
-            np.empty(budget, np.float32),
         )
+        K.remembered_path(f.states, origin, n, cfg.remembered_probs, out.mem, 0)
         return Draft(
             out.tok[0, :n].copy(),
             out.prob[0, :n].copy(),

@@ -60,19 +60,7 @@ def _log_odds_gain(outcomes, row):
 
 @njit(cache=True)
 def _features_of(
-    ratio,
-    support,
-    remembered,
-    agreement,
-    source,
-    i,
-    j,
-    log_match,
-    request_gain,
-    problem_gain,
-    token_gain,
-    out,
-    s,
+    ratio, support, agreement, source, i, j, log_match, request_gain, problem_gain, token_gain, out, s
 ):
     """Features of row i's draft token j, into out[s, j], for its acceptance given token j-1 was accepted:
     which tree drafted it (one intercept per source: what the verifier taught about one source says nothing
@@ -83,11 +71,8 @@ def _features_of(
     from one sighting is weaker evidence than one from 100), and half the number of the other trees whose own
     likeliest path drafts the token too (`agreement`: the row's two counts of draft tokens they repeat), and
     how much better or worse than predicted the same token did when drafted before (`token_gain`: how freely
-    the model picks a token varies with the token, which no tree's counts say), and the logit of the mean
-    probability the token was sampled with after the same context in history (`remembered`, -1: unknown; then
-    it and its known flag are 0, so a model that never saw one predicts exactly as without them: under
-    rejection sampling a draft token is accepted with the target's probability of it, and a count of 1 after
-    a token sampled at 0.04 looks the same as one after a token sampled at 0.97).
+    the model picks a token varies with the token, which no tree's counts say). `_remembered_features` adds the
+    last two.
     ratio is the tree's p_j / p_(j-1) (0 without p_(j-1)) and log_match the row's log1p(match length) / 4. Every
     array is indexed by row rather than passed as a row view, and the drafts' arrays come one by one rather than
     as their Drafted bundle: a view costs two atomic reference counts and a bundle argument one per member per
@@ -106,6 +91,15 @@ def _features_of(
         agreeing += agreement[i, c] > j
     out[s, j, F_AGREEMENT] = agreeing / 2.0
     out[s, j, F_TOKEN] = token_gain
+
+
+@njit(cache=True)
+def _remembered_features(remembered, i, j, out, s):
+    """The logit of the mean probability row i's draft token j was sampled with after the same context in
+    history, and whether that is known (`remembered`, -1: unknown; then both are 0, so a model that never saw
+    one predicts exactly as without them). Under rejection sampling a draft token is accepted with the target's
+    probability of it, and a count of 1 after a token sampled at 0.04 looks the same as one after a token
+    sampled at 0.97."""
     known = remembered[i, j]
     if known >= 0.0:
         known = min(max(known, 0.02), 0.98)
@@ -200,7 +194,6 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
             _features_of(
                 ratio,
                 support,
-                remembered,
                 agreement,
                 source,
                 i,
@@ -212,6 +205,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
                 features,
                 s,
             )
+            _remembered_features(remembered, i, j, features, s)
             previous = probs[i, j]
             z = 0.0
             for c in range(f):
