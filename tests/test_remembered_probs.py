@@ -173,4 +173,8 @@ def test_ceiling_remembered_only_needs_an_annotated_trace() -> None:
         r for r in replay.load_traces(data / "annotated" / "fidelity_das.jsonl.gz") if r.problem_id in keep
     ]
     report = remembered_only(annotated)
-    assert report["remembered"]["tokens"] > 100 and 0.0 < report["remembered"]["share"] < 1.0
+    section = report["remembered"]
+    assert section["tokens"] > 100 and 0.0 < section["share"] < 1.0
+    sources = {row["source"]: row for row in section["by_source"]}
+    assert sum(row["tokens"] for row in sources.values()) == section["tokens"]
+    assert sources["live"]["share_remembered"] == 0.0  # in-flight tokens carry no probabilities

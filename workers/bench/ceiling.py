@@ -18,7 +18,7 @@ replay` scores as the budget's calibration, one conditional probability per toke
   in the replay is rejection sampling's (the trace's sampling settings must be given: `--temperature(s)`);
 - `remembered` (a trace whose records carry `response_logprobs`): the share of verified tokens whose history
   remembers how sure the model was, the Brier score of that remembered probability and of the policy on them
-  (overall and by match length), and `brier_policy_without` / `makespan_s`: the same replay drafting from
+  (overall, by match length and by the tree that drafted the token), and `brier_policy_without` / `makespan_s`: the same replay drafting from
   counts alone, the budget's Brier score and projected makespan (default cost model) with and without them.
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from history_store.automaton.config import DraftConfig
+from history_store.automaton.kernels import Source
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.bench.cost_model import CostModel
@@ -54,6 +55,7 @@ class VerifiedTokens:
     draft_index: list[int] = field(default_factory=list)
     remembered: list[float] = field(default_factory=list)  # -1: history holds no sampling probability
     match_lens: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)  # the tree that drafted it (a kernels.Source)
 
     def add(self, step: replay.VerifiedStep) -> None:
         assert step.predicted is not None, "only das's steps carry the budget's predictions"
@@ -73,6 +75,7 @@ class VerifiedTokens:
                 self.draft_index.append(j)
                 self.remembered.append(float(step.remembered[row, j]))
                 self.match_lens.append(int(step.match_lens[row]))
+                self.sources.append(int(step.sources[row]))
                 previous = path
 
 
@@ -120,10 +123,27 @@ def remembered_report(records: list[TrajectoryRecord], k: int) -> dict[str, Any]
                     "brier_policy": round(_brier(predicted[part], y[part]), 4),
                 }
             )
+    source = np.asarray(found.sources)
+    by_source = []
+    for s in Source:
+        part = source == int(s)
+        if s is Source.NONE or not part.any():
+            continue
+        with_it = part & known
+        by_source.append(
+            {
+                "source": s.label,
+                "tokens": int(part.sum()),
+                "share_remembered": round(float(with_it.sum() / part.sum()), 4),
+                "brier_remembered": round(_brier(mem[with_it], y[with_it]), 4) if with_it.any() else None,
+                "brier_policy": round(_brier(predicted[part], y[part]), 4),
+            }
+        )
     return {
         "tokens": int(y.shape[0]),
         "acceptance": round(float(y.mean()), 4),
         "share": round(float(known.mean()), 4),
+        "by_source": by_source,
         "brier_remembered": round(_brier(mem[known], y[known]), 4) if known.any() else None,
         "brier_policy_where_known": round(_brier(predicted[known], y[known]), 4) if known.any() else None,
         "by_match_length": bands,
