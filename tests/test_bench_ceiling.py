@@ -98,7 +98,6 @@ def test_conditional_predictions_divide_each_path_by_the_previous_one() -> None:
         accepted=np.array([1, 0]),
         remaining=np.array([10, 10]),
         predicted=np.array([[0.8, 0.4, 0.1], [0.9, 0.9, 0.9]]),
-        probs=np.array([[0.9, 0.6, 0.3], [0.9, 0.9, 0.9]], np.float32),
         sources=np.array([1, 2]),
         remembered=np.array([[0.7, 0.2, 0.1], [-1.0, -1.0, -1.0]], np.float32),
         match_lens=np.array([5, 2]),

@@ -272,7 +272,6 @@ class VerifiedStep:
     accepted: np.ndarray  # of those, the accepted prefix
     remaining: np.ndarray  # tokens left in each row's response (a draft past its end is never accepted)
     predicted: np.ndarray | None  # (rows, K) the budget's path acceptance probabilities (das only)
-    probs: np.ndarray  # (rows, K) the tree's path probabilities of the drafts
     sources: np.ndarray  # each row's draft source (a kernels.Source)
     remembered: np.ndarray  # (rows, K) each draft token's mean sampling probability in history (-1: unknown)
     match_lens: np.ndarray  # each row's matched context length
@@ -420,7 +419,6 @@ def simulate(
                         accepted,
                         remaining,
                         policy.last_predicted if policy is not None else None,
-                        result.probs,
                         result.sources,
                         result.remembered,
                         result.match_lens,
