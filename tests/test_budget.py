@@ -11,7 +11,8 @@ from history_store.automaton.kernels import Source
 from monitoring.metrics import CLASS_PROMOTIONS, COST_MODEL_COEFFICIENT
 from workers.budget.config import BudgetConfig
 from workers.budget.cost import FittedCostModel
-from workers.budget.policy import LONG, SHORT, BudgetPolicy
+from workers.budget.policy import BudgetPolicy
+from workers.budget.step import LONG, SHORT
 from workers.budget.tail_weights import critical_weights
 
 

@@ -12,7 +12,8 @@ from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.bench.engines import Engines, Fleet, parse_slots, slots_label
-from workers.budget.policy import BudgetConfig, BudgetPolicy
+from workers.budget.config import BudgetConfig
+from workers.budget.policy import BudgetPolicy
 from workers.cli import main
 from workers.rollout.priority import LengthPredictor
 

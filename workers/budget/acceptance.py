@@ -163,7 +163,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
     weights, recalibration = acceptance.weights, acceptance.recalibration
     path_recalibration = acceptance.path_recalibration
     value, predicted, kept = buffers.value, buffers.predicted, buffers.kept
-    n, k = predicted.shape
+    n, k = lengths.shape[0], predicted.shape[1]  # the buffers may hold more rows (queued requests)
     f = weights.shape[0]
     for i in range(n):
         s = slots[i]

@@ -22,99 +22,23 @@ recent acceptance). The tree's ratios alone are not acceptance probabilities: ov
 rollouts, underconfident on thin history. Zero drafts is always allowed and is what thin evidence gets.
 
 Per-request state lives in numpy arrays indexed by a dense slot (`start` hands one out), so a step has no
-Python loop over requests. No vLLM import: the engine's proposer and the trace replay run this same code.
+Python loop over requests. The step itself is `workers.budget.step` (learn, price, plan, cut); this class owns
+the state those kernels read and calls them one at a time. No vLLM import.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from history_store.automaton.bundles import gather
 from history_store.automaton.dense_rows import DenseRows
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, LENGTH_CLASSES
-from workers.budget.acceptance import (
-    N_FEATURES,
-    TOKEN_BUCKETS,
-    AcceptanceModel,
-    _observe_kernel,
-    _truncate_kernel,
-)
+from workers.budget.acceptance import N_FEATURES, TOKEN_BUCKETS, AcceptanceModel
 from workers.budget.config import BudgetConfig
 from workers.budget.cost import FittedCostModel
-from workers.budget.lengths import LengthModel, _atypical
+from workers.budget.lengths import LengthModel
 from workers.budget.state import Drafted, PolicyBuffers, PolicyState
-from workers.budget.tail_weights import critical_weights
-
-# Length classes, for dashboards: short = not worth drafting this step, long = likelier than average to be
-# the batch's last request, medium = the rest.
-SHORT, MEDIUM, LONG = 0, 1, 2
-
-
-@njit(cache=True, inline="always")
-def _budgets_kernel(slots, output_lens, headroom, policy, lengths, coefficients, buffers, running):
-    """`BudgetPolicy.budgets` in one call: each row's critical weight, the value of one of its accepted tokens,
-    its class and budget (into `buffers`, a PolicyBuffers). Marks the slots that just outlived their problem's
-    lengths in `policy.outlived` and returns how many did. `lengths` is a LengthState, `coefficients` the cost
-    model's. The first `running` rows are running; the rest (if any) are queued requests, which compete for
-    the tail but get no budget."""
-    slot_problem, accepted_rate, outlived = policy.slot_problem, policy.accepted_rate, policy.outlived
-    max_length = policy.max_length
-    length_count, quantile_table = lengths.count, lengths.quantiles
-    weights, value, classes, budgets = buffers.weights, buffers.value, buffers.classes, buffers.budgets
-    quantiles = buffers.tail_quantiles
-    k = policy.max_tokens
-    n = slots.shape[0]
-    q = quantile_table.shape[1]
-    outputs = np.empty(n)
-    speeds = np.empty(n)
-    caps = np.empty(n)
-    rows = np.empty(n, np.int64)
-    for i in range(n):
-        s = slots[i]
-        p = slot_problem[s]
-        rows[i] = p if length_count[p] > 0 else 0  # problems without history take the pool's lengths
-        for c in range(q):  # indexed: row views cost atomic reference counts
-            quantiles[i, c] = quantile_table[rows[i], c]
-        outputs[i] = output_lens[i]
-        speeds[i] = 1.0 + accepted_rate[s]
-        caps[i] = max_length[s]
-    critical_weights(
-        quantiles=quantiles,
-        pool=quantile_table[0],
-        atypical=_atypical(lengths.stats),
-        outputs=outputs,
-        speeds=speeds,
-        caps=caps,
-        n_bins=policy.n_bins,
-        out=weights,
-        remaining=buffers.tail_remaining,
-        mass=buffers.tail_mass,
-        below=buffers.tail_below,
-    )
-    c_base, c_seq, c_tok = coefficients[0], coefficients[1], coefficients[2]
-    # With requests queued, the engine is full and every slot a request frees admits the next one: a token
-    # accepted anywhere brings every later admission, the last one's too, about 1/running of a step closer.
-    # Without a queue only the batch's last request's tokens shorten the epoch beyond their own share.
-    floor = 1.0 / running if running < n else 0.0
-    promoted = 0
-    for i in range(n):
-        s = slots[i]
-        # Outliving nearly every length expected of one's problem is the old "promotion" of a length class.
-        if rows[i] > 0 and outputs[i] > quantiles[i, q - 1] and not outlived[s]:
-            outlived[s] = True
-            promoted += 1
-        # One accepted token is one step fewer for its request: its own share of that step always, and the
-        # whole step when the request is the batch's last.
-        value[i] = max(weights[i], floor) * c_base + c_seq + c_tok
-        if value[i] >= c_tok:
-            # For dashboards: long = likelier than average to be the batch's last.
-            classes[i] = LONG if weights[i] * n >= 1.0 else MEDIUM
-            budgets[i] = min(max(headroom[i], 0), k)
-        else:
-            classes[i] = SHORT
-            budgets[i] = 0
-    return promoted
+from workers.budget.step import LONG, BudgetTables, cut, learn, plan
 
 
 class _PolicyRows:
@@ -178,7 +102,7 @@ class BudgetPolicy:
         problems.register(self, "problem_stamp", dtype=np.int64)
         # Recent (accepted, predicted, tried) of drafted tokens, by bucket of token id (`_kernels._slot`).
         self.token_outcomes = np.zeros((TOKEN_BUCKETS, 3))
-        self.observe_step_no = 0
+        self.observed = np.zeros(1, np.int64)  # the problems' decay clock (`step.learn` ticks it)
         # Per slot: problem row, recent outcomes, accepted tokens per step, promotion, and the
         # features and kept length of its last draft (learned from when the verifier answers).
         self.request_rows = request_rows if request_rows is not None else DenseRows()
@@ -228,7 +152,18 @@ class BudgetPolicy:
         copied; `start` may replace them, so ask again after it)."""
         return gather(PolicyState, self, self.config, n_bins=self.BINS)
 
-    # ---- the step
+    def tables(self, rows: int) -> BudgetTables:
+        """The budget's state as the step kernels (`workers.budget.step`) take it, with the per-row buffers of
+        `rows` rows (running and queued requests): valid until `start` grows the slots or the next step."""
+        return BudgetTables(
+            policy=self.kernel_state(),
+            lengths=self.lengths.kernel_state(),
+            acceptance=self.acceptance.kernel_state(),
+            cost=self.cost.kernel_state(),
+            buffers=self._buffers.views(rows),
+        )
+
+    # ---- the step, one kernel at a time (the engine's decode step composes the same kernels natively)
 
     def budgets(
         self,
@@ -238,8 +173,8 @@ class BudgetPolicy:
         queued: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Maximum draft tokens per row (0 where even a sure token would not pay, else min(K, headroom)) and
-        each row's class (SHORT: no draft pays; LONG: likelier than average to finish last). Both are views of
-        reused buffers: valid until the next step's `budgets`.
+        each row's class (SHORT: no draft pays; LONG: likelier than average to finish last): `step.plan`. Both
+        are views of reused buffers: valid until the next step's `budgets`.
 
         Args:
             slots: the rows' slots (given to `start`).
@@ -249,37 +184,24 @@ class BudgetPolicy:
             queued: slots of requests waiting for the engine (started, nothing generated): they compete for
                 the tail like the rows, but get no budget and are not rows of the result.
         """
-        slots = np.asarray(slots)
+        slots = np.asarray(slots, np.int64)
+        queued = np.zeros(0, np.int64) if queued is None else np.asarray(queued, np.int64)
         n = slots.shape[0]
-        output_lens, headroom = np.asarray(output_lens), np.asarray(headroom)
-        if queued is not None and queued.size:
-            slots = np.concatenate([slots, queued])
-            output_lens = np.concatenate([output_lens, np.zeros(queued.shape[0], output_lens.dtype)])
-            headroom = np.concatenate([headroom, np.zeros(queued.shape[0], headroom.dtype)])
-        buffers = self._buffers.views(slots.shape[0])
-        promoted = _budgets_kernel(
-            slots=slots,
-            output_lens=output_lens,
-            headroom=headroom,
-            policy=self.kernel_state(),
-            lengths=self.lengths.kernel_state(),
-            coefficients=self.cost.coefficients,
-            buffers=buffers,
-            running=n,
+        tables = self.tables(n + queued.shape[0])
+        self.count_promotions(
+            plan(tables, slots, np.asarray(output_lens, np.int64), np.asarray(headroom, np.int64), queued)
         )
-        self.count_promotions(promoted)
-        self._value = buffers.value[:n]
-        self._slots = slots[:n]
-        self.last_classes = buffers.classes[:n]
+        buffers = tables.buffers
+        self.drafted(slots, buffers.value[:n], buffers.classes[:n], self.last_predicted)
         return buffers.budgets[:n], buffers.classes[:n]
 
     def step_buffers(self, n: int) -> PolicyBuffers:
-        """The per-row buffers for n rows, for a caller that runs the policy's kernels from its own (then
-        `drafted` records what they computed)."""
+        """The per-row buffers for n rows (running and queued), for a caller that runs the step kernels from
+        its own (then `drafted` records what they computed)."""
         return self._buffers.views(n)
 
     def count_promotions(self, promoted: int) -> None:
-        """Counts requests that just outlived their problem's lengths (`_budgets_kernel` returns how many)."""
+        """Counts requests that just outlived their problem's lengths (`step.plan` returns how many)."""
         if promoted:
             self._promotions.inc(promoted)
 
@@ -300,8 +222,8 @@ class BudgetPolicy:
         tokens: np.ndarray,
         remembered: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Draft lengths after the pay-off rule, for the rows of the last `budgets` call (a view of a reused
-        buffer, like `last_predicted`: valid until the next step's `truncate`).
+        """Draft lengths after the pay-off rule (`step.cut`), for the rows of the last `budgets` call (a view
+        of a reused buffer, like `last_predicted`: valid until the next step's `truncate`).
 
         Args:
             lengths: tokens drafted per row (at most its budget).
@@ -318,7 +240,6 @@ class BudgetPolicy:
         n = len(lengths)
         if n != slots.shape[0]:
             raise ValueError(f"truncate got {n} rows but the last budgets call had {slots.shape[0]}")
-        buffers = self._buffers.views(n)
         # No dtype conversions: the kernel compiles for the index's own (float32 probabilities, int32 counts),
         # which widen to float64 exactly inside it.
         drafted = Drafted(
@@ -333,31 +254,17 @@ class BudgetPolicy:
             sources=np.asarray(sources),
             agreement=np.asarray(agreement),
         )
-        _truncate_kernel(
-            drafted=drafted,
-            slots=slots,
-            policy=self.kernel_state(),
-            acceptance=self.acceptance.kernel_state(),
-            c_tok=float(self.cost.coefficients[2]),
-            buffers=buffers._replace(value=self._value),
-        )
-        self.last_predicted = buffers.predicted
-        return buffers.kept
+        tables = self.tables(n)
+        cut(tables._replace(buffers=tables.buffers._replace(value=self._value)), drafted, slots)
+        self.last_predicted = tables.buffers.predicted
+        return tables.buffers.kept
 
     def observe_acceptance(self, slots: np.ndarray, accepted: np.ndarray) -> None:
-        """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed.
-        Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance model, the
-        requests' and their problems' recent outcomes, and the requests' accepted tokens per step."""
-        self.observe_step_no += 1
-        trials = _observe_kernel(
-            slots=np.asarray(slots),
-            accepted=np.asarray(accepted),
-            policy=self.kernel_state(),
-            acceptance=self.acceptance.kernel_state(),
-            step=self.observe_step_no,
-        )
-        if trials:
-            self.acceptance.added(trials)
+        """Verification outcomes of the last `truncate`'s drafts: slots[i]'s first accepted[i] tokens passed
+        (`step.learn`). Drafted rows not listed (finished, preempted) teach nothing. Updates the acceptance
+        model, the requests' and their problems' recent outcomes, and the requests' accepted tokens per
+        step."""
+        learn(self.tables(0), np.asarray(slots, np.int64), np.asarray(accepted, np.int64))
 
     def observe_step(self, active: int, tokens: int, seconds: float) -> None:
         """Feeds one measured verification step into the cost model."""

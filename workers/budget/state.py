@@ -47,7 +47,8 @@ class LengthState(NamedTuple):
 
 
 class PolicyBuffers(NamedTuple):
-    """Per-row outputs and scratch of a step's policy kernels (`BudgetPolicy.step_buffers`)."""
+    """Per-row outputs and scratch of a step's policy kernels (`BudgetPolicy.step_buffers`): one row per
+    running request, then one per queued request (tail candidates: weights and scratch only)."""
 
     weights: F1  # [rows] critical weights
     value: F1  # [rows] seconds one accepted token saves
@@ -79,6 +80,7 @@ class PolicyState(NamedTuple):
     problem_outcomes: F2  # [problems + 1, 3] recent (accepted, predicted, tried) per problem row
     problem_stamp: I1  # [problems + 1] the observe step that last decayed the row
     token_outcomes: F2  # [TOKEN_BUCKETS, 3] recent (accepted, predicted, tried) by token bucket
+    observed: I1  # [1]: steps whose verification was learned from (`step.learn`): the problems' decay clock
     n_bins: INT  # BudgetPolicy.BINS
     max_tokens: INT  # K
     request_decay: FLOAT

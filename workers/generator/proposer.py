@@ -51,6 +51,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise, repeat
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from history_store.automaton.bundles import draft_params
+from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.indexed_history import follow, load_index
@@ -165,11 +167,20 @@ def _natural_end(live: _Live, tokens: np.ndarray) -> int | None:
 class DasProposer:
     """vLLM `custom_class` proposer: per-problem history drafts with a length-aware budget."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        settings: ProposerSettings | None = None,
+        draft_config: DraftConfig | None = None,
+        publish: bool = True,
+    ) -> None:
+        """vLLM builds it from its config alone; the settings then come from `DAS_*` variables. Callers
+        outside vLLM (the replay, benchmarks) may pass `settings`, a `draft_config` that replaces the one the
+        settings give, and `publish=False` to keep the counts from Prometheus."""
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.settings = ProposerSettings.from_env()
+        self.settings = settings or ProposerSettings.from_env()
         # With tensor parallelism every rank builds a proposer, but vLLM's executor takes drafts only from the
         # first rank of the last pipeline stage and sends them to every rank with the next schedule; the other
         # ranks neither draft nor load the history (asynchronous scheduling, which would use local drafts, is
@@ -178,7 +189,7 @@ class DasProposer:
         # `pause_drafting`: the engine keeps its speculative path but gets no drafts (the cost of that path
         # alone, for benchmarks).
         self.paused = False
-        self.draft_config = self.settings.drafting(self.k)
+        self.draft_config = draft_config or self.settings.drafting(self.k)
         self.index = ProblemIndex(
             window_epochs=self.settings.window_epochs,
             config=self.draft_config,
@@ -206,10 +217,19 @@ class DasProposer:
         self._loaded_tokens = 0
         self._load_seconds = 0.0
         self._load_seconds_max = 0.0
+        # What the submitter says it has outstanding here (`set_outstanding`): per problem, requests submitted
+        # and not finished, and their max_tokens. Those not running are queued: the budget's tail candidates,
+        # each held in a slot of its own (`_queue_slots`, started in the policy, never in the index).
+        self._outstanding: dict[str, int] = {}
+        self._outstanding_cap: int | None = None
+        self._running_of: Counter[str] = Counter()
+        self._queue_slots: dict[str, list[int]] = {}
+        self._queued = np.zeros(0, np.int64)
+        self._queue_stale = False
         if self.drafting:  # the other tensor-parallel ranks never draft: nothing to compile there
             self._new_step_state(publish=False)
             self._warm_up()
-        self._new_step_state(publish=True)
+        self._new_step_state(publish=publish)
 
     def _new_step_state(self, publish: bool) -> None:
         """Fresh budget policy, bookkeeping and counters; `publish`: whether the counts reach Prometheus."""
@@ -243,14 +263,21 @@ class DasProposer:
         self._finish(key)
 
     @classmethod
-    def standalone(cls, k: int, max_model_len: int) -> DasProposer:
-        """A proposer outside vLLM (benchmarks, tests): the same object the engine builds from its config."""
-        return cls(
-            SimpleNamespace(
-                speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                model_config=SimpleNamespace(max_model_len=max_model_len),
-            )
+    def standalone(
+        cls,
+        k: int,
+        max_model_len: int,
+        settings: ProposerSettings | None = None,
+        draft_config: DraftConfig | None = None,
+        publish: bool = True,
+    ) -> DasProposer:
+        """A proposer outside vLLM (the replay, benchmarks, tests): the same object the engine builds from its
+        config (the other arguments as `__init__`'s)."""
+        config = SimpleNamespace(
+            speculative_config=SimpleNamespace(num_speculative_tokens=k),
+            model_config=SimpleNamespace(max_model_len=max_model_len),
         )
+        return cls(config, settings=settings, draft_config=draft_config, publish=publish)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
@@ -450,10 +477,30 @@ class DasProposer:
 
         Never raises: an unexpected error is logged and counted, and that step drafts nothing.
         """
+        n = len(req_ids)
+        # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
+        width = token_ids.shape[1]
+        if self._row_base.shape[0] < n or self._row_width != width:
+            self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
+            self._row_width = width
+        src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
+        return self.step_flat(req_ids, num_tokens, src, self._row_base[:n], requests)
+
+    def step_flat(
+        self,
+        req_ids: Sequence[str],
+        num_tokens: np.ndarray,
+        src: np.ndarray,
+        bases: np.ndarray,
+        requests: Mapping[str, Any],
+    ) -> list[list[int]]:
+        """`step` for tokens held in one flat int32 buffer: row i's prompt and output are
+        src[bases[i] : bases[i] + num_tokens[i]] (bases int64, one per row). The replay keeps every request's
+        tokens so and runs the engine's step on them."""
         started = self.clock()
         n = len(req_ids)
         try:
-            drafts = self._step(req_ids, num_tokens, token_ids, requests, started)
+            drafts = self._step(req_ids, num_tokens, src, bases, requests, started)
         except Exception:
             # The engine must survive whatever a request or the history holds; the error is logged and counted
             # (tests assert none happen) and this step simply drafts nothing.
@@ -472,16 +519,16 @@ class DasProposer:
         self,
         req_ids: Sequence[str],
         num_tokens: np.ndarray,
-        token_ids: np.ndarray,
+        src: np.ndarray,
+        bases: np.ndarray,
         requests: Mapping[str, Any],
         started: float,
     ) -> list[list[int]]:
-        n = len(req_ids)
         self._reap(requests)
         if req_ids == self._rows_seen:  # the last step's rows, and no request started or finished since
             slots, joined = self._rows_slots, False
         else:
-            slots, joined = self._slots_of_rows(req_ids, requests, token_ids)
+            slots, joined = self._slots_of_rows(req_ids, requests, src, bases)
         if (
             type(num_tokens) is not np.ndarray
             or num_tokens.dtype != np.int32
@@ -491,14 +538,10 @@ class DasProposer:
             num_tokens = np.ascontiguousarray(num_tokens, np.int32)
         if self._replica is not None and started >= self._next_catch_up:
             self.catch_up()
-        # Row i's tokens start at i * width in the flattened matrix (a view: vLLM's matrix is contiguous).
-        width = token_ids.shape[1]
-        if self._row_base.shape[0] < n or self._row_width != width:
-            self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
-            self._row_width = width
-        src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
-        total = self._native_step(slots, num_tokens, joined, started, src)
-        self._last_rows = n
+        if self._queue_stale:
+            self._requeue()
+        total = self._native_step(slots, num_tokens, joined, started, src, bases)
+        self._last_rows = len(req_ids)
         self._step_no += 1
         # A fresh list per row (vLLM's scheduler may extend a draft in place), sliced from the packed tokens.
         packed, bounds = self._reply
@@ -506,7 +549,7 @@ class DasProposer:
         return [tokens[start:end] for start, end in pairwise(b)]
 
     def _slots_of_rows(
-        self, req_ids: Sequence[str], requests: Mapping[str, Any], token_ids: np.ndarray
+        self, req_ids: Sequence[str], requests: Mapping[str, Any], src: np.ndarray, bases: np.ndarray
     ) -> tuple[np.ndarray, bool]:
         """Each row's slot, registering the requests that joined; and whether any did. Kept for the next
         step with a copy of the rows (vLLM rewrites its list of request ids in place)."""
@@ -518,18 +561,59 @@ class DasProposer:
             slots = np.fromiter(map(slot_of.get, req_ids, repeat(-1, n)), np.int64, n)
             for i in np.flatnonzero(slots < 0).tolist():
                 key = req_ids[i]
-                slots[i] = self._start(key, requests[key], token_ids[i])
+                slots[i] = self._start(key, requests[key], src, int(bases[i]))
             joined = True
         self._rows_seen, self._rows_slots = list(req_ids), slots
         return slots, joined
 
+    # ------------------------------------------------------------------ the queue
+    def set_outstanding(self, problems: Mapping[str, int], max_tokens: int | None = None) -> None:
+        """What the submitter has outstanding on this engine: per problem id, requests submitted and not
+        finished (`das rollout` from its pending requests, verl's DAS manager from what it routed here), and
+        the max_tokens they were submitted with. Those not running yet are queued: the budget counts them as
+        tail candidates (`workers.budget.step.plan`), as the replay always has. Replaces the last call's;
+        an empty mapping means no queue.
+
+        Raises:
+            ValueError: a count is negative, or a problem id is not a non-empty str.
+        """
+        for problem_id, count in problems.items():
+            if not isinstance(problem_id, str) or not problem_id or isinstance(count, bool) or count < 0:
+                raise ValueError(f"outstanding requests need a problem id and a count >= 0: {problem_id!r}")
+        outstanding = {p: int(c) for p, c in problems.items() if c}
+        if outstanding != self._outstanding or max_tokens != self._outstanding_cap:
+            self._outstanding, self._outstanding_cap = outstanding, max_tokens
+            self._queue_stale = True
+
+    def _requeue(self) -> None:
+        """The queued requests' slots from the outstanding counts and the running requests: per problem, one
+        slot per request submitted and not yet running, in problem order (the budget's sums run in it)."""
+        self._queue_stale = False
+        cap = self.max_model_len if self._outstanding_cap is None else self._outstanding_cap
+        rows = self.index.request_rows
+        for problem_id in self._queue_slots.keys() | self._outstanding.keys():
+            held = self._queue_slots.setdefault(problem_id, [])
+            want = max(self._outstanding.get(problem_id, 0) - self._running_of[problem_id], 0)
+            while len(held) > want:
+                rows.release(held.pop())
+            while len(held) < want:
+                held.append(rows.take())
+            for slot in held:  # as a request that has not started: no speed, not outlived, the cap
+                self.policy.start(slot, problem_id, cap)
+            if not held:
+                del self._queue_slots[problem_id]
+        self._queued = np.fromiter(
+            (slot for p in sorted(self._queue_slots) for slot in self._queue_slots[p]), np.int64
+        )
+
     def _tables(self, n: int) -> StepTables:
         """The step kernels' tables for a batch of n rows, packed again only when they are stale: the batch
-        size changed, or an array they hold was replaced, which only growth does (of the request slots, the
-        problem rows or the arena: each counts its growths). Starting and finishing
+        size or the queue's length changed, or an array they hold was replaced, which only growth does (of the
+        request slots, the problem rows or the arena: each counts its growths). Starting and finishing
         requests, adding and evicting history change the arrays' contents, never the arrays."""
         key = (
             n,
+            self._queued.shape[0],
             self.index.request_rows.version,
             self.policy.lengths.problem_rows.version,
             self.index.forest.generation,
@@ -543,7 +627,8 @@ class DasProposer:
         """`pack_tables`' groups for n rows (the per-batch buffers, reused while n stays, included)."""
         policy, index = self.policy, self.index
         _, outputs = index.step_buffers(n)
-        self._buffers = policy.step_buffers(n)
+        budget = policy.tables(n + self._queued.shape[0])
+        self._buffers = budget.buffers
         if self._reply.bounds.shape[0] != n + 1:
             self._reply = Reply(tokens=np.zeros(n * self.k, np.int32), bounds=np.zeros(n + 1, np.int64))
         return StepGroups(
@@ -553,18 +638,20 @@ class DasProposer:
             params=draft_params(self.draft_config),
             draft_threads=index.draft_threads,
             book=self._book.kernel_state(n),
-            policy=policy.kernel_state(),
-            buffers=self._buffers,
+            budget=budget,
             reply=self._reply,
-            lengths=policy.lengths.kernel_state(),
-            acceptance=policy.acceptance.kernel_state(),
-            cost=policy.cost.kernel_state(),
             k=self.k,
             max_model_len=self.max_model_len,
         )
 
     def _native_step(
-        self, slots: np.ndarray, num_tokens: np.ndarray, joined: bool, now: float, src: np.ndarray
+        self,
+        slots: np.ndarray,
+        num_tokens: np.ndarray,
+        joined: bool,
+        now: float,
+        src: np.ndarray,
+        bases: np.ndarray,
     ) -> int:
         """The step's native work, in one call unless the index must grow mid-step: what the verification of
         the previous step's drafts teaches the budget (the tokens each verified row accepted, and the step's
@@ -575,14 +662,13 @@ class DasProposer:
         n = slots.shape[0]
         policy, budget_on = self.policy, self.settings.budget
         tables = self._tables(n)
-        bases = self._row_base[:n]
+        queued = self._queued
         verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
         m, clean, status, row, promoted, tokens = decode_step(
             tables,
             slots,
             num_tokens,
             self._step_no,
-            policy.observe_step_no + 1,
             joined,
             verify_seconds,
             self._last_rows,
@@ -590,9 +676,8 @@ class DasProposer:
             budget_on,
             bases,
             src,
+            queued,
         )
-        if m:
-            policy.observe_step_no += 1
         self._verify_seconds = verify_seconds if clean else None
         while True:
             if promoted:
@@ -601,14 +686,14 @@ class DasProposer:
                 break
             self.index.make_room(status, slots, row, self._book.per_row(n)[END])  # growth: tables repacked
             status, row, promoted, tokens = draft_step(
-                self._tables(n), budget_on, True, row, slots, bases, src, self._step_no
+                self._tables(n), budget_on, True, row, slots, bases, src, self._step_no, queued
             )
         self._last_tokens = tokens
         buffers = self._buffers
-        policy.drafted(slots, buffers.value, buffers.classes, buffers.predicted)
+        policy.drafted(slots, buffers.value[:n], buffers.classes[:n], buffers.predicted[:n])
         return tokens
 
-    def _start(self, key: str, request: Any, row_tokens: np.ndarray) -> int:
+    def _start(self, key: str, request: Any, src: np.ndarray, base: int) -> int:
         sampling = request.sampling_params
         problem_id, epoch, sample, problem = parse_extra_args(getattr(sampling, "extra_args", None))
         if problem is not None:
@@ -621,7 +706,7 @@ class DasProposer:
         if problem_id is not None:
             # Its history tree, built from the replica now if no prefetch did (a lazy load's first request).
             self._make_resident(problem_id)
-        slot = self.index.start_request(key, problem_id, row_tokens[:prompt_len], expected)
+        slot = self.index.start_request(key, problem_id, src[base : base + prompt_len], expected)
         self.policy.start(slot, problem_id, expected - prompt_len)
         self._live[key] = _Live(
             slot,
@@ -642,12 +727,18 @@ class DasProposer:
         self._slot_of[key] = slot
         self._rows_seen = None
         self._book.start(slot, prompt_len)
+        if problem_id is not None:
+            self._running_of[problem_id] += 1
+            self._queue_stale = self._queue_stale or problem_id in self._outstanding
         return slot
 
     def _finish(self, key: str) -> None:
         live = self._live.pop(key)
         del self._slot_of[key]
         self._rows_seen = None
+        if live.problem_id is not None:
+            self._running_of[live.problem_id] -= 1
+            self._queue_stale = self._queue_stale or live.problem_id in self._queue_slots
         tokens = self.index.request_tokens(key)
         response_len = (
             _natural_end(live, tokens) if live.problem_id is not None and not live.resumed else None
@@ -707,6 +798,10 @@ class DasWorkerExtension:
     def das_add_trajectories(self, records: list[dict[str, Any]]) -> int:
         """Adds finished trajectories to the proposer's history; returns how many were new."""
         return self._das().add_trajectories(records)
+
+    def das_outstanding(self, problems: dict[str, int], max_tokens: int | None = None) -> None:
+        """The submitter's outstanding requests here, per problem (`DasProposer.set_outstanding`)."""
+        self._das().set_outstanding(problems, max_tokens)
 
     def das_prefetch(self, problem_ids: list[str]) -> int:
         """Builds the history trees of problems about to be requested (`DasProposer.prefetch`)."""

@@ -1,18 +1,19 @@
 """The proposer's decode step in one native call (`decode_step`; `draft_step` again only when the index had
 to grow mid-step).
 
-`before_draft` works out what the previous step's verification did (`step_book._prepare`) and teaches the
-budget policy (`acceptance._observe_kernel`, the acceptance model's Newton step, `cost._cost_observe`);
-`draft_step` asks the policy for budgets (`policy._budgets_kernel`), commits every row's new
-tokens and drafts (`kernels.step_rows`), applies the pay-off rule (`acceptance._truncate_kernel`) and counts the
-drafts (`step_book._record`). They compose the same kernels the replay and the per-part APIs call one by one,
-so the engine runs exactly the replay's policy.
+`before_draft` works out what the previous step's verification did (`step_book.prepare`) and hands it to the
+budget (`workers.budget.step.learn`, and `price` for a clean step's measured time); `draft_step` asks the budget
+for each row's budget (`plan`), commits every row's new tokens and drafts (`kernels.step_rows`), applies the
+pay-off rule (`cut`) and counts the drafts (`step_book.record`). The budget's four kernels are its public step:
+this is the one place they are composed, and the replay runs this step too (`workers.bench.replay` drives the
+proposer), so the engine runs exactly the replay's policy.
 
 Both take the step's tables as one `StepTables` value: numba unboxes every argument of every call (about
-100 ns an array), so passing some sixty arrays cost more than a batch of one's whole drafting. The proposer
-packs them once and packs again only after something outside these kernels replaced an array (a request
-joined or finished, the history changed, the index grew, the batch size changed). `DirectCall` then skips
-numba's typing of the tables on each call (2.8 µs; 1.6-2.1 µs of an 18-20 µs step at batch 1, measured).
+100 ns an array), so passing the 91 arrays of `StepGroups` cost more than a batch of one's whole drafting.
+The proposer packs them once and packs again only after something outside these kernels replaced an array (a
+request joined or finished, the history changed, the index grew, the batch size or the queue changed).
+`DirectCall` then skips numba's typing of the tables on each call (2.8 µs; 1.6-2.1 µs of an 18-20 µs step at
+batch 1, measured), so `pack_tables` checks every array's dtype, rank and layout against `StepGroups` instead.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ from numba.experimental import structref
 
 from history_store.automaton import kernels as K
 from history_store.automaton.bundles import StepRows, members
-from workers.budget.acceptance import _acceptance_added, _observe_kernel, _truncate_kernel
-from workers.budget.cost import _cost_observe
-from workers.budget.policy import MEDIUM, _budgets_kernel
 from workers.budget.state import Drafted
-from workers.generator.step_book import END, HEADROOM, OUTPUT, _prepare, _record
+from workers.budget.step import MEDIUM, cut, learn, plan, price
+from workers.generator.step_book import END, HEADROOM, OUTPUT, prepare, record
 from workers.generator.step_tables import StepGroups
 
 
@@ -41,7 +40,7 @@ class _StepTablesType(types.StructRef):
 
 class StepTables(structref.StructRefProxy):
     """Every array and setting the two step kernels read or update, as one native value (`pack_tables`): one
-    pointer to unbox per call instead of some ninety arrays."""
+    pointer to unbox per call instead of 91 arrays."""
 
 
 structref.define_boxing(_StepTablesType, StepTables)
@@ -49,35 +48,61 @@ structref.define_boxing(_StepTablesType, StepTables)
 _STEP_TABLES = _StepTablesType(members(StepGroups))
 
 
-@njit(cache=True)
-def pack_tables(groups):
-    """One StepTables from a StepGroups (arrays are shared, not copied)."""
-    t = structref.new(_STEP_TABLES)
-    t.arena = groups.arena
-    t.slot_table = groups.slot_table
-    t.outputs = groups.outputs
-    t.params = groups.params
-    t.draft_threads = groups.draft_threads
-    t.book = groups.book
-    t.policy = groups.policy
-    t.buffers = groups.buffers
-    t.reply = groups.reply
-    t.lengths = groups.lengths
-    t.acceptance = groups.acceptance
-    t.cost = groups.cost
-    t.k = groups.k
-    t.max_model_len = groups.max_model_len
-    return t
+def _packer_source() -> Any:
+    """`_pack`: one StepTables from a StepGroups, an assignment per StepGroups field, generated so that the
+    fields are named once. Compiled against this file's name, which numba's disk cache keys by."""
+    lines = ["def _pack(groups):", "    t = structref.new(_STEP_TABLES)"]
+    lines += [f"    t.{name} = groups.{name}" for name in StepGroups._fields]
+    lines.append("    return t")
+    namespace = {"structref": structref, "_STEP_TABLES": _STEP_TABLES}
+    exec(compile("\n".join(lines), __file__, "exec"), namespace)
+    return namespace["_pack"]
+
+
+_pack = njit(cache=True)(_packer_source())
+
+
+def pack_tables(groups: StepGroups) -> StepTables:
+    """One StepTables from a StepGroups (arrays are shared, not copied).
+
+    Raises:
+        TypeError: an array's dtype, rank or layout is not the one `StepGroups` declares (the step's calls
+            skip numba's checks, so a wrong array would otherwise be undefined behaviour).
+    """
+    check_arrays(groups, StepGroups.__name__)
+    return _pack(groups)
+
+
+def check_arrays(bundle: tuple, where: str) -> None:
+    """Raises TypeError naming the first member array of `bundle` (nested bundles too) whose dtype, rank or
+    C-contiguity differs from the numba type its class declares."""
+    for (name, expected), value in zip(members(type(bundle)), bundle, strict=True):
+        if isinstance(expected, types.Array):
+            dtype = np.dtype(str(expected.dtype)) if expected.dtype != types.boolean else np.dtype(bool)
+            if (
+                not isinstance(value, np.ndarray)
+                or value.dtype != dtype
+                or value.ndim != expected.ndim
+                or (expected.layout == "C" and not value.flags.c_contiguous)
+            ):
+                got = (
+                    f"{value.dtype}[{value.ndim}d, contiguous={value.flags.c_contiguous}]"
+                    if isinstance(value, np.ndarray)
+                    else type(value).__name__
+                )
+                raise TypeError(f"{where}.{name} must be a C-contiguous {expected}, got {got}")
+        elif isinstance(value, tuple) and hasattr(value, "_fields"):
+            check_arrays(value, f"{where}.{name}")
 
 
 @njit(cache=True, inline="always")
-def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seconds, last_rows, last_tokens):
-    """Per-row END/NEW/HEADROOM/OUTPUT into per_row, the verified rows' acceptance into the policy, and the
-    previous step's time into the cost model when it was a clean decode step (no request joined, every row
-    committed, something was verified). Returns (verified rows, clean)."""
-    book, policy, acceptance = t.book, t.policy, t.acceptance
+def before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows, last_tokens):
+    """Per-row END/NEW/HEADROOM/OUTPUT into per_row, the verified rows' acceptance into the budget (`learn`),
+    and the previous step's time into its cost model (`price`) when it was a clean decode step (no request
+    joined, every row committed, something was verified). Returns (verified rows, clean)."""
+    book = t.book
     have = K.committed(t.arena.seqs, t.slot_table, slots)
-    m, every_row_new = _prepare(
+    m, every_row_new = prepare(
         slots=slots,
         num_tokens=num_tokens,
         have=have,
@@ -86,45 +111,29 @@ def before_draft(t, slots, num_tokens, step_no, policy_step, joined, verify_seco
         max_model_len=t.max_model_len,
         book=book,
     )
-    if m:
-        trials = _observe_kernel(
-            slots=book.rows[:m],
-            accepted=book.accepted[:m],
-            policy=policy,
-            acceptance=acceptance,
-            step=policy_step,
-        )
-        if trials:
-            _acceptance_added(acceptance, trials)
+    learn(t.budget, book.rows[:m], book.accepted[:m])
     clean = not joined and every_row_new and last_rows > 0 and verify_seconds > 0.0
     if clean:
-        _cost_observe(t.cost, last_rows, last_rows + last_tokens, verify_seconds)
+        price(t.budget, last_rows, last_rows + last_tokens, verify_seconds)
     return m, clean
 
 
 @njit(cache=True, inline="always")
-def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
-    """Budgets (unless `resume`), commit and draft from `row` on, truncation and counting. Returns (status,
-    row reached, rows promoted to the tail, draft tokens): a status other than K.DONE means the index must
-    make room for that row and the caller packs the tables again and calls with resume=True from it. The
-    kept draft tokens are packed in t.reply."""
+def draft_step(t, budget_on, resume, row, slots, bases, src, step_no, queued):
+    """Budgets (unless `resume`), commit and draft from `row` on, the pay-off rule and counting. Returns
+    (status, row reached, rows promoted to the tail, draft tokens): a status other than K.DONE means the index
+    must make room for that row and the caller packs the tables again and calls with resume=True from it.
+    `queued`: slots of requests waiting for the engine (tail candidates, `plan`). The kept draft tokens are
+    packed in t.reply."""
     promoted = 0
-    per_row, buffers, policy = t.book.per_row[:, : slots.shape[0]], t.buffers, t.policy
+    n = slots.shape[0]
+    per_row, buffers = t.book.per_row[:, :n], t.budget.buffers
     budgets, classes = buffers.budgets, buffers.classes
     if not resume:
         if budget_on:
-            promoted = _budgets_kernel(
-                slots=slots,
-                output_lens=per_row[OUTPUT],
-                headroom=per_row[HEADROOM],
-                policy=policy,
-                lengths=t.lengths,
-                coefficients=t.cost.coefficients,
-                buffers=buffers,
-                running=slots.shape[0],  # the engine's waiting queue is not visible here
-            )
+            promoted = plan(t.budget, slots, per_row[OUTPUT], per_row[HEADROOM], queued)
         else:
-            for i in range(slots.shape[0]):
+            for i in range(n):
                 budgets[i] = per_row[HEADROOM, i]
                 classes[i] = MEDIUM
     out = t.outputs
@@ -145,11 +154,11 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no):
             sources=sources,
             agreement=info[:, K.I_AGREE : K.I_AGREE + K.N_CANDIDATES - 1],
         )
-        _truncate_kernel(drafted, slots, policy, t.acceptance, t.cost.coefficients[2], buffers)
+        cut(t.budget, drafted, slots)
         lengths = buffers.kept
     else:
         lengths = info[:, K.I_LEN]
-    tokens = _record(slots, lengths, classes, sources, budgets, step_no, t.book)
+    tokens = record(slots, lengths, classes, sources, budgets, step_no, t.book)
     _pack_reply(out.tok, lengths, t.reply)
     return status, row, promoted, tokens
 
@@ -176,7 +185,6 @@ def decode_step(
     slots,
     num_tokens,
     step_no,
-    policy_step,
     joined,
     verify_seconds,
     last_rows,
@@ -184,14 +192,13 @@ def decode_step(
     budget_on,
     bases,
     src,
+    queued,
 ):
     """`before_draft`, then `draft_step` from the first row: the whole step in one call when the index has
     room. Returns before_draft's (verified rows, clean), then draft_step's (status, row reached, rows promoted,
     draft tokens)."""
-    m, clean = before_draft(
-        t, slots, num_tokens, step_no, policy_step, joined, verify_seconds, last_rows, last_tokens
-    )
-    status, row, promoted, tokens = draft_step(t, budget_on, False, 0, slots, bases, src, step_no)
+    m, clean = before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows, last_tokens)
+    status, row, promoted, tokens = draft_step(t, budget_on, False, 0, slots, bases, src, step_no, queued)
     return m, clean, status, row, promoted, tokens
 
 
@@ -200,11 +207,11 @@ class DirectCall:
     instead of the dispatcher while the tables keep the type it last compiled for.
 
     The dispatcher types every argument on every call to pick its overload; for a StepTables value that
-    costs 2.8 µs (numba types its eighty fields each time), about a tenth of the whole step at batch 1. numba
+    costs 2.8 µs (numba types its 91 arrays each time), about a tenth of the whole step at batch 1. numba
     interns types, so "the same tables type" is one identity test. The entry point unboxes by its signature
-    without checking, so the caller must keep every other argument's type: the proposer builds each array it
-    passes with a fixed dtype, rank and layout, and normalizes vLLM's token counts on entry (checking the
-    arrays here cost as much as it saved). Any other tables type goes through the dispatcher, which types
+    without checking: `pack_tables` checks the tables' arrays once per packing, and the caller must keep every
+    other argument's type (the proposer builds each array it passes with a fixed dtype, rank and layout, and
+    normalizes vLLM's token counts on entry; checking them on every call cost as much as it saved). Any other tables type goes through the dispatcher, which types
     it, compiles if needed and becomes the new fast path.
     """
 

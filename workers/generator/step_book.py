@@ -1,9 +1,9 @@
 """The proposer's per-step bookkeeping, two kernels over a table indexed by the index's request slots (the
 proposer's step calls them from `workers.generator.step`).
 
-`_prepare` works out each row's committed tokens, draft headroom and output length, and finds the rows whose
+`prepare` works out each row's committed tokens, draft headroom and output length, and finds the rows whose
 previous-step draft was just verified and how many of its tokens were accepted (a row commits accepted + 1
-tokens); `_record` remembers this step's drafts for the next step. Both
+tokens); `record` remembers this step's drafts for the next step. Both
 add to running totals (drafts, tokens, per position, per source, per budget-histogram bucket and length
 class) that `stats` reads and `MetricsFlush` hands to Prometheus once a second and when the process exits.
 Nothing is counted per request, or even per step, in Python.
@@ -58,7 +58,7 @@ FLUSH_INTERVAL_S = 1.0
 
 
 @njit(cache=True, inline="always")
-def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
+def prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
     """Per row: tokens after this step (END), committed now (NEW), draft headroom (HEADROOM: none for a row
     that committed nothing, a partial prefill), output length (OUTPUT) into book.per_row; and the verified
     previous drafts into book.rows and book.accepted. Returns (verified rows, whether every row committed
@@ -91,8 +91,8 @@ def _prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
 
 
 @njit(cache=True, inline="always")
-def _record(slots, lengths, classes, sources, budgets, step_no, book):
-    """Remembers each row's draft (lengths[i] tokens from source sources[i]) for the next step's `_prepare`
+def record(slots, lengths, classes, sources, budgets, step_no, book):
+    """Remembers each row's draft (lengths[i] tokens from source sources[i]) for the next step's `prepare`
     and adds it to the book's running totals. Returns the step's draft tokens."""
     bounds, drafted_at, length = book.bounds, book.drafted_at, book.length
     drafted_by_position = book.drafted_by_position
@@ -159,7 +159,7 @@ class StepBook:
         return gather(BookState, self, per_row=self._per_row)
 
     def per_row(self, n: int) -> np.ndarray:
-        """The reused int64 [4, n] table `_prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
+        """The reused int64 [4, n] table `prepare` fills (END, NEW, HEADROOM, OUTPUT per row)."""
         if self._per_row.shape[1] < n:
             self._per_row = np.zeros((4, 2 * n), np.int64)
         if self._per_row_view.shape[1] != n:

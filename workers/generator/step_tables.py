@@ -16,7 +16,7 @@ from history_store.automaton.bundles import (
     Forest,
     numba_type,
 )
-from workers.budget.state import AcceptanceState, CostState, LengthState, PolicyBuffers, PolicyState
+from workers.budget.step import BudgetTables
 
 
 class BookState(NamedTuple):
@@ -25,7 +25,7 @@ class BookState(NamedTuple):
     drafted_at: I1  # [slots] the step that last drafted for the slot
     length: I1  # [slots] tokens it drafted then
     prompt_len: I1  # [slots]
-    rows: I1  # [slots] the verified rows of this step (their slots), filled by `_prepare`
+    rows: I1  # [slots] the verified rows of this step (their slots), filled by `prepare`
     accepted: I1  # [slots] and the tokens each accepted
     accepted_by_position: I1  # [K] running totals
     drafted_by_position: I1  # [K]
@@ -54,13 +54,7 @@ class StepGroups(NamedTuple):
     params: numba_type(DraftParams)  # drafting settings (DraftConfig.params)
     draft_threads: INT  # ProblemIndex.draft_threads
     book: numba_type(BookState)  # the step book (StepBook.kernel_state)
-    policy: numba_type(
-        PolicyState
-    )  # the budget's per-request and per-problem state (BudgetPolicy.kernel_state)
-    buffers: numba_type(PolicyBuffers)  # the budget's per-batch buffers (BudgetPolicy.step_buffers)
+    budget: numba_type(BudgetTables)  # the budget's state and per-batch buffers (BudgetPolicy.tables)
     reply: numba_type(Reply)
-    lengths: numba_type(LengthState)  # the length model (LengthModel.kernel_state)
-    acceptance: numba_type(AcceptanceState)  # the acceptance model (AcceptanceModel.kernel_state)
-    cost: numba_type(CostState)  # the cost model (FittedCostModel.kernel_state)
     k: INT  # the engine's num_speculative_tokens
     max_model_len: INT
