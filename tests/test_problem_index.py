@@ -1,7 +1,9 @@
-"""The per-problem index: batched drafts equal the best single-tree draft, with the other trees' agreement on it;
-windows evict for good."""
+"""The per-problem index: batched drafts equal the best single-tree draft, with the other trees' agreement on it,
+whether the arena remembers sampling probabilities or not; windows evict for good."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -16,6 +18,15 @@ from history_store.automaton.suffix_tree import SuffixTree
 CFG = DraftConfig(max_depth=6, max_spec_tokens=5, min_token_prob=0.0)
 tokens = st.lists(st.integers(0, 4), min_size=1, max_size=15)
 trajectory = st.tuples(st.sampled_from(["p", "q"]), st.integers(0, 4), st.integers(0, 2), tokens, tokens)
+
+
+def with_logprobs(record: tuple, remembered: bool) -> tuple:
+    """The record with a log probability per response token when the index remembers them (so the arena's
+    probability columns fill), as it is otherwise: the drafts must not tell the two apart."""
+    if not remembered:
+        return record
+    response = record[4]
+    return (*record, [-0.05 * (t + 1) * (i % 3) for i, t in enumerate(response)])
 
 
 def best_single_tree_draft(candidates: list[tuple[int, list[list[int]]]], context: list[int], budget: int):
@@ -59,6 +70,7 @@ def agreement(seqs: list[list[int]], context: list[int], draft: list[int]) -> in
     return agreed
 
 
+@pytest.mark.parametrize("remembered", [False, True])
 @settings(max_examples=150, deadline=None)
 @given(
     history=st.lists(trajectory, max_size=10),
@@ -66,12 +78,14 @@ def agreement(seqs: list[list[int]], context: list[int], draft: list[int]) -> in
     steps=st.lists(st.lists(st.integers(0, 4), max_size=3), max_size=5),
     budget=st.integers(0, 5),
 )
-def test_batched_drafts_equal_the_best_single_tree_draft(history, requests, steps, budget):
-    index = ProblemIndex(window_epochs=2, config=CFG)
+def test_batched_drafts_equal_the_best_single_tree_draft(remembered, history, requests, steps, budget):
+    # The reference trees never remember probabilities: an index that does drafts the same.
+    index = ProblemIndex(window_epochs=2, config=dataclasses.replace(CFG, remembered_probs=remembered))
     kept: dict[tuple[str, int, int], list[int]] = {}
     newest: dict[str, int] = {}
-    for pid, epoch, sample, prompt, response in history:
-        if index.add_trajectory(pid, epoch, sample, prompt, response):
+    for record in history:
+        pid, epoch, sample, prompt, response = record
+        if index.add_trajectory(*with_logprobs(record, remembered)):
             kept[(pid, epoch, sample)] = prompt[-CFG.max_depth :] + response
             newest[pid] = max(newest.get(pid, -1), epoch)
     kept = {k: v for k, v in kept.items() if k[1] >= newest[k[0]] - 1}
@@ -146,11 +160,17 @@ def test_requests_without_a_problem_draft_from_their_own_context():
         index.draft_batch(["r"], [3])
 
 
+@pytest.mark.parametrize("remembered", [False, True])
 @settings(max_examples=60, deadline=None)
 @given(history=st.lists(trajectory, max_size=12), context=tokens)
-def test_bulk_loading_drafts_like_adding_one_by_one(history, context):
-    ordered = sorted(history, key=lambda r: r[1])  # a store replays in apply order: epochs ascend
-    one_by_one, bulk = ProblemIndex(window_epochs=2, config=CFG), ProblemIndex(window_epochs=2, config=CFG)
+def test_bulk_loading_drafts_like_adding_one_by_one(remembered, history, context):
+    # a store replays in apply order: epochs ascend
+    ordered = [with_logprobs(r, remembered) for r in sorted(history, key=lambda r: r[1])]
+    config = dataclasses.replace(CFG, remembered_probs=remembered)
+    one_by_one, bulk = (
+        ProblemIndex(window_epochs=2, config=config),
+        ProblemIndex(window_epochs=2, config=config),
+    )
     added = sum(one_by_one.add_trajectory(*r) for r in ordered)
     assert bulk.add_trajectories(ordered) == added
     one_by_one.forest.check_arena()

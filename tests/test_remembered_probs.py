@@ -1,6 +1,7 @@
 """History that remembers how sure the model was: each automaton state sums the sampling probabilities of its
 end positions (PSUM over PKNOWN), exactly, through insertion, clones, eviction and serialization; drafts stay
-those of the counts, and the remembered mean travels beside them to the budget."""
+those of the counts, and the remembered mean travels beside them to the budget. Only an arena that remembers
+them pays for them: without, it holds what it held before the feature."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 from history_store.automaton import kernels as K
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.automaton.suffix_tree import SuffixTree, as_levels
+from history_store.automaton.suffix_tree import SuffixForest, SuffixTree, as_levels
+
+REMEMBERED = DraftConfig(remembered_probs=True)
 
 
 def _state_of(tree: SuffixTree, string: list[int]) -> int:
@@ -60,7 +63,7 @@ def _random_seqs(rng: np.random.Generator, n: int) -> dict[int, tuple[list[int],
 def test_sums_match_brute_force_through_growth_and_eviction(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seqs = _random_seqs(rng, 12)
-    tree = SuffixTree()
+    tree = SuffixTree(REMEMBERED)
     for seq_id, (tokens, levels) in seqs.items():
         half = len(tokens) // 2  # appended in two pieces, as live sequences grow
         tree.extend(seq_id, tokens[:half], levels[:half])
@@ -76,10 +79,10 @@ def test_sums_match_brute_force_through_growth_and_eviction(seed: int) -> None:
 def test_serialization_keeps_levels_and_reads_version_1() -> None:
     rng = np.random.default_rng(7)
     seqs = _random_seqs(rng, 5)
-    tree = SuffixTree()
+    tree = SuffixTree(REMEMBERED)
     for seq_id, (tokens, levels) in seqs.items():
         tree.extend(seq_id, tokens, levels if seq_id % 2 else None)  # some sequences without probabilities
-    loaded = SuffixTree.from_bytes(tree.to_bytes())
+    loaded = SuffixTree.from_bytes(tree.to_bytes(), REMEMBERED)
     for seq_id in seqs:
         q, p = tree.seq_row(seq_id), loaded.seq_row(seq_id)
         assert np.array_equal(tree.forest.seq_levels(q), loaded.forest.seq_levels(p))
@@ -91,6 +94,67 @@ def test_serialization_keeps_levels_and_reads_version_1() -> None:
     assert not old.forest.seq_levels(old.seq_row(9)).any()
     with pytest.raises(ValueError, match="truncated"):
         SuffixTree.from_bytes(tree.to_bytes()[:-1])
+
+
+def test_either_arena_reads_the_others_serialized_trees_and_drafts_the_same() -> None:
+    """A version-2 buffer with levels loads into an arena that keeps none (they are dropped), and one written
+    without them loads into an arena that keeps them (all unknown); the drafts never differ."""
+    rng = np.random.default_rng(11)
+    seqs = _random_seqs(rng, 6)
+    remembering, plain = SuffixTree(REMEMBERED), SuffixTree()
+    for seq_id, (tokens, levels) in seqs.items():
+        remembering.extend(seq_id, tokens, levels)
+        plain.extend(seq_id, tokens, levels)  # validated, then dropped
+    assert not plain.forest.seq_levels(plain.seq_row(0)).any()
+    dropped = SuffixTree.from_bytes(remembering.to_bytes())
+    assert dropped.to_bytes() == plain.to_bytes()
+    unknown = SuffixTree.from_bytes(plain.to_bytes(), REMEMBERED)
+    _check_sums(unknown, {k: (t, np.zeros(len(t), np.uint8)) for k, (t, _) in seqs.items()})
+    for tokens, _ in seqs.values():
+        for cut in range(len(tokens)):
+            drafts = [t.speculate(tokens[:cut]) for t in (remembering, plain, dropped, unknown)]
+            assert len({(d.tokens.tobytes(), d.probs.tobytes(), d.support.tobytes()) for d in drafts}) == 1
+
+
+def test_memory_follows_the_feature() -> None:
+    """Off (the default), an arena's state rows end before PSUM and its token pool has no levels: a stored token
+    costs what the automaton without the feature costs, a bound computed from the table layouts. On, exactly 4
+    bytes per probability column per state and 1 per token more."""
+    rng = np.random.default_rng(3)
+    base_columns = [name for name, _ in K.STATE_LAYOUT if name not in ("PSUM", "PKNOWN")]
+    trees = {on: SuffixTree(DraftConfig(remembered_probs=on)) for on in (False, True)}
+    for seq_id in range(8):
+        tokens = rng.integers(0, 50, 500)
+        levels = as_levels(np.log(rng.uniform(0.05, 1.0, 500)), 500)
+        for tree in trees.values():
+            tree.extend(seq_id, tokens, levels)
+    plain, remembering = trees[False], trees[True]
+    row = plain.forest.trees[plain.tid]
+    assert (row == remembering.forest.trees[remembering.tid])[
+        [K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS]
+    ].all()
+    n_states, n_edges, n_hashed, n_tokens = (
+        int(row[c]) for c in (K.T_STATES, K.T_EDGES, K.T_HASHED, K.T_TOKENS)
+    )
+    automaton = 4 * (
+        len(base_columns) * n_states + K.EDGE_FIELDS * n_edges + K.HASH_FIELDS * n_hashed + n_tokens
+    )
+    assert plain.memory_bytes / n_tokens <= automaton / n_tokens
+    assert remembering.memory_bytes == automaton + 4 * 2 * n_states + n_tokens
+    # The whole arena as allocated, not only the tree's share of it.
+    assert plain.forest.states.shape[1] == len(base_columns) and plain.forest.levels.nbytes == 0
+    assert remembering.forest.levels.shape == remembering.forest.pool.shape
+    plain.forest.check_arena()
+    remembering.forest.check_arena()
+
+
+def test_remembered_probabilities_need_an_arena_that_keeps_them() -> None:
+    with pytest.raises(ValueError, match="SuffixForest\\(remembered=True\\)"):
+        SuffixTree(REMEMBERED, SuffixForest())
+    shared = SuffixForest(remembered=True)  # a remembering arena serves trees that do not read them too
+    SuffixTree(DraftConfig(), shared).extend(0, [1, 2, 3])
+    assert ProblemIndex(config=REMEMBERED).forest.remembered
+    assert not ProblemIndex().forest.remembered
 
 
 def test_as_levels_quantises_and_rejects_what_is_not_a_log_probability() -> None:

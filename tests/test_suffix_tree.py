@@ -1,6 +1,9 @@
-"""The suffix tree drafts exactly what a brute-force scan of its sequences says, through extend and remove."""
+"""The suffix tree drafts exactly what a brute-force scan of its sequences says, through extend and remove, whether
+its arena remembers sampling probabilities or not."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -73,6 +76,21 @@ def assert_same_as_reference(tree: SuffixTree, seqs: dict[int, list[int]], conte
         assert draft.score == pytest.approx(score, rel=1e-9)
 
 
+def some_levels(tokens: list[int], remembered: bool) -> np.ndarray | None:
+    """Probability levels for a remembering tree (all kinds, unknown included), so that its probability columns
+    fill; None for the other: drafts must be the same either way."""
+    if not remembered:
+        return None
+    n = len(tokens)
+    return ((np.arange(n) * 7 + np.asarray(tokens, np.int64) * 13) % (K.PROB_LEVELS + 2)).astype(np.uint8)
+
+
+def remembering(cfg: DraftConfig, remembered: bool) -> SuffixTree:
+    """A tree on a minimal arena (it grows and rehashes all the time) that remembers probabilities or not."""
+    cfg = dataclasses.replace(cfg, remembered_probs=remembered)
+    return SuffixTree(cfg, SuffixForest(capacity_tokens=1, remembered=remembered))
+
+
 SMALL_VOCAB = st.integers(min_value=0, max_value=5)
 operation = st.one_of(
     st.tuples(st.just("extend"), st.integers(0, 4), st.lists(SMALL_VOCAB, min_size=1, max_size=12)),
@@ -90,19 +108,20 @@ config = st.builds(
 )
 
 
+@pytest.mark.parametrize("remembered", [False, True])
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(operation, max_size=25),
     contexts=st.lists(st.lists(SMALL_VOCAB, max_size=10), min_size=1, max_size=6),
     cfg=config,
 )
-def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, contexts, cfg):
+def test_speculate_equals_brute_force_after_random_extends_and_removes(remembered, ops, contexts, cfg):
     # A minimal arena grows and rehashes all the time, so growth and rehashing are checked here too.
-    tree = SuffixTree(cfg, SuffixForest(capacity_tokens=1))
+    tree = remembering(cfg, remembered)
     seqs: dict[int, list[int]] = {}
     for op, seq_id, tokens in ops:
         if op == "extend":
-            tree.extend(seq_id, tokens)
+            tree.extend(seq_id, tokens, some_levels(tokens, remembered))
             seqs.setdefault(seq_id, []).extend(tokens)
         elif seq_id in seqs:
             tree.remove(seq_id)
@@ -118,28 +137,30 @@ def test_speculate_equals_brute_force_after_random_extends_and_removes(ops, cont
 ALIASED_VOCAB = st.sampled_from([1, 32, 63, 94, 2, 33])
 
 
+@pytest.mark.parametrize("remembered", [False, True])
 @settings(max_examples=200, deadline=None)
 @given(
     seqs=st.dictionaries(st.integers(0, 4), st.lists(ALIASED_VOCAB, min_size=1, max_size=20), max_size=4),
     contexts=st.lists(st.lists(ALIASED_VOCAB, max_size=8), min_size=1, max_size=6),
     cfg=config,
 )
-def test_tokens_sharing_a_mask_bit_draft_as_the_brute_force_says(seqs, contexts, cfg):
-    tree = SuffixTree(cfg, SuffixForest(capacity_tokens=1))
+def test_tokens_sharing_a_mask_bit_draft_as_the_brute_force_says(remembered, seqs, contexts, cfg):
+    tree = remembering(cfg, remembered)
     for seq_id, tokens in seqs.items():
-        tree.extend(seq_id, tokens)
+        tree.extend(seq_id, tokens, some_levels(tokens, remembered))
         tree.forest.check_arena()
     for context in contexts:
         assert_same_as_reference(tree, seqs, context, cfg.max_spec_tokens)
 
 
+@pytest.mark.parametrize("remembered", [False, True])
 @settings(max_examples=100, deadline=None)
 @given(seqs=st.dictionaries(st.integers(0, 10), st.lists(SMALL_VOCAB, max_size=30), max_size=5))
-def test_serialization_round_trips_exactly(seqs):
-    config = DraftConfig(min_token_prob=0.0)
+def test_serialization_round_trips_exactly(remembered, seqs):
+    config = DraftConfig(min_token_prob=0.0, remembered_probs=remembered)
     tree = SuffixTree(config)
     for seq_id, tokens in seqs.items():
-        tree.extend(seq_id, tokens)
+        tree.extend(seq_id, tokens, some_levels(tokens, remembered))
     copy = SuffixTree.from_bytes(tree.to_bytes(), config)
     assert copy.to_bytes() == tree.to_bytes()
     for tokens in seqs.values():

@@ -7,17 +7,19 @@ O(new tokens + draft length). Occurrence counts equal those of a depth-bounded s
 of length <= depth, so drafting semantics are the suffix tree's.
 
 The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel first, in this order:
-  states  int32 [n, 8]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT (occurrences
-          = |endpos|; a root's count is never read, so it holds the root's out-degree, which bounds every
-          degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the state its most
-          frequent continuation leads to, ties to the smaller token; -1: none), TOTAL (its continuations'
-          counts summed), TOKEN (the token on every transition into it: all strings of a state end
-          alike; -1 for a root), MASK (bit t % 31 set for each continuation token t; the sign bit marks
-          a hashed state), PSUM and PKNOWN (over the state's end positions whose sampling probability is
-          known: how many, PKNOWN, and their probabilities summed in 1/PROB_LEVELS units, PSUM; the mean
-          is how sure the model was when it sampled the state's last token after its strings). Insertion keeps BEST and TOTAL up to date, so drafting reads a state's best
-          continuation and its probability in O(1), and each drafted token is one row of `states` (the next
-          state, its count and its token) rather than an edge row and then a state row. MASK settles most
+  states  int32 [n, 8 or 10]: LEN (longest string length), LINK (suffix link; -1 marks a root), COUNT
+          (occurrences = |endpos|; a root's count is never read, so it holds the root's out-degree, which
+          bounds every degree in its tree), EDGE (head of the state's outgoing-edge list), BEST (the state
+          its most frequent continuation leads to, ties to the smaller token; -1: none), TOTAL (its
+          continuations' counts summed), TOKEN (the token on every transition into it: all strings of a
+          state end alike; -1 for a root), MASK (bit t % 31 set for each continuation token t; the sign bit
+          marks a hashed state), and only in a forest that remembers sampling probabilities (`remembers`),
+          PSUM and PKNOWN (over the state's end positions whose sampling probability is known: how many,
+          PKNOWN, and their probabilities summed in 1/PROB_LEVELS units, PSUM; the mean is how sure the model
+          was when it sampled the state's last token after its strings). Insertion keeps BEST and TOTAL up to
+          date, so drafting reads a state's best continuation and its probability in O(1), and each drafted
+          token is one row of `states` (the next state, its count and its token) rather than an edge row and
+          then a state row. MASK settles most
           failed lookups from the state's own row (matching falls back along suffix links through a miss at
           each level) and sends a hashed state's lookup straight to the hash
   edges   int32 [n, 3]: TOK, TO, NEXT (singly linked per state, for enumerating continuations)
@@ -93,6 +95,10 @@ def columns(layout: Sequence[tuple[str, int]]) -> tuple[int, ...]:
 
 # Each table's row layout: one list of (name, width) per table, whose first columns the kernels index by
 # name. Unpacked here so that numba sees plain integer constants.
+# The remembered-probability columns come last: a forest that does not remember probabilities (the default,
+# `DraftConfig.remembered_probs`) keeps rows of the BASE_STATE_FIELDS columns before them, 8 bytes per state
+# less, and no level per pooled token. The width is the array's, not its type, so one compiled kernel serves
+# both; `remembers` tells them apart.
 STATE_LAYOUT = (
     ("LEN", 1),
     ("LINK", 1),
@@ -106,6 +112,7 @@ STATE_LAYOUT = (
     ("PKNOWN", 1),
 )
 LEN, LINK, COUNT, EDGE, BEST, TOTAL, TOKEN, MASK, PSUM, PKNOWN, STATE_FIELDS = columns(STATE_LAYOUT)
+BASE_STATE_FIELDS = PSUM
 EDGE_LAYOUT = (("TOK", 1), ("TO", 1), ("NEXT", 1))
 TOK, TO, NEXT, EDGE_FIELDS = columns(EDGE_LAYOUT)
 HASH_LAYOUT = (("H_STATE", 1), ("H_TOKEN", 1), ("H_EDGE", 1))
@@ -131,7 +138,8 @@ R_SEQ, R_LIVE, R_CAND, R_MATCHED, R_STATE, R_MLEN, R_MVER, SLOT_FIELDS = columns
 INFO_LAYOUT = (("I_LEN", 1), ("I_MATCH", 1), ("I_SOURCE", 1), ("I_AGREE", N_CANDIDATES - 1))
 I_LEN, I_MATCH, I_SOURCE, I_AGREE, INFO_FIELDS = columns(INFO_LAYOUT)
 # The layouts the arena's serialized and packed forms assume: fail at import, not later.
-assert (STATE_FIELDS, EDGE_FIELDS, HASH_FIELDS, TREE_FIELDS, SEQ_FIELDS) == (10, 3, 3, 6, 5)
+assert (BASE_STATE_FIELDS, STATE_FIELDS) == (8, 10)
+assert (EDGE_FIELDS, HASH_FIELDS, TREE_FIELDS, SEQ_FIELDS) == (3, 3, 6, 5)
 assert (R_MATCHED, SLOT_FIELDS, INFO_FIELDS) == (
     R_CAND + N_CANDIDATES,
     3 + 4 * N_CANDIDATES,
@@ -183,6 +191,13 @@ def prefetch_row(typingctx, table, row):
         return context.get_dummy_value()
 
     return types.void(table, row), codegen
+
+
+@njit(cache=True, inline="always")
+def remembers(states):
+    """Whether a forest keeps remembered sampling probabilities: then its states' rows hold PSUM and PKNOWN and
+    its token pool a level per token; otherwise the rows end before PSUM and the levels are empty."""
+    return states.shape[1] > PSUM
 
 
 @njit(cache=True)
@@ -247,8 +262,9 @@ def new_state(states, meta, length, link, count, token):
     states[s, TOTAL] = 0
     states[s, TOKEN] = token
     states[s, MASK] = 0
-    states[s, PSUM] = 0
-    states[s, PKNOWN] = 0
+    if remembers(states):
+        states[s, PSUM] = 0
+        states[s, PKNOWN] = 0
     return np.int64(s)
 
 
@@ -287,8 +303,9 @@ def _clone(states, edges, hashes, meta, q, length):
     # The same continuations to the same states, so the same counts and the same best.
     states[c, TOTAL] = states[q, TOTAL]
     states[c, BEST] = states[q, BEST]
-    states[c, PSUM] = states[q, PSUM]  # the same end positions so far, as for COUNT
-    states[c, PKNOWN] = states[q, PKNOWN]
+    if remembers(states):
+        states[c, PSUM] = states[q, PSUM]  # the same end positions so far, as for COUNT
+        states[c, PKNOWN] = states[q, PKNOWN]
     e = np.int64(states[q, EDGE])
     while e != -1:
         _add_edge(states, edges, hashes, meta, c, edges[e, TOK], edges[e, TO])
@@ -312,7 +329,8 @@ def _redirect(states, edges, hashes, p, tok, old, new):
 
 @njit(cache=True, inline="always")
 def _occurs(states, s, level):
-    """One more end position of state s, whose token was sampled at probability level `level` (0: unknown)."""
+    """One more end position of state s, whose token was sampled at probability level `level` (0: unknown, and
+    always in a forest that does not remember probabilities)."""
     states[s, COUNT] += 1
     if level > 0 and states[s, PKNOWN] < PKNOWN_MAX:
         states[s, PSUM] += level - 1
@@ -322,13 +340,14 @@ def _occurs(states, s, level):
 @njit(cache=True)
 def extend_tokens(states, edges, hashes, meta, root, last, tokens, levels, start, end):
     """Appends tokens[start:end] to the sequence whose current end state is `last`; levels[start:end] are their
-    sampling probabilities (PROB_LEVELS units, 0: unknown).
+    sampling probabilities (PROB_LEVELS units, 0: unknown), read only where the forest `remembers` them.
 
     Stops early (returning how far it got) when the arena might run out of room for the next token; the
     caller grows the arrays and calls again. Returns (next index into tokens, new end state).
     """
     i = start
     last = np.int64(last)
+    remembered = remembers(states)
     while i < end:
         # Room for the worst case of one token: two new states, an edge for each state on the suffix path
         # (at most len(last) + 1), a clone's copied edges (at most root's degree), with the hash half empty.
@@ -377,7 +396,7 @@ def extend_tokens(states, edges, hashes, meta, root, last, tokens, levels, start
         # r's links, without looking up p's edge.
         p = last
         s = r
-        level = levels[i]
+        level = levels[i] if remembered else 0
         _occurs(states, s, level)
         while p != -1:
             need = states[p, LEN] + 1
@@ -563,15 +582,19 @@ def draft_best(
 def remembered_path(states, state, n, remembered, out_mem, r):
     """Into out_mem[r, :n]: how sure the model was when it sampled each token of the n-token draft drafted from
     `state` (its BEST path), after that context: the mean probability over the occurrences that carry one, -1
-    where none do or `remembered` is off. Under rejection sampling a draft token is accepted with the target's
+    where none do, `remembered` is off or the forest does not remember them. Under rejection sampling a draft token is accepted with the target's
     probability of it, which no count shows; the budget may weigh it (`workers.budget.acceptance`). It does
     not steer the draft: from a short match it is the model's confidence in other contexts, and as the path's
     probability it chose worse drafts (docs/benchmarks.md, "Remembered probabilities"). Run once for the kept
     draft, not per candidate."""
+    if not (remembered and remembers(states)):
+        for j in range(n):
+            out_mem[r, j] = -1.0
+        return
     for j in range(n):
         state = np.int64(states[state, BEST])
         known = states[state, PKNOWN]
-        out_mem[r, j] = states[state, PSUM] / (known * PROB_LEVELS) if remembered and known > 0 else -1.0
+        out_mem[r, j] = states[state, PSUM] / (known * PROB_LEVELS) if known > 0 else -1.0
 
 
 @njit(cache=True)
@@ -592,6 +615,7 @@ def _commit_rows(arena, slots, rows, row):
     seqs, pool, levels = arena.seqs, arena.pool, arena.levels
     req_slots, bases, ends, src = rows.slots, rows.bases, rows.ends, rows.src
     n_rows = req_slots.shape[0]
+    remembered = remembers(states)
     while row < n_rows:
         s = req_slots[row]
         q = slots[s, R_SEQ]
@@ -607,7 +631,8 @@ def _commit_rows(arena, slots, rows, row):
                 if t < 0:
                     return row, BAD_TOKEN
                 pool[off + j] = t
-                levels[off + j] = 0  # a live token's sampling probability is not known here
+                if remembered:
+                    levels[off + j] = 0  # a live token's sampling probability is not known here
             seqs[q, Q_LEN] = end
         status = _extend_seq(states, edges, hashes, meta, trees, seqs, pool, levels, slots[s, R_LIVE], q)
         if status != DONE:

@@ -165,7 +165,7 @@ class ProblemIndex:
             raise ValueError(f"live_scope must be 'problem', 'request' or 'all', got {live_scope!r}")
         self.use_history = use_history
         self.live_scope = live_scope
-        self.forest = SuffixForest()
+        self.forest = SuffixForest(remembered=self.config.remembered_probs)
         self._problems: dict[str, _Problem] = {}
         # Problems whose history tree is built; None: every problem's (an eager index).
         self._resident: set[str] | None = set() if lazy else None

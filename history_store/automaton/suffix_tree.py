@@ -96,10 +96,16 @@ class SuffixForest:
     Trees never free states one by one; a tree that drops sequences is rebuilt into fresh states and its old
     states become garbage, which `compact()` reclaims once it outweighs the live part. Sequence tokens live
     in one pool (each sequence a segment with room to grow), so a kernel can read and extend any of them.
+
+    Only a forest built with `remembered=True` keeps sampling probabilities (each state's PSUM and PKNOWN, a
+    level per pooled token): they cost 8 bytes per state and 1 per token, and every tree on it may then
+    draft with `DraftConfig.remembered_probs`. Without them the levels a tree is given are dropped, and its
+    drafts are the same.
     """
 
-    def __init__(self, capacity_tokens: int = 4096) -> None:
+    def __init__(self, capacity_tokens: int = 4096, remembered: bool = False) -> None:
         self.generation = 0
+        self.remembered = bool(remembered)
         self._allocate(capacity_tokens)
         self.trees = np.zeros((16, K.TREE_FIELDS), np.int64)
         self._free_trees: list[int] = list(range(15, -1, -1))
@@ -107,14 +113,16 @@ class SuffixForest:
         self.seqs = np.zeros((64, K.SEQ_FIELDS), np.int64)
         self._free_seqs: list[int] = list(range(63, -1, -1))
         self.pool = np.zeros(max(64, int(capacity_tokens)), np.int32)
-        self.levels = np.zeros(self.pool.shape[0], np.uint8)  # each pooled token's `as_levels`
+        # Each pooled token's `as_levels`; empty (one kernel type for both) when not remembered.
+        self.levels = np.zeros(self.pool.shape[0] if self.remembered else 0, np.uint8)
         self._pool_used = 0
         self._pool_garbage = 0
         self._version = 0
 
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
-        self.states = np.zeros((2 * n, K.STATE_FIELDS), np.int32)
+        width = K.STATE_FIELDS if self.remembered else K.BASE_STATE_FIELDS
+        self.states = np.zeros((2 * n, width), np.int32)
         self.edges = np.zeros((3 * n, K.EDGE_FIELDS), np.int32)
         self.hashes = np.full(
             (_pow2(2 * n), K.HASH_FIELDS), -1, np.int32
@@ -201,7 +209,10 @@ class SuffixForest:
         return self.pool[off : off + length]
 
     def seq_levels(self, q: int) -> np.ndarray:
+        """Sequence q's probability levels (`as_levels`; all unknown where the forest does not remember them)."""
         off, length = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
+        if not self.remembered:
+            return np.zeros(length, np.uint8)
         return self.levels[off : off + length]
 
     def make_room(self, q: int, length: int) -> None:
@@ -224,7 +235,8 @@ class SuffixForest:
                 self._compact_pool()
             if self._pool_used + size > self.pool.shape[0]:
                 self.pool = _resized(self.pool, _grown(self.pool.shape[0], self._pool_used + size))
-                self.levels = _resized(self.levels, self.pool.shape[0])
+                if self.remembered:
+                    self.levels = _resized(self.levels, self.pool.shape[0])
                 self.replaced()
         off = self._pool_used
         self._pool_used += size
@@ -306,11 +318,15 @@ class SuffixForest:
         tests after any mutation: counters within the arrays; from each root, every reachable state's edges
         carry distinct tokens that its MASK and (when hashed) the hash find, and lead to longer states ending
         in that token whose counts sum to its TOTAL; its BEST is its most frequent continuation (ties: the
-        smaller token); its known sampling probabilities are at most its count and sum within range; its suffix
-        link leads to a shorter state of the same tree; a root's COUNT is its
-        degree; a sequence's inserted tokens fit its length and its length its capacity. Raises
-        AssertionError naming the first broken invariant."""
+        smaller token); its known sampling probabilities (where the forest remembers them, and only there are
+        there columns and levels for them) are at most its count and sum within range; its suffix link leads
+        to a shorter state of the same tree; a root's COUNT is its degree; a sequence's inserted tokens fit its
+        length and its length its capacity. Raises AssertionError naming the first broken invariant."""
         states, edges, hashes, meta = self.states, self.edges, self.hashes, self.meta
+        width, levels = (K.STATE_FIELDS, self.pool.shape[0]) if self.remembered else (K.BASE_STATE_FIELDS, 0)
+        assert states.shape[1] == width and self.levels.shape[0] == levels, (
+            f"remembered={self.remembered}: states {states.shape[1]} wide, {self.levels.shape[0]} levels"
+        )
         assert 0 <= meta[0] <= states.shape[0] and 0 <= meta[1] <= edges.shape[0], (
             f"meta {meta} out of bounds"
         )
@@ -355,10 +371,11 @@ class SuffixForest:
                 if s == root:
                     assert states[s, K.COUNT] == len(out), f"tree {tid}: the root's COUNT is not its degree"
                     continue
-                known, psum = int(states[s, K.PKNOWN]), int(states[s, K.PSUM])
-                assert 0 <= known <= states[s, K.COUNT] and 0 <= psum <= known * K.PROB_LEVELS, (
-                    f"state {s}: {known} known probabilities summing to {psum} at count {states[s, K.COUNT]}"
-                )
+                if self.remembered:
+                    known, psum = int(states[s, K.PKNOWN]), int(states[s, K.PSUM])
+                    assert 0 <= known <= states[s, K.COUNT] and 0 <= psum <= known * K.PROB_LEVELS, (
+                        f"state {s}: {known} known probabilities summing to {psum} at count {states[s, K.COUNT]}"
+                    )
                 link = int(states[s, K.LINK])
                 assert link in children, f"state {s}: suffix link {link} leaves tree {tid}"
                 assert states[link, K.LEN] < states[s, K.LEN], f"state {s}: suffix link {link} is not shorter"
@@ -393,8 +410,14 @@ class SuffixTree:
     """
 
     def __init__(self, config: DraftConfig | None = None, forest: SuffixForest | None = None) -> None:
+        """A tree on `forest` (a new one of its own when None, remembering probabilities as the config asks).
+        Raises ValueError when the config asks for remembered probabilities and the forest keeps none."""
         self.config = config or DraftConfig()
-        self.forest = forest if forest is not None else SuffixForest()
+        if forest is None:
+            forest = SuffixForest(remembered=self.config.remembered_probs)
+        elif self.config.remembered_probs and not forest.remembered:
+            raise ValueError("remembered_probs needs a forest that keeps them: SuffixForest(remembered=True)")
+        self.forest = forest
         self._seqs: dict[int, int] = {}  # seq_id -> the forest's sequence row
         self.tid = self.forest.new_tree(self)
 
@@ -431,7 +454,7 @@ class SuffixTree:
             f.states.strides[0] * row[K.T_STATES]
             + f.edges.strides[0] * row[K.T_EDGES]
             + f.hashes.strides[0] * row[K.T_HASHED]
-            + (f.pool.itemsize + f.levels.itemsize) * row[K.T_TOKENS]
+            + (f.pool.itemsize + (f.levels.itemsize if f.remembered else 0)) * row[K.T_TOKENS]
         )
 
     def seq_row(self, seq_id: int) -> int:
@@ -456,7 +479,8 @@ class SuffixTree:
         levels: np.ndarray | None = None,
     ) -> None:
         """Appends tokens to sequence `seq_id` (creating it), with their sampling probabilities as `as_levels`
-        gives them (None: unknown). Raises ValueError/TypeError on bad tokens."""
+        gives them (None: unknown; dropped where the forest does not remember them). Raises ValueError/TypeError
+        on bad tokens."""
         toks = as_tokens(tokens)
         if levels is not None and np.shape(levels) != toks.shape:
             raise ValueError(
@@ -472,7 +496,8 @@ class SuffixTree:
         f.make_room(q, length + toks.shape[0])
         off = int(f.seqs[q, K.Q_OFF])
         f.pool[off + length : off + length + toks.shape[0]] = toks
-        f.levels[off + length : off + length + toks.shape[0]] = 0 if levels is None else levels
+        if f.remembered:
+            f.levels[off + length : off + length + toks.shape[0]] = 0 if levels is None else levels
         f.seqs[q, K.Q_LEN] = length + toks.shape[0]
         f.extend_tree(self.tid, [q])
 
