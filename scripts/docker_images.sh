@@ -111,9 +111,14 @@ build() { # build NAME IMAGE DOCKERFILE [build args...]
   shift 3
   local args=()
   for arg in "$@"; do args+=(--build-arg "$arg"); done
-  say "$name: building $image from $file"
-  timed "$name" "$image" "$DOCKER" build --progress=plain -f "$file" "${args[@]}" -t "$image" . \
-    >"$STAGE/build-$name.log" 2>&1 || { say "$name: build failed, last lines of $STAGE/build-$name.log:"; tail -30 "$STAGE/build-$name.log" >&2; exit 1; }
+  say "$name: building $image from $file (log: $STAGE/build-$name.log)"
+  timed "$name" "$image" logged "$STAGE/build-$name.log" "$DOCKER" build --progress=plain -f "$file" "${args[@]}" \
+    -t "$image" .
+}
+logged() { # logged LOG command...: the command's output goes to LOG; on failure its end is shown
+  local log=$1
+  shift
+  "$@" >"$log" 2>&1 || { say "failed, last lines of $log:"; tail -30 "$log" >&2; exit 1; }
 }
 
 wanted cpu-stack && build cpu-stack "$CPU_STACK_IMAGE" docker/cpu-stack.Dockerfile "DAS_DEBIAN_IMAGE=$DEBIAN_IMAGE"
