@@ -21,6 +21,8 @@ VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?
 # The secrets a user must set (in .env): compose refuses to start without them instead of using a known default.
 SECRETS = {
     "DAS_KAFKA_SASL_PASSWORD": "client-secret",
+    "DAS_KAFKA_TRAINER_PASSWORD": "trainer-secret",
+    "DAS_KAFKA_REPLICA_PASSWORD": "replica-secret",
     "DAS_KAFKA_ADMIN_PASSWORD": "admin-secret",
     "DAS_GRAFANA_ADMIN_PASSWORD": "grafana-secret",
 }
@@ -410,23 +412,50 @@ def test_every_client_logs_in_with_a_user_the_brokers_know() -> None:
         for listener in ("INTERNAL", "EXTERNAL"):
             jaas = env[f"KAFKA_LISTENER_NAME_{listener}_PLAIN_SASL_JAAS_CONFIG"]
             users = dict(re.findall(r'user_(\w+)="([^"]*)"', jaas))
+            users = dict(re.findall(r'user_([\w-]+)="([^"]*)"', jaas))
             assert users == {
                 "admin": SECRETS["DAS_KAFKA_ADMIN_PASSWORD"],
                 "das": SECRETS["DAS_KAFKA_SASL_PASSWORD"],
+                "das-trainer": SECRETS["DAS_KAFKA_TRAINER_PASSWORD"],
+                "das-replica": SECRETS["DAS_KAFKA_REPLICA_PASSWORD"],
             }
     from pipeline.kafka_config import ENV_SETTINGS
 
+    # Each client logs in as its role: what the brokers' ACLs (kafka-init's grants) let it do.
+    logins = {"rollout": ("das", "client-secret"), "replica": ("das-replica", "replica-secret")}
     clients = {**das_services(), "ray-head": SERVICES["ray-head"], **ray_workers()}
     for name, service in clients.items():
         env = environment(service)
         if name == "single-node":
             continue
         assert env["DAS_KAFKA_SECURITY_PROTOCOL"] == protocols["INTERNAL"], name
-        assert env["DAS_KAFKA_SASL_USERNAME"] == "das" and env["DAS_KAFKA_SASL_PASSWORD"] == "client-secret"
+        role = (
+            "admin"
+            if name == "kafka-init"
+            else "replica"
+            if "indexer" in str(service.get("command"))
+            else "rollout"
+        )
+        want = ("admin", "admin-secret") if role == "admin" else logins[role]
+        assert (env["DAS_KAFKA_SASL_USERNAME"], env["DAS_KAFKA_SASL_PASSWORD"]) == want, name
+        # Only the trainer's side may write epoch advances: verl's trainer (on any Ray node) and `das rollout`.
+        trainer = name in ("ray-head", *ray_workers()) or command_of(service)[:2] == ["das", "rollout"]
+        login = (env.get("DAS_KAFKA_CONTROL_SASL_USERNAME"), env.get("DAS_KAFKA_CONTROL_SASL_PASSWORD"))
+        assert login == (("das-trainer", "trainer-secret") if trainer else (None, None)), name
         assert {k for k in env if k.startswith("DAS_KAFKA_") and k in ENV_SETTINGS} >= {
             "DAS_KAFKA_SECURITY_PROTOCOL",
             "DAS_KAFKA_SASL_MECHANISM",
         }
+    for env in brokers.values():  # nothing is allowed but what kafka-init grants
+        assert env["KAFKA_AUTHORIZER_CLASS_NAME"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+        assert env["KAFKA_SUPER_USERS"] == "User:admin;User:ANONYMOUS"
+    init = command_of(SERVICES["kafka-init"])
+    grants = {flag: init[init.index(flag) + 1] for flag in init if flag.endswith("-principal")}
+    assert grants == {
+        "--rollout-principal": "User:das",
+        "--trainer-principal": "User:das-trainer",
+        "--replica-principal": "User:das-replica",
+    }
 
 
 def test_brokers_topic_and_clients_share_one_message_size() -> None:
