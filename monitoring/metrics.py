@@ -30,8 +30,7 @@ from monitoring.server import multiprocess_dir
 LENGTH_CLASSES = ("short", "medium", "long")
 COST_COEFFICIENTS = ("c_base", "c_seq", "c_tok")
 # Why a message was dead-lettered (pipeline.wire.REASONS; a test keeps the two equal) and why a stored record was
-# quarantined (history_store's CorruptRecordError codes, "window" for a corrupt epoch window, "epoch_outlier" for
-# records a replica set aside when the records that followed outvoted their epoch).
+# quarantined (history_store's CorruptRecordError codes, "window" for a corrupt epoch window).
 DEAD_LETTER_REASONS = (
     "encoding",
     "truncated",
@@ -39,14 +38,15 @@ DEAD_LETTER_REASONS = (
     "invalid",
     "oversize",
     "key_mismatch",
-    "epoch_ahead",
-    "epoch_jump",
     "stale",
     "sample_range",
     "epoch_range",
     "logprobs",
+    "partition",
+    "duplicate",
+    "control",
 )
-QUARANTINE_REASONS = ("checksum", "header", "size", "window", "epoch_outlier")
+QUARANTINE_REASONS = ("checksum", "header", "size", "window")
 # Positions past this share one label value ("16+"): drafts rarely go deeper, and 17 series per metric is the
 # most a dashboard panel can show legibly.
 MAX_POSITION_LABEL = 16

@@ -23,16 +23,31 @@ from dataclasses import dataclass
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
+from kafka.serializer import Deserializer
 from kafka.structs import OffsetAndMetadata
 
+from pipeline.bounded import install as install_bound
 from pipeline.bus import BusMessage
 from pipeline.errors import BusError, BusUnavailableError
 from pipeline.kafka_config import UNREACHABLE, client_settings
-from pipeline.topics import DEAD_LETTER_TOPIC, MAX_MESSAGE_BYTES, TRAJECTORY_TOPIC, shared_settings
+from pipeline.topics import (
+    DEAD_LETTER_TOPIC,
+    MAX_MESSAGE_BYTES,
+    TRAJECTORY_TOPIC,
+    epochs_topic,
+    shared_settings,
+)
 from pipeline.wire import partition_for, record_key
 
 log = logging.getLogger(__name__)
 
+# A compressed batch decompresses to at most this much in a replica (`pipeline.bounded`): the largest record a
+# producer may send (its uncompressed size is what producers check against the limit) plus room for a batch's
+# framing. A larger batch is refused whole and dead-lettered (`oversize`).
+MAX_DECOMPRESSED_BATCH_BYTES = MAX_MESSAGE_BYTES + (1 << 20)
+# What one poll may hand over in record values, decompressed: records past it wait for the next poll. The first
+# record of a poll always comes, so a poll holds at most this plus one record.
+POLL_VALUE_BUDGET_BYTES = 64 << 20
 CONSUMER_DEFAULTS: dict[str, object] = {
     "enable_auto_commit": False,
     "auto_offset_reset": "earliest",
@@ -82,30 +97,64 @@ class UndeliveredLetter:
     error: str
 
 
-class KafkaTrajectorySource:
-    """Reads every partition of `topic` from the offsets the replica stored.
+class _PollBudget(Deserializer):
+    """Passes record values through until one poll has taken `budget` bytes of them, then hands `DEFERRED`
+    instead (the bytes are dropped at once); `KafkaTrajectorySource.poll` reads those records again later."""
 
-    `group_id` names this replica for Kafka's committed offsets (lag dashboards); it never joins a group
-    rebalance. Raises BusUnavailableError if no broker answers (transient: try again later), BusError for
-    what waiting does not cure (refused credentials, bad settings).
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+
+    def deserialize(self, topic: str, headers: object, data: bytes | None) -> object:
+        size = 0 if data is None else len(data)
+        if self.used and self.used + size > self.budget:
+            return DEFERRED
+        self.used += size
+        return data
+
+
+DEFERRED = object()
+
+
+class KafkaTrajectorySource:
+    """Reads every partition of `topic`, and of its control topic `<topic>.epochs` (epoch advances,
+    `pipeline.epochs`), from the offsets the replica stored.
+
+    `epochs`: read the control topic (True), not (False), or when it exists (None). `group_id` names this
+    replica for Kafka's committed offsets (lag dashboards); it never joins a group rebalance. Decompressed
+    sizes are bounded per batch (`pipeline.bounded`) and per poll (`POLL_VALUE_BUDGET_BYTES`). Raises
+    BusUnavailableError if no broker answers (transient: try again later), BusError for what waiting does
+    not cure (refused credentials, bad settings).
     """
 
     def __init__(
-        self, servers: list[str], *, topic: str = TRAJECTORY_TOPIC, group_id: str, **settings: object
+        self,
+        servers: list[str],
+        *,
+        topic: str = TRAJECTORY_TOPIC,
+        group_id: str,
+        epochs: bool | None = None,
+        **settings: object,
     ) -> None:
         self.servers = list(servers)
         self.topic = topic
+        self.epochs_topic = epochs_topic(topic)
+        self._want_epochs = epochs
+        self.reads_epochs = False
         self._where = f"Kafka at {','.join(self.servers)}, topic {topic}"
+        install_bound(MAX_DECOMPRESSED_BATCH_BYTES)
+        self._budget = _PollBudget(POLL_VALUE_BUDGET_BYTES)
         try:
             self._consumer = KafkaConsumer(
                 bootstrap_servers=self.servers,
                 group_id=group_id,
                 client_id=group_id,
-                **{**CONSUMER_DEFAULTS, **client_settings(settings)},
+                **{**CONSUMER_DEFAULTS, **client_settings(settings), "value_deserializer": self._budget},
             )
         except KafkaError as exc:
             raise _bus_error(f"cannot reach {self._where}: {UNREACHABLE}", exc) from exc
         self._partitions: list[TopicPartition] = []
+        self._data_partitions = 0
 
     def start(self, stored_offsets: Mapping[tuple[str, int], int], timeout_s: float = 30) -> None:
         """Assigns every partition and seeks each to its stored next offset (the beginning if none).
@@ -122,6 +171,17 @@ class KafkaTrajectorySource:
             time.sleep(0.5)
             partitions = self._consumer.partitions_for_topic(self.topic)
         self._partitions = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        self._data_partitions = len(self._partitions)
+        control = (
+            self._consumer.partitions_for_topic(self.epochs_topic) if self._want_epochs is not False else None
+        )
+        if self._want_epochs and not control:
+            raise BusError(
+                f"control topic {self.epochs_topic} not found on {self._where}: create it with `das kafka init`"
+            )
+        self.reads_epochs = bool(control)
+        if control:
+            self._partitions += [TopicPartition(self.epochs_topic, p) for p in sorted(control)]
         self._consumer.assign(self._partitions)
         for tp in self._partitions:
             stored = stored_offsets.get((tp.topic, tp.partition))
@@ -130,10 +190,14 @@ class KafkaTrajectorySource:
             else:
                 self._consumer.seek(tp, stored)
         log.info(
-            "consuming %s: %d partitions, resuming at %s",
+            "consuming %s: %d partitions, resuming at %s; epoch advances: %s",
             self.topic,
-            len(self._partitions),
-            {tp.partition: stored_offsets.get((tp.topic, tp.partition), 0) for tp in self._partitions},
+            self._data_partitions,
+            {
+                tp.partition: stored_offsets.get((tp.topic, tp.partition), 0)
+                for tp in self._partitions[: self._data_partitions]
+            },
+            self.epochs_topic if self.reads_epochs else f"none ({self.epochs_topic} does not exist)",
         )
 
     def rewind(self, stored_offsets: Mapping[tuple[str, int], int]) -> None:
@@ -151,23 +215,31 @@ class KafkaTrajectorySource:
 
         Raises BusUnavailableError while no broker answers (the position is unchanged: poll again later).
         """
+        self._budget.used = 0
         try:
             batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         except KafkaError as exc:
             raise _bus_error(f"reading {self._where}", exc) from exc
-        return [
-            BusMessage(
-                r.topic,
-                r.partition,
-                r.offset,
-                r.key,
-                r.value,
-                r.timestamp,
-                tuple((k, v if v is not None else b"") for k, v in r.headers or ()),
-            )
-            for records in batches.values()
-            for r in records
-        ]
+        messages = []
+        for tp, records in batches.items():
+            for r in records:
+                if (
+                    r.value is DEFERRED
+                ):  # over this poll's budget: read it, and the rest of its partition, next time
+                    self._consumer.seek(tp, r.offset)
+                    break
+                messages.append(
+                    BusMessage(
+                        r.topic,
+                        r.partition,
+                        r.offset,
+                        r.key,
+                        r.value,
+                        r.timestamp,
+                        tuple((k, v if v is not None else b"") for k, v in r.headers or ()),
+                    )
+                )
+        return messages
 
     def commit(self, offsets: Mapping[tuple[str, int], int]) -> None:
         """Copies the stored offsets to Kafka (monitoring only: the store is authoritative). A failure is
@@ -195,7 +267,12 @@ class KafkaTrajectorySource:
             return None
 
     def partition_count(self) -> int:
-        return len(self._partitions)
+        """Partitions of the trajectory topic (the control topic's are not counted)."""
+        return self._data_partitions
+
+    def control_partition_count(self) -> int:
+        """Partitions of the control topic (0 when it is not read)."""
+        return len(self._partitions) - self._data_partitions
 
     def close(self) -> None:
         self._consumer.close(autocommit=False)
@@ -234,7 +311,7 @@ class ReplicaPublisher:
         # Tombstones whose send failed for a transient reason (an outage): the store has already evicted their
         # records and stored the offsets past them, so nothing would send them again; each flush does, until
         # the brokers take them (else compaction keeps evicted records in the topic for good).
-        self._unsent_tombstones: deque[tuple[str, bytes, int]] = deque()
+        self._unsent_tombstones: deque[tuple[str, bytes, int, bytes | None]] = deque()
 
     def dead_letter(self, message: BusMessage, reason: str, detail: str) -> None:
         """Sends the original message bytes to the dead-letter topic with reason and origin headers.
@@ -292,8 +369,14 @@ class ReplicaPublisher:
         self._resend_tombstones()
         for problem_id, epoch, sample in keys:
             self._send_tombstone(
-                (topic, record_key(problem_id, epoch, sample), partition_for(problem_id, partitions))
+                (topic, record_key(problem_id, epoch, sample), partition_for(problem_id, partitions), None)
             )
+
+    def restore(self, topic: str, partitions: int, key: tuple[str, int, int], value: bytes) -> None:
+        """Sends a stored record again (its wire bytes `value`), in its problem's partition: after a message that
+        compaction would let replace it (a tombstone no epoch advance justifies, a different copy of its key), the
+        record is the last word on its key again. Delivered and retried like tombstones."""
+        self._send_tombstone((topic, record_key(*key), partition_for(key[0], partitions), value))
 
     def flush(self, timeout_s: float = 30) -> list[UndeliveredLetter]:
         """Sends again the tombstones an outage held back, waits until everything sent is acknowledged, and
@@ -327,10 +410,10 @@ class ReplicaPublisher:
         for _ in range(len(self._unsent_tombstones)):
             self._send_tombstone(self._unsent_tombstones.popleft())
 
-    def _send_tombstone(self, tombstone: tuple[str, bytes, int]) -> None:
-        topic, key, partition = tombstone
+    def _send_tombstone(self, tombstone: tuple[str, bytes, int, bytes | None]) -> None:
+        topic, key, partition, value = tombstone
         try:
-            future = self._producer.send(topic, key=key, value=None, partition=partition)
+            future = self._producer.send(topic, key=key, value=value, partition=partition)
         except KafkaError as exc:
             if not getattr(exc, "retriable", False):
                 raise _bus_error(f"cannot send to {topic} on {self._where}", exc) from exc
@@ -338,7 +421,7 @@ class ReplicaPublisher:
             return
         future.add_errback(self._tombstone_failed, tombstone)
 
-    def _tombstone_failed(self, tombstone: tuple[str, bytes, int], exc: BaseException) -> None:
+    def _tombstone_failed(self, tombstone: tuple[str, bytes, int, bytes | None], exc: BaseException) -> None:
         if getattr(exc, "retriable", False):
             self._unsent_tombstones.append(tombstone)  # deque.append: safe from kafka-python's IO thread
         else:

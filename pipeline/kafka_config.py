@@ -18,6 +18,10 @@ reaches all of them. Sources, strongest first:
 | DAS_KAFKA_SSL_KEYFILE         | ssl_keyfile           |
 
 kafka-python uses `sasl_plain_username/password` for SCRAM as well as PLAIN.
+
+Epoch advances (`pipeline.epochs`) go out under the trainer's own principal: `control_settings` puts
+DAS_KAFKA_CONTROL_SASL_USERNAME and DAS_KAFKA_CONTROL_SASL_PASSWORD in place of the client's login when they are
+set (a process that publishes trajectories and advances, such as `das rollout`, holds both logins).
 """
 
 from __future__ import annotations
@@ -77,6 +81,22 @@ UNREACHABLE = (
 )
 
 
+CONTROL_ENV_SETTINGS = {
+    "DAS_KAFKA_CONTROL_SASL_USERNAME": "sasl_plain_username",
+    "DAS_KAFKA_CONTROL_SASL_PASSWORD": "sasl_plain_password",
+}
+
+
+def control_settings(
+    settings: Mapping[str, object], environ: Mapping[str, str] | None = None
+) -> dict[str, object]:
+    """`settings` with the trainer's login (DAS_KAFKA_CONTROL_SASL_USERNAME/PASSWORD) in place of the client's
+    when those variables are set: what epoch advances are sent with."""
+    env = os.environ if environ is None else environ
+    login = {setting: env[name] for name, setting in CONTROL_ENV_SETTINGS.items() if env.get(name)}
+    return {**settings, **login}
+
+
 def parse_bus_url(url: str) -> tuple[list[str], dict[str, object]]:
     """(["host:port", ...], settings) from "kafka://host:port[,host:port][?key=value&...]".
 
@@ -114,23 +134,55 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, obj
     return {setting: env[name] for name, setting in ENV_SETTINGS.items() if env.get(name)}
 
 
+# Settings DAS sets itself on every client: the brokers come from the bus URL, the group and client ids from the
+# replica's name, the serializers and offset handling from the wire format and the store. Passing one fails at once.
+RESERVED_SETTINGS = {
+    "bootstrap_servers": "the brokers come from the bus URL (--bus kafka://host:port,...)",
+    "group_id": "a replica's consumer group is its name (--replica)",
+    "client_id": "DAS names its clients after their role and replica",
+    "key_serializer": "DAS sends bytes in its own wire format",
+    "value_serializer": "DAS sends bytes in its own wire format",
+    "key_deserializer": "DAS reads bytes in its own wire format",
+    "value_deserializer": "DAS reads bytes in its own wire format (and bounds what one poll takes)",
+    "enable_auto_commit": "a replica's offsets live in its store and are copied to Kafka after each write",
+}
+# Largest count, size or duration a setting may take: Kafka's protocol holds them in 32-bit fields.
+MAX_SETTING = 2**31 - 1
+_ZERO_ALLOWED = frozenset({"consumer_timeout_ms", "max_block_ms"})
+
+
+def _positive(key: str) -> bool:
+    """Settings for which 0 is no value at all (a timeout of 0 fails every request at once)."""
+    return key not in _ZERO_ALLOWED and key.endswith(
+        ("_timeout_ms", "_interval_ms", "max_request_size", "fetch_max_bytes")
+    )
+
+
 def client_settings(settings: Mapping[str, object]) -> dict[str, object]:
     """`settings` over the environment's security settings, checked.
 
-    Raises ValueError for a setting no kafka-python client knows, a count, size or duration that is not a whole
-    number >= 0, a flag that is not true or false, an unknown protocol or mechanism, SASL without a user name
+    Raises ValueError for a setting DAS sets itself (`RESERVED_SETTINGS`), one no kafka-python client knows, a
+    count, size or duration that is not a whole number from 0 (1 for timeouts, intervals and request sizes) to
+    2**31-1, a flag that is not true or false, an unknown protocol or mechanism, SASL without a user name
     and password, or a TLS file that does not exist (the client would otherwise fail later with a vague
     handshake error).
     """
     merged = {**settings_from_env(), **settings}
     known, whole, flags = _known_settings()
     for key, value in merged.items():
+        if key in RESERVED_SETTINGS:
+            raise ValueError(f"Kafka setting {key} is not yours to set: {RESERVED_SETTINGS[key]}")
         if key not in known:
             raise ValueError(
                 f"unknown Kafka client setting {key!r} (kafka-python names, e.g. request_timeout_ms)"
             )
-        if key in whole and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"Kafka setting {key} must be a whole number >= 0, got {value!r}")
+        low = 1 if _positive(key) else 0
+        if key in whole and (
+            isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SETTING
+        ):
+            raise ValueError(
+                f"Kafka setting {key} must be a whole number from {low} to {MAX_SETTING}, got {value!r}"
+            )
         if key in flags and not isinstance(value, bool):
             raise ValueError(f"Kafka setting {key} must be true or false, got {value!r}")
     protocol = str(merged.get("security_protocol", "PLAINTEXT")).upper()

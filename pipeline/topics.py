@@ -18,13 +18,20 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
 
 from pipeline.errors import BusError
 from pipeline.kafka_config import UNREACHABLE, client_settings
+
+
+def epochs_topic(topic: str) -> str:
+    """The control topic of a trajectory topic (`pipeline.epochs`)."""
+    return topic + ".epochs"
+
 
 TRAJECTORY_TOPIC = "das.trajectories"
 DEAD_LETTER_TOPIC = "das.trajectories.dlq"
@@ -76,14 +83,15 @@ class TopicPlan:
     replication_factor: int
     min_insync_replicas: int
 
-    def configs(self, topic: str, dead_letter_topic: str) -> dict[str, dict[str, str]]:
-        """Topic name -> the topic-level configuration we own."""
+    def configs(self, topic: str, dead_letter_topic: str, epochs: bool = True) -> dict[str, dict[str, str]]:
+        """Topic name -> the topic-level configuration we own; with `epochs`, the control topic of epoch
+        advances too (`pipeline.epochs`: compacted on the problem id, so it keeps each problem's latest)."""
         common = {
             "min.insync.replicas": str(self.min_insync_replicas),
             "max.message.bytes": str(MAX_MESSAGE_BYTES),
             "unclean.leader.election.enable": "false",
         }
-        return {
+        out = {
             topic: {**common, "cleanup.policy": "compact"},
             dead_letter_topic: {
                 **common,
@@ -91,6 +99,9 @@ class TopicPlan:
                 "retention.ms": str(DLQ_RETENTION_MS),
             },
         }
+        if epochs:
+            out[epochs_topic(topic)] = {**common, "cleanup.policy": "compact"}
+        return out
 
 
 def plan_for(
@@ -133,9 +144,11 @@ def ensure_topics(
     dead_letter_topic: str = DEAD_LETTER_TOPIC,
     partitions: int = DEFAULT_PARTITIONS,
     replication_factor: int | None = None,
+    epochs: bool = True,
     **settings: object,
 ) -> list[TopicState]:
-    """Creates the trajectory and dead-letter topics if missing and sets their configuration; idempotent.
+    """Creates the trajectory and dead-letter topics (and, with `epochs`, the control topic of epoch advances) if
+    missing and sets their configuration; idempotent.
 
     Raises BusError if Kafka is unreachable or an existing topic has a different partition count (problems
     would move between partitions and lose their order; that needs an explicit migration, not this command).
@@ -143,7 +156,7 @@ def ensure_topics(
     admin = admin_client(servers, **settings)
     try:
         plan = plan_for(len(admin.describe_cluster()["brokers"]), partitions, replication_factor)
-        configs = plan.configs(topic, dead_letter_topic)
+        configs = plan.configs(topic, dead_letter_topic, epochs)
         existing = {t["name"]: t for t in admin.describe_topics(list(configs)) if not t["error_code"]}
         missing = {
             name: {
@@ -188,6 +201,32 @@ def ensure_topics(
         admin.close()
 
 
+def _not_authorised(topic: str, servers: list[str], settings: Mapping[str, object]) -> str:
+    user = client_settings(settings).get("sasl_plain_username")
+    who = f"User:{user}" if user else "this client's principal"
+    return (
+        f"{who} is not authorised to use topic {topic} on {','.join(servers)} (the brokers' ACLs: see "
+        "docs/operations.md, Access control)"
+    )
+
+
+def topic_exists(servers: list[str], topic: str, **settings: object) -> bool:
+    """Whether `topic` exists. Raises BusError if Kafka is unreachable or this client may not describe it."""
+    admin = admin_client(servers, **settings)
+    try:
+        for info in admin.describe_topics([topic]):
+            if info["name"] != topic:
+                continue
+            if info["error_code"] == TopicAuthorizationFailedError.errno:
+                raise BusError(_not_authorised(topic, servers, settings))
+            return not info["error_code"] and bool(info["partitions"])
+        return False
+    except KafkaError as exc:
+        raise BusError(f"cannot describe topic {topic} on {','.join(servers)}: {exc}") from exc
+    finally:
+        admin.close()
+
+
 def topic_partitions(servers: list[str], topic: str, wait_s: float = 5.0, **settings: object) -> int:
     """Partition count of `topic`. Raises BusError if Kafka is unreachable or the topic does not appear within
     `wait_s` (a topic just created reaches every broker's metadata a moment later)."""
@@ -196,6 +235,8 @@ def topic_partitions(servers: list[str], topic: str, wait_s: float = 5.0, **sett
     try:
         while True:
             for info in admin.describe_topics([topic]):
+                if info["name"] == topic and info["error_code"] == TopicAuthorizationFailedError.errno:
+                    raise BusError(_not_authorised(topic, servers, settings))
                 if info["name"] == topic and not info["error_code"] and info["partitions"]:
                     return len(info["partitions"])
             if time.monotonic() >= deadline:
@@ -206,3 +247,78 @@ def topic_partitions(servers: list[str], topic: str, wait_s: float = 5.0, **sett
     finally:
         admin.close()
     raise BusError(f"topic {topic} does not exist on {','.join(servers)}: create it with `das kafka init`")
+
+
+@dataclass(frozen=True, slots=True)
+class Principals:
+    """Who may do what on a deployment's topics (Kafka principals, e.g. `User:das-rollout`). Any left None gets
+    no grant."""
+
+    rollout: str | None = None  # agent loops, `das rollout`: Write on the trajectory topic
+    trainer: str | None = None  # epoch advances: Write on the control topic
+    replica: str | None = None  # history replicas: see `acls`
+    replica_groups: str = "das-replica-"  # prefix of the replicas' consumer groups (their --replica names)
+
+
+def acls(principals: Principals, topic: str, dead_letter_topic: str) -> list[Any]:
+    """The ACLs of a deployment. Replicas read every topic, write dead letters, and write the trajectory topic
+    for what only the history's owners may send: tombstones of records an epoch advance retired, and the stored
+    copy of a record that a later message (a tombstone or a different duplicate) would otherwise replace when
+    the topic is compacted. Describe comes with Read and Write; idempotent producers need nothing more since
+    Kafka 2.8."""
+    from kafka.admin import (
+        ACL,
+        ACLOperation,
+        ACLPermissionType,
+        ACLResourcePatternType,
+        ResourcePattern,
+        ResourceType,
+    )
+
+    def allow(principal: str, operation: Any, kind: Any, name: str, prefixed: bool = False) -> Any:
+        pattern = ACLResourcePatternType.PREFIXED if prefixed else ACLResourcePatternType.LITERAL
+        return ACL(principal, "*", operation, ACLPermissionType.ALLOW, ResourcePattern(kind, name, pattern))
+
+    out = []
+    if principals.rollout:
+        out.append(allow(principals.rollout, ACLOperation.WRITE, ResourceType.TOPIC, topic))
+    if principals.trainer:
+        out.append(allow(principals.trainer, ACLOperation.WRITE, ResourceType.TOPIC, epochs_topic(topic)))
+    if principals.replica:
+        for name in (topic, epochs_topic(topic), dead_letter_topic):
+            out.append(allow(principals.replica, ACLOperation.READ, ResourceType.TOPIC, name))
+        for name in (topic, dead_letter_topic):
+            out.append(allow(principals.replica, ACLOperation.WRITE, ResourceType.TOPIC, name))
+        out.append(
+            allow(
+                principals.replica,
+                ACLOperation.READ,
+                ResourceType.GROUP,
+                principals.replica_groups,
+                prefixed=True,
+            )
+        )
+    return out
+
+
+def grant(
+    servers: list[str], principals: Principals, *, topic: str, dead_letter_topic: str, **settings: object
+) -> int:
+    """Creates the deployment's ACLs (idempotent: Kafka keeps one copy of an ACL); returns how many. Needs a
+    client allowed to alter the cluster's ACLs (the brokers' super user). Raises BusError if one is refused."""
+    wanted = acls(principals, topic, dead_letter_topic)
+    if not wanted:
+        return 0
+    admin = admin_client(servers, **settings)
+    try:
+        result = admin.create_acls(wanted)
+    except KafkaError as exc:
+        raise BusError(f"creating ACLs on {','.join(servers)} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        admin.close()
+    failed = result.get("failed") or []  # kafka-python 3.0.12 lists the error classes of the refused ones
+    if failed:
+        raise BusError(
+            f"{len(failed)} of {len(wanted)} ACLs refused on {','.join(servers)}: {failed[0].__name__}"
+        )
+    return len(wanted)

@@ -30,6 +30,18 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 @contextmanager
+def check_writable(path: Path) -> None:
+    """Raises OSError at once if `trace_writer(path)` could not write `path` (a read-only or missing folder, a
+    folder in its place): commands check their output before minutes or hours of work, not after."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; give the file to write")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = path.with_name(f".{path.name}.tmp")
+    with open(probe, "ab"):
+        pass
+    probe.unlink()
+
+
 def trace_writer(path: Path) -> Iterator[IO[str]]:
     """A text handle that becomes `path` only when the block ends without an error: a run that stops midway
     never leaves half a trace under the name a replay would read."""

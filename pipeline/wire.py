@@ -50,27 +50,28 @@ REASON_ENCODING = "encoding"  # not our format: bad magic, bad UTF-8 or JSON, fi
 REASON_TRUNCATED = "truncated"  # shorter or longer than its header says
 REASON_SCHEMA_VERSION = "schema_version"  # a version this build does not read
 REASON_INVALID = "invalid"  # decoded, but the model rejects it (types, token id range, required fields)
-REASON_OVERSIZE = "oversize"  # more tokens than the replica accepts
+REASON_OVERSIZE = "oversize"  # more tokens than the replica accepts, or a batch decompressing past its bound
 REASON_KEY_MISMATCH = "key_mismatch"  # the message key is not the record's identity
-REASON_EPOCH_AHEAD = "epoch_ahead"  # an epoch too far beyond the epoch recent records agree on
-REASON_EPOCH_JUMP = "epoch_jump"  # would evict its problem's whole window, ahead of the recent records' epoch
 REASON_STALE = "stale"  # its epoch is already below its problem's window (a late or reordered record)
 REASON_SAMPLE_RANGE = "sample_range"  # a sample id beyond the replica's limit
 REASON_EPOCH_RANGE = "epoch_range"  # an epoch beyond any training run's (the empty replica's guard)
 REASON_LOGPROBS = "logprobs"  # response log probabilities not one per token, not finite, or above 0
-# Limits a replica checks against its own state (workers.replica.service). Training moves one epoch at a time,
-# so the epoch most recent records carry (their median) is where the run is; a record more than this beyond it
-# is dead-lettered, whatever its problem. Two, not one: asynchronous rollouts may run an epoch ahead of the
-# records still arriving from the last one. Below the default window (3), so no accepted record can evict
-# a problem's whole window unless the run is there too.
-DEFAULT_MAX_EPOCHS_AHEAD = 2
-# An empty replica has no newest epoch to measure "ahead" against, so one hostile record (epoch 2**32 - 1) as
-# its first would set the reference and poison its problem for good; an absolute ceiling far above any RL run's
-# epoch count (passes over the problem set) closes that gap.
+REASON_PARTITION = (
+    "partition"  # in another partition than its problem's (compaction and order are per partition)
+)
+REASON_DUPLICATE = (
+    "duplicate"  # a key already stored, with other content (the stored copy stays, and is resent)
+)
+REASON_CONTROL = "control"  # a message on the control topic that is not an epoch advance (pipeline.epochs)
+# An absolute ceiling on epochs, far above any RL run's epoch count (passes over the problem set): a record
+# beyond it is refused outright instead of being held until the trainer gets there.
 DEFAULT_MAX_EPOCH = 100_000
 # Sample ids need only be unique within a problem and epoch (synthetic load numbers them worker * 10**6 + i),
 # so by default the key's u32 range is the limit; a deployment that knows its RL n can set a tighter one.
 DEFAULT_MAX_SAMPLE = MAX_EPOCH
+# Without epoch advances, a problem's window moves to a newer epoch only once this many distinct samples of
+# that epoch arrived: no single record (nor two) moves it.
+DEFAULT_CONFIRM_SAMPLES = 3
 REASONS = (
     REASON_ENCODING,
     REASON_TRUNCATED,
@@ -78,12 +79,13 @@ REASONS = (
     REASON_INVALID,
     REASON_OVERSIZE,
     REASON_KEY_MISMATCH,
-    REASON_EPOCH_AHEAD,
-    REASON_EPOCH_JUMP,
     REASON_STALE,
     REASON_SAMPLE_RANGE,
     REASON_EPOCH_RANGE,
     REASON_LOGPROBS,
+    REASON_PARTITION,
+    REASON_DUPLICATE,
+    REASON_CONTROL,
 )
 
 

@@ -10,9 +10,14 @@
 #   bash scripts/kafka.sh status           which nodes run
 #   bash scripts/kafka.sh clean            down, then delete the brokers' data (the resolved jars stay)
 #   bash scripts/kafka.sh up-secure        one more single broker, TLS + SASL/PLAIN only, on 127.0.0.1:39092
-#                                          (controller 39093): a throwaway CA and broker certificate (openssl) and
-#                                          random passwords under .kafka/secure; writes .kafka/secure/env.sh
-#                                          (DAS_KAFKA_SECURE_BOOTSTRAP, _CAFILE, _USERNAME, _PASSWORD). `down` stops it.
+#                                          (controller 39093), with Kafka's KRaft authorizer (StandardAuthorizer):
+#                                          a throwaway CA and broker certificate (openssl) and random passwords under
+#                                          .kafka/secure for the users admin (super user), das (rollout writers),
+#                                          das-trainer (epoch advances) and das-replica (history replicas); nothing
+#                                          is allowed until `das kafka init` grants it. Writes .kafka/secure/env.sh
+#                                          (DAS_KAFKA_SECURE_BOOTSTRAP, _CAFILE, _USERNAME, _PASSWORD, and
+#                                          _ADMIN_PASSWORD, _TRAINER_PASSWORD, _REPLICA_PASSWORD). `down` stops it.
+#   bash scripts/kafka.sh restart-secure   stop the secure broker and start it with the current configuration
 # Kafka and its runtime dependencies come from Maven Central through scripts/kafka/pom.xml into .kafka/lib, and the
 # Prometheus JMX exporter agent into .kafka/agent: every node serves broker metrics (rules in
 # monitoring/prometheus/kafka-jmx.yml) on 127.0.0.1:19099 (single) and 29095-29097 (cluster), listed in
@@ -243,8 +248,9 @@ up() {
   echo "kafka.sh: single broker $SINGLE_BOOTSTRAP and cluster $CLUSTER_BOOTSTRAP ready; source $KDIR/env.sh" >&2
 }
 
-# The secure broker: TLS on its client listener (certificate from a throwaway CA made here with openssl) and
-# SASL/PLAIN logins (the broker itself as "admin", clients as "das"). Separate from the JMX/plain setup above.
+# The secure broker: TLS on its client listener (certificate from a throwaway CA made here with openssl), SASL/PLAIN
+# logins (the broker itself as "admin"; "das" for rollout writers, "das-trainer" for epoch advances, "das-replica"
+# for replicas) and the KRaft authorizer, so only what ACLs grant is allowed. Separate from the plain setup above.
 SECURE=$KDIR/secure
 SECURE_BOOTSTRAP=127.0.0.1:39092
 
@@ -267,10 +273,20 @@ secure_material() {
   touch "$SECURE/.complete"
 }
 
+# One password per line: admin, das, das-trainer, das-replica (material made before the last two gets them added).
+secure_passwords() {
+  while [ "$(wc -l <"$SECURE/passwords")" -lt 4 ]; do
+    "$PY" -c 'import secrets; print(secrets.token_urlsafe(18))' >>"$SECURE/passwords"
+  done
+}
+
 write_secure_config() {
-  local admin_pw das_pw
+  local admin_pw das_pw trainer_pw replica_pw
+  secure_passwords
   admin_pw=$(sed -n 1p "$SECURE/passwords")
   das_pw=$(sed -n 2p "$SECURE/passwords")
+  trainer_pw=$(sed -n 3p "$SECURE/passwords")
+  replica_pw=$(sed -n 4p "$SECURE/passwords")
   mkdir -p "$KDIR/config" "$KDIR/data/secure" "$KDIR/logs"
   # Only what makes this node secure differs from the plain single broker.
   cat >"$KDIR/config/secure.properties" <<EOF
@@ -284,7 +300,12 @@ inter.broker.listener.name=SASL_SSL
 listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT
 sasl.enabled.mechanisms=PLAIN
 sasl.mechanism.inter.broker.protocol=PLAIN
-listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="admin" password="$admin_pw" user_admin="$admin_pw" user_das="$das_pw";
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="admin" password="$admin_pw" user_admin="$admin_pw" user_das="$das_pw" user_das-trainer="$trainer_pw" user_das-replica="$replica_pw";
+# Only what ACLs allow (das kafka init --*-principal grants it). The controller listener is plaintext on loopback:
+# its connections are User:ANONYMOUS, which the controller must trust.
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:admin;User:ANONYMOUS
+allow.everyone.if.no.acl.found=false
 ssl.keystore.type=PKCS12
 ssl.keystore.location=$SECURE/broker.p12
 ssl.keystore.password=$admin_pw
@@ -310,6 +331,8 @@ background.threads=2
 num.recovery.threads.per.data.dir=1
 log.cleaner.threads=1
 log.cleaner.dedupe.buffer.size=16777216
+# Compaction within seconds of a segment rolling (the default checks every 15 s): tests compact topics and rebuild.
+log.cleaner.backoff.ms=1000
 EOF
   chmod 600 "$KDIR/config/secure.properties"
   cat >"$SECURE/env.sh" <<EOF
@@ -318,6 +341,9 @@ export DAS_KAFKA_SECURE_BOOTSTRAP=$SECURE_BOOTSTRAP
 export DAS_KAFKA_SECURE_CAFILE=$SECURE/ca.pem
 export DAS_KAFKA_SECURE_USERNAME=das
 export DAS_KAFKA_SECURE_PASSWORD=$das_pw
+export DAS_KAFKA_SECURE_ADMIN_PASSWORD=$admin_pw
+export DAS_KAFKA_SECURE_TRAINER_PASSWORD=$trainer_pw
+export DAS_KAFKA_SECURE_REPLICA_PASSWORD=$replica_pw
 EOF
 }
 
@@ -332,8 +358,8 @@ up_secure() {
   start_node secure
   # shellcheck disable=SC1091
   source "$SECURE/env.sh"
-  DAS_KAFKA_READY_SETTINGS=$(printf '{"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_plain_username": "das", "sasl_plain_password": "%s", "ssl_cafile": "%s"}' \
-    "$DAS_KAFKA_SECURE_PASSWORD" "$DAS_KAFKA_SECURE_CAFILE") wait_ready "$SECURE_BOOTSTRAP" 1 "" secure
+  DAS_KAFKA_READY_SETTINGS=$(printf '{"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN", "sasl_plain_username": "admin", "sasl_plain_password": "%s", "ssl_cafile": "%s"}' \
+    "$DAS_KAFKA_SECURE_ADMIN_PASSWORD" "$DAS_KAFKA_SECURE_CAFILE") wait_ready "$SECURE_BOOTSTRAP" 1 "" secure
   echo "kafka.sh: TLS + SASL broker $SECURE_BOOTSTRAP ready; source $SECURE/env.sh" >&2
 }
 
@@ -347,6 +373,10 @@ broker_name() {
 case "${1:-}" in
   up) up ;;
   up-secure) up_secure ;;
+  restart-secure)
+    stop_nodes secure
+    up_secure
+    ;;
   down) stop_nodes single c1 c2 c3 secure ;;
   stop-broker)
     name=$(broker_name "${2:-}")
@@ -370,5 +400,5 @@ case "${1:-}" in
     stop_nodes single c1 c2 c3 secure
     rm -rf "$KDIR/data" "$KDIR/config" "$KDIR/run" "$KDIR/logs" "$KDIR/env.sh" "$SECURE"
     ;;
-  *) die "usage: $0 up | up-secure | down | stop-broker N | start-broker N | status | clean" ;;
+  *) die "usage: $0 up | up-secure | restart-secure | down | stop-broker N | start-broker N | status | clean" ;;
 esac

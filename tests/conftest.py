@@ -76,11 +76,12 @@ def kafka_cluster_servers() -> list[str]:
     return _servers(CLUSTER_ENV)
 
 
-def make_topics(servers: list[str], name: str, partitions: int = 6) -> tuple[str, str]:
-    """Creates a fresh trajectory topic and its dead-letter topic for one test; returns their names."""
+def make_topics(servers: list[str], name: str, partitions: int = 6, epochs: bool = False) -> tuple[str, str]:
+    """Creates a fresh trajectory topic and its dead-letter topic for one test (with `epochs`, the control topic
+    of epoch advances too: replicas then run on advances, not samples); returns their names."""
     base = f"test.{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:80]}.{uuid.uuid4().hex[:8]}"
     topic, dlq = base, f"{base}.dlq"
-    ensure_topics(servers, topic=topic, dead_letter_topic=dlq, partitions=partitions)
+    ensure_topics(servers, topic=topic, dead_letter_topic=dlq, partitions=partitions, epochs=epochs)
     return topic, dlq
 
 
@@ -109,6 +110,26 @@ def kafka_topics(kafka_servers: list[str], request: pytest.FixtureRequest) -> It
     topic, dlq = make_topics(kafka_servers, request.node.name)
     yield topic, dlq
     drop_topics(kafka_servers, topic, dlq)
+
+
+@pytest.fixture
+def epoch_topics(kafka_servers: list[str], request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """A fresh (topic, dead-letter topic) pair on the single broker with the control topic of epoch advances
+    (`<topic>.epochs`, as `das kafka init` makes it): its replicas move windows by advances only."""
+    topic, dlq = make_topics(kafka_servers, request.node.name, epochs=True)
+    yield topic, dlq
+    drop_topics(kafka_servers, topic, dlq, f"{topic}.epochs")
+
+
+def advance(servers: list[str], topic: str, epochs: dict[str, int], **settings: object) -> None:
+    """Publishes epoch advances (problem -> epoch) as a trainer does, and waits for their acknowledgement."""
+    from pipeline.epochs import EpochPublisher
+
+    publisher = EpochPublisher(servers, topic=topic, **settings)
+    try:
+        publisher.advance(epochs)
+    finally:
+        publisher.close()
 
 
 @pytest.fixture

@@ -11,15 +11,18 @@ single broker and real stores:
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
 from conftest import end_offsets, wait_caught_up
 
 from history_store.durable import layout
-from history_store.durable.store import HistoryStore
+from history_store.durable.store import HistoryStore, exchange_folders, finish_swap
 from history_store.errors import StoreCorruptionError
 from pipeline.bus import open_bus
 from pipeline.synthetic import SyntheticShape, synthetic_records
@@ -186,3 +189,66 @@ def test_damage_to_a_running_store_is_noticed_by_the_background_verification_and
     assert (kept / damaged.name).exists()
     with HistoryStore(store) as rebuilt:
         assert rebuilt.content_digest() == digest
+
+
+def test_a_damaged_store_in_an_overlay_lower_layer_is_rebuilt_and_swapped_in(
+    kafka_servers, kafka_topics, das_processes, tmp_path
+):
+    # Container images and some volume drivers are overlays: a folder of the lower layer can be neither exchanged
+    # nor renamed (EXDEV), only the files in it. The rebuild moves the files instead, and leaves nothing behind.
+    bus_url, topic, dlq, store, digest = _compacted_replica(
+        kafka_servers, kafka_topics, das_processes, tmp_path, worker=3
+    )
+    lower, upper, work, merged = (tmp_path / n for n in ("lower", "upper", "work", "merged"))
+    for folder in (lower, upper, work, merged):
+        folder.mkdir()
+    shutil.move(store, lower / "replica")
+    damaged = _largest_sst(lower / "replica")
+    _flip_bytes(damaged)
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], check=True)
+    try:
+        store = merged / "replica"
+        (merged / "probe").mkdir()
+        with pytest.raises(OSError) as refused:  # the condition this test is about: no exchange, no rename
+            exchange_folders(merged / "probe", store)
+        assert refused.value.errno == errno.EXDEV
+        (merged / "probe").rmdir()
+        log = _replicate(das_processes, "overlay", bus_url, topic, dlq, store, kafka_servers)
+        assert "rebuilding it from topic" in log and "moving the stores' files instead" in log
+        assert "swapped in" in log and "Traceback" not in log
+        assert sorted(p.name for p in merged.iterdir() if not p.name.startswith("replica.corrupt-")) == [
+            "replica"
+        ]
+        [kept] = merged.glob("replica.corrupt-*")
+        assert (kept / damaged.name).exists()
+        assert das(["history", "verify", "--data", str(store)]) == 0
+        with HistoryStore(store) as rebuilt:
+            assert rebuilt.content_digest() == digest
+    finally:
+        subprocess.run(["umount", str(merged)], check=True)
+
+
+def test_a_swap_a_crash_interrupted_is_finished_at_the_next_start(tmp_path):
+    # What a crash leaves in the middle of a swap by moving files (`swap_in` on an overlay): the journal, part of
+    # the damaged store's files moved out. The next start finishes it, and opens the rebuilt store.
+    records = list(synthetic_records(4, 300, SHAPE))
+    store, fresh, kept = tmp_path / "replica", tmp_path / ".replica.rebuild", tmp_path / "replica.corrupt-1"
+    with HistoryStore(store) as old:
+        old.apply(records[:100])
+    with HistoryStore(fresh) as new:
+        new.apply(records)
+        digest = new.content_digest()
+    (tmp_path / ".replica.swap").write_text(
+        json.dumps({"fresh": str(fresh), "kept": str(kept), "phase": "out"})
+    )
+    kept.mkdir()
+    for entry in sorted(store.iterdir())[:3]:  # the crash came after three files
+        entry.rename(kept / entry.name)
+    assert finish_swap(store)
+    assert not fresh.exists() and not (tmp_path / ".replica.swap").exists()
+    assert not finish_swap(store)  # nothing left to finish
+    with HistoryStore(store) as opened:
+        assert opened.content_digest() == digest
+    with HistoryStore(kept) as moved:
+        assert moved.stats().trajectories == 100

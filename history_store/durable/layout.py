@@ -18,7 +18,13 @@ CF_OFFSETS = "offsets"  # topic + NUL + partition -> next offset to read (u64)
 CF_SEQUENCE = "sequence"  # u64 sequence number -> change (added or removed key), for secondary readers
 CF_QUARANTINE = "quarantine"  # trajectory key -> reason and the raw bytes that failed their check
 CF_META = "meta"  # layout version, window size, next sequence number
-COLUMN_FAMILIES = (CF_TRAJECTORIES, CF_WINDOWS, CF_OFFSETS, CF_SEQUENCE, CF_QUARANTINE, CF_META)
+# Records held back because their epoch is beyond their problem's reference epoch (what the trainer, or enough
+# samples, confirmed): same keys and values as trajectories, not in any window, never drafted from.
+CF_PENDING = "pending"
+COLUMN_FAMILIES = (CF_TRAJECTORIES, CF_WINDOWS, CF_OFFSETS, CF_SEQUENCE, CF_QUARANTINE, CF_META, CF_PENDING)
+# Families a store written before they existed may lack: readers treat a missing one as empty, and the writer
+# creates it at its next open.
+OPTIONAL_FAMILIES = frozenset({CF_PENDING})
 
 # A file beside RocksDB's own: the writer rewrites its 8 bytes (next sequence number) after every write, so a
 # reader learns "nothing new" with one pread instead of a RocksDB catch-up (milliseconds per column family).
@@ -31,6 +37,9 @@ META_NEXT_SEQUENCE = b"next_sequence"
 # + offset_key + u64 offset -> JSON {reason, error, at}: a message the replica rejected whose dead letter the
 # dead-letter topic refused for good; its coordinates are all that is left of it.
 META_UNDELIVERED = b"undelivered\x00"
+# + problem prefix -> u64: the problem's reference epoch, the newest epoch an authorised epoch advance (or, without
+# those, enough distinct samples) confirmed. Eviction follows it and nothing else; written with the offsets.
+META_REFERENCE = b"reference\x00"
 
 MAX_EPOCH = 2**32 - 1
 MAX_SAMPLE = 2**32 - 1

@@ -23,14 +23,25 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from rocksdict import AccessType, DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
+from rocksdict import (
+    AccessType,
+    DBCompressionType,
+    DBRecoveryMode,
+    Options,
+    Rdict,
+    ReadOptions,
+    WriteBatch,
+    WriteOptions,
+)
 
 from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS
 from history_store.durable import layout
@@ -122,6 +133,14 @@ class ApplyResult:
     duplicates: int = 0
     evicted: list[TrajectoryKey] = field(default_factory=list)
     stale: list[TrajectoryKey] = field(default_factory=list)
+    # `apply_judged` only. pending: keys held back this batch (their epoch is beyond their problem's reference).
+    # promoted: keys moved from pending into their window (also in `applied`). conflicts: keys already stored
+    # whose incoming copy differs in content (the stored copy is kept). references: problems whose reference
+    # epoch moved, with the new value.
+    pending: list[TrajectoryKey] = field(default_factory=list)
+    promoted: list[TrajectoryKey] = field(default_factory=list)
+    conflicts: list[TrajectoryKey] = field(default_factory=list)
+    references: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +206,7 @@ class StoreStats:
     response_tokens: int
     quarantined: int
     undelivered: int
+    pending: int
     window_epochs: int
     next_sequence: int
     max_epoch: int
@@ -250,7 +270,9 @@ class VerifyReport:
         }
 
 
-def _options(create: bool) -> tuple[Options, dict[str, Options]]:
+def _options(create: bool, path: Path | None = None) -> tuple[Options, dict[str, Options]]:
+    """Options of an open; a reader (`create` False) of the store at `path` leaves out the optional column
+    families that store does not have yet (it was written before they existed)."""
     # raw_mode must be identical on every open, or rocksdict flips the stored configuration.
     db_opts = Options(raw_mode=True)
     db_opts.create_if_missing(create)
@@ -258,7 +280,14 @@ def _options(create: bool) -> tuple[Options, dict[str, Options]]:
     db_opts.set_keep_log_file_num(3)
     # Two background jobs: this machine kind has two cores and the writer must not starve the proposer.
     db_opts.set_max_background_jobs(2)
-    families = {name: Options(raw_mode=True) for name in layout.COLUMN_FAMILIES}
+    names = layout.COLUMN_FAMILIES
+    if not create and path is not None:
+        try:
+            present = set(Rdict.list_cf(str(path), Options(raw_mode=True)))
+        except Exception:  # the open itself reports what is wrong with the folder
+            present = set(names)
+        names = tuple(n for n in names if n in present or n not in layout.OPTIONAL_FAMILIES)
+    families = {name: Options(raw_mode=True) for name in names}
     # zstd: token ids compress well (many repeated ids across samples of one problem) and ingest is I/O-light.
     families[layout.CF_TRAJECTORIES].set_compression_type(DBCompressionType.zstd())
     return db_opts, families
@@ -336,20 +365,26 @@ class _StoreReader:
     _db: Rdict | None
     path: Path
 
-    def _bind_families(self) -> None:
+    def _bind_families(self, families: Mapping[str, Options] | None = None) -> None:
         assert self._db is not None
-        self._cf = {name: self._db.get_column_family(name) for name in layout.COLUMN_FAMILIES}
-        self._handles = {name: self._db.get_column_family_handle(name) for name in layout.COLUMN_FAMILIES}
+        names = layout.COLUMN_FAMILIES if families is None else tuple(families)
+        self._cf = {name: self._db.get_column_family(name) for name in names}
+        self._handles = {name: self._db.get_column_family_handle(name) for name in names}
 
-    def _family(self, name: str) -> Rdict:
+    def _family(self, name: str) -> Rdict | None:
+        """The column family; None for an optional one this (older) store does not have yet."""
         if self._db is None:
             raise StoreOpenError(f"history store {self.path} is closed")
-        return self._cf[name]
+        family = self._cf.get(name)
+        if family is None and name not in layout.OPTIONAL_FAMILIES:
+            raise KeyError(name)
+        return family
 
     def _get(self, name: str, key: bytes) -> bytes | None:
         """One value, its block's checksum verified. Raises StoreCorruptionError on a damaged block."""
         try:
-            return self._family(name).get(key)
+            family = self._family(name)
+            return None if family is None else family.get(key)
         except StoreError:
             raise
         except Exception as exc:
@@ -363,8 +398,11 @@ class _StoreReader:
         """`_scan` over one column family; raises StoreCorruptionError on a damaged block, naming the family,
         the last key read before it and the file RocksDB reports."""
         last = start
+        family = self._family(name)
+        if family is None:
+            return
         try:
-            for key, value in _scan(self._family(name), start, end):
+            for key, value in _scan(family, start, end):
                 last = key
                 yield key, value
         except StoreError:
@@ -430,6 +468,20 @@ class _StoreReader:
         raw = self._get(layout.CF_TRAJECTORIES, key)
         return None if raw is None else self._decode(key, raw)
 
+    def get_pending(self, problem_id: str, epoch: int, sample: int) -> StoredTrajectory | None:
+        """A record held back (see `pending`), or None if not held or unreadable."""
+        key = layout.trajectory_key(problem_id, epoch, sample)
+        raw = self._get(layout.CF_PENDING, key)
+        if raw is None:
+            return None
+        try:
+            decoded = decode_trajectory(raw)
+        except CorruptRecordError:
+            return None
+        return StoredTrajectory(
+            problem_id, epoch, sample, decoded.prompt_ids, decoded.response_ids, -1, decoded.response_logprobs
+        )
+
     def iter_trajectories(self, problem_id: str | None = None) -> Iterator[StoredTrajectory]:
         """Records in key order (problem, epoch, sample), of one problem or all; corrupt ones are skipped
         (and quarantined by the writer).
@@ -482,6 +534,38 @@ class _StoreReader:
             rows.append((epoch, sample, decoded.prompt_ids.size, decoded.response_ids.size))
         return np.array(rows, dtype=WINDOW_ENTRY)
 
+    def reference(self, problem_id: str) -> int | None:
+        """The problem's reference epoch (see `HistoryStore.apply_judged`), None before the first."""
+        value = self._reference(layout.problem_prefix(problem_id))
+        return None if value < 0 else value
+
+    def _reference(self, prefix: bytes) -> int:
+        raw = self._get(layout.CF_META, layout.META_REFERENCE + prefix)
+        return -1 if raw is None else layout.decode_u64(raw)
+
+    def references(self) -> dict[str, int]:
+        """Every problem's reference epoch."""
+        start = layout.META_REFERENCE
+        return {
+            layout.decode_problem_prefix(key[len(start) :]): layout.decode_u64(raw)
+            for key, raw in self._items(layout.CF_META, start, start[:-1] + b"\x01")
+        }
+
+    def _pending_keys(self, prefix: bytes) -> list[tuple[int, int]]:
+        out = []
+        for key, _ in self._items(
+            layout.CF_PENDING, layout.epoch_bound(prefix, 0), layout.problem_end(prefix)
+        ):
+            _, epoch, sample = layout.decode_trajectory_key(key)
+            out.append((epoch, sample))
+        return out
+
+    def pending(self, problem_id: str | None = None) -> list[TrajectoryKey]:
+        """Keys of records held back (beyond their problem's reference epoch), of one problem or all."""
+        if problem_id is not None:
+            return [(problem_id, e, s) for e, s in self._pending_keys(layout.problem_prefix(problem_id))]
+        return [layout.decode_trajectory_key(key) for key, _ in self._items(layout.CF_PENDING)]
+
     def length_stats(self, problem_id: str) -> LengthStats | None:
         """Response-length statistics over the problem's window, or None if it has no records."""
         return LengthStats.from_window(self.window(problem_id))
@@ -529,8 +613,11 @@ class _StoreReader:
         damaged: list[DamagedRange] = []
         for name in layout.COLUMN_FAMILIES:
             count, last = 0, None
+            family = self._family(name)
+            if family is None:
+                continue
             try:
-                for key, _ in _scan(self._family(name)):
+                for key, _ in _scan(family):
                     count, last = count + 1, key
             except Exception as exc:
                 if not _is_corruption(exc):
@@ -606,6 +693,7 @@ class _StoreReader:
             response_tokens=response_tokens,
             quarantined=sum(1 for _ in self._keys(layout.CF_QUARANTINE)),
             undelivered=len(self.undelivered()),
+            pending=sum(1 for _ in self._keys(layout.CF_PENDING)),
             window_epochs=self.window_epochs,
             next_sequence=self.next_sequence,
             max_epoch=max_epoch,
@@ -687,6 +775,90 @@ def exchange_folders(a: Path, b: Path) -> None:
         raise OSError(code, f"cannot exchange {a} and {b}: {os.strerror(code)}", str(a))
 
 
+# Errors of a file system that cannot exchange two folders, or rename a folder at all: an overlay's lower layer
+# (EXDEV), some network and FUSE file systems (EINVAL, ENOTSUP, ENOSYS).
+_NO_EXCHANGE = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+SWAP_JOURNAL = ".{name}.swap"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_journal(journal: Path, state: dict[str, str]) -> None:
+    tmp = journal.with_name(journal.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, journal)
+    _fsync_dir(journal.parent)
+
+
+def _move_entries(source: Path, target: Path) -> None:
+    """Renames every entry of `source` into `target` (entries, not the folder: a file in an overlay's lower layer
+    is copied up and renamed, where the folder itself cannot be renamed)."""
+    for entry in sorted(os.listdir(source)):
+        os.replace(source / entry, target / entry)
+    _fsync_dir(target)
+    _fsync_dir(source)
+
+
+def swap_in(fresh: Path, path: Path, kept: Path) -> bool:
+    """Makes the store built in `fresh` the one at `path`, and keeps the old one at `kept` (which must not exist).
+
+    Exchanges the two folders in one step where the file system can (`exchange_folders`); returns True (the
+    folder now at `path` is the one that was `fresh`). Where it cannot (EXDEV on an overlay's lower layer, EINVAL
+    and the like), moves the entries instead: the old store's into `kept`, then the fresh one's into `path`, under
+    a journal `.<name>.swap` beside `path`, so that a crash at any point is finished by `finish_swap` at the next
+    start; `fresh` is removed at the end. Returns False (the folder at `path` is the same folder as before).
+    Raises OSError for other failures."""
+    try:
+        exchange_folders(fresh, path)
+    except OSError as exc:
+        if exc.errno not in _NO_EXCHANGE:
+            raise
+        log.warning(
+            "%s: the file system cannot exchange folders (%s); moving the stores' files instead",
+            path,
+            exc.strerror,
+        )
+    else:
+        os.replace(fresh, kept)  # the damaged folder, now under the fresh one's name
+        return True
+    journal = path.with_name(SWAP_JOURNAL.format(name=path.name))
+    _write_journal(journal, {"fresh": str(fresh), "kept": str(kept), "phase": "out"})
+    finish_swap(path)
+    return False
+
+
+def finish_swap(path: Path) -> bool:
+    """Completes a swap `swap_in` began by moving entries (a crash interrupted it), from its journal; returns
+    whether there was one. Idempotent: each phase moves whatever its source folder still holds."""
+    journal = path.with_name(SWAP_JOURNAL.format(name=path.name))
+    try:
+        state = json.loads(journal.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    fresh, kept = Path(state["fresh"]), Path(state["kept"])
+    if state["phase"] == "out":
+        kept.mkdir(exist_ok=True)
+        _move_entries(path, kept)
+        _write_journal(journal, {**state, "phase": "in"})
+    if fresh.exists():
+        _move_entries(fresh, path)
+        fresh.rmdir()
+    _fsync_dir(path.parent)
+    journal.unlink()
+    _fsync_dir(path.parent)
+    log.warning("%s: swapped in the rebuilt store by moving its files; the old one is at %s", path, kept)
+    return True
+
+
 class _ReadOnlyStore(_StoreReader):
     """A store opened as a read-only primary: it replays the WAL in memory and opens every table file of every
     column family (footer, index and filter read and checksummed) before it answers, so what it cannot open is
@@ -697,7 +869,7 @@ class _ReadOnlyStore(_StoreReader):
         self._db = None
         if not (self.path / "CURRENT").exists():
             raise StoreOpenError(f"{self.path} is not a history store (no RocksDB CURRENT file)")
-        db_opts, families = _options(create=False)
+        db_opts, families = _options(create=False, path=self.path)
         db_opts.set_max_open_files(-1)  # every table file opened now, not at its first read
         db_opts.set_paranoid_checks(True)
         try:
@@ -706,7 +878,7 @@ class _ReadOnlyStore(_StoreReader):
             )
         except Exception as exc:
             raise _open_error(self.path, exc) from exc
-        self._bind_families()
+        self._bind_families(families)
 
     def __enter__(self) -> _ReadOnlyStore:
         return self
@@ -715,7 +887,8 @@ class _ReadOnlyStore(_StoreReader):
 def verify_store(path: str | Path) -> VerifyReport:
     """Checks every file of the store at `path` (a running replica's too): opens it read-only as a primary,
     which opens every table file, then reads every entry of every column family with its checksum verified
-    (`VerifyReport`). A store that does not open for damage is reported, not raised: its report names the file.
+    (`VerifyReport`), and replays the write-ahead log as a normal open would (`_replay_wal`). A store that does
+    not open for damage is reported, not raised: its report names the file.
     Raises StoreOpenError if `path` is not a store or cannot be opened for another reason."""
     try:
         reader = _ReadOnlyStore(path)
@@ -726,7 +899,66 @@ def verify_store(path: str | Path) -> VerifyReport:
             str(path), {}, [DamagedRange(None, None, found and found.group(0), cause)], [], [], []
         )
     with reader:
-        return reader._verify()
+        report = reader._verify()
+    if report.ok:
+        wal = _replay_wal(Path(path))
+        if wal is not None:
+            report.damaged.append(wal)
+    return report
+
+
+# What a normal open needs besides the table files: copied, not linked (an open may rewrite or append to them).
+_OPEN_FILES = re.compile(r"^(CURRENT|IDENTITY|MANIFEST-\d+|OPTIONS-\d+|rocksdict-config\.json|\d+\.log)$")
+_TABLE_FILES = re.compile(r"^\d+\.(sst|blob)$")
+
+
+def _replay_wal(path: Path, attempts: int = 3) -> DamagedRange | None:
+    """Replays the store's write-ahead log as a normal (writer) open does, in a scratch copy beside it (table
+    files hard-linked, the rest copied; the store itself is never touched, so a running replica's store can be
+    checked). The read-only open `verify_store` makes first reads the WAL leniently: a log damaged in the middle
+    passes it while a writer's open refuses the store. Returns the damage, naming the log file, or None.
+    Raises StoreOpenError if the copy cannot be made (a table file deleted by a compaction at every attempt)."""
+    logs = sorted(f for f in os.listdir(path) if f.endswith(".log") and (path / f).stat().st_size)
+    if not logs:
+        return None
+    for attempt in range(attempts):
+        scratch = path.with_name(f".{path.name}.verify-wal-{os.getpid()}")
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            scratch.mkdir()
+            for name in os.listdir(path):
+                if _TABLE_FILES.match(name):
+                    os.link(path / name, scratch / name)
+                elif _OPEN_FILES.match(name):
+                    shutil.copyfile(path / name, scratch / name)
+        except FileNotFoundError:
+            shutil.rmtree(scratch, ignore_errors=True)
+            if attempt + 1 == attempts:
+                raise StoreOpenError(
+                    f"{path}: files changed while its WAL was being checked; try again"
+                ) from None
+            continue
+        except OSError as exc:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise StoreOpenError(f"{path}: cannot make a scratch copy to replay its WAL: {exc}") from exc
+        try:
+            db_opts, families = _options(create=True)
+            # A torn last record is what a crash (or a copy of a live store's log) leaves, and every open
+            # tolerates it; a damaged record before the end means acknowledged writes are unreadable.
+            db_opts.set_wal_recovery_mode(DBRecoveryMode.tolerate_corrupted_tail_records())
+            try:
+                Rdict(str(scratch), db_opts, column_families=families).close()
+            except Exception as exc:
+                if not _is_corruption(exc):
+                    raise StoreOpenError(f"{path}: replaying its WAL failed: {exc}") from exc
+                named = re.search(r"\d+\.log", str(exc))
+                return DamagedRange(
+                    None, None, str(path / (named.group(0) if named else logs[-1])), f"write-ahead log {exc}"
+                )
+            return None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return None
 
 
 class HistoryStore(_StoreReader):
@@ -957,6 +1189,207 @@ class HistoryStore(_StoreReader):
         STORE_APPLY_DURATION.observe(time.perf_counter() - started)
         return result
 
+    def apply_judged(
+        self,
+        records: Sequence[TrajectoryLike],
+        offsets: Mapping[tuple[str, int], int] | None = None,
+        *,
+        advances: Mapping[str, int] | None = None,
+        confirm_samples: int | None = None,
+        before_write: Callable[[ApplyResult], None] | None = None,
+    ) -> ApplyResult:
+        """Stores records against their problems' reference epochs, which no record moves: only `advances`
+        (authorised epoch advances: problem -> epoch) or, with `confirm_samples`, that many distinct samples of
+        one newer epoch. Records, references and `offsets` go in one atomic WriteBatch.
+
+        With R a problem's reference epoch and W the window: a record with R - W + 1 <= epoch <= R is stored and
+        draftable; one below is stale (not stored); one above R is held in the pending family (kept, in no
+        window, never drafted from) until R reaches its epoch. When R moves to R', epochs below R' - W + 1 leave
+        the window (`evicted`), and pending records up to R' enter it (`promoted`; those below the window are
+        dropped and reported in `evicted` too). The outcome depends only on which records and advances were
+        applied, not on their order, so a replay of the compacted topic gives what the live store holds.
+        A key already stored is a duplicate; one whose content differs is reported in `conflicts` (the stored
+        copy stays). `before_write(result)` runs once the outcome is known and before anything is written (the
+        replica sends its dead letters there); what it raises propagates and nothing is written.
+        Raises ValueError on a malformed record, advance or offset (nothing written), StoreWriteError if RocksDB
+        fails to write (nothing written).
+        """
+        if confirm_samples is not None and confirm_samples < 1:
+            raise ValueError(f"confirm_samples must be >= 1, got {confirm_samples}")
+        started = time.perf_counter()
+        window = self.window_epochs
+        result = ApplyResult()
+        batch = WriteBatch(raw_mode=True)
+        h_traj, h_seq = self._handles[layout.CF_TRAJECTORIES], self._handles[layout.CF_SEQUENCE]
+        h_pend, h_meta = self._handles[layout.CF_PENDING], self._handles[layout.CF_META]
+        problems: dict[str, _ProblemState] = {}
+        sequence = self._next_sequence
+        ingested_bytes = added_tokens = 0
+
+        def state(problem_id: str) -> _ProblemState:
+            found = problems.get(problem_id)
+            if found is None:
+                prefix = layout.problem_prefix(problem_id)
+                found = problems[problem_id] = _ProblemState(
+                    prefix,
+                    _PendingWindow(self._window_entries(prefix)),
+                    self._reference(prefix),
+                    {(e, s): None for e, s in self._pending_keys(prefix)},
+                )
+            return found
+
+        for problem_id, epoch in (advances or {}).items():
+            layout.check_epoch_sample(epoch, 0)
+            st = state(problem_id)
+            st.advance = max(st.advance, epoch)
+        for record in records:
+            layout.check_epoch_sample(record.epoch, record.sample)
+            prompt = as_token_array(record.prompt_ids, "prompt_ids")
+            response = as_token_array(record.response_ids, "response_ids")
+            logprobs = record.response_logprobs
+            if logprobs is not None:
+                logprobs = as_logprob_array(logprobs, response.size)
+            st = state(record.problem_id)
+            key = (record.problem_id, record.epoch, record.sample)
+            es = (record.epoch, record.sample)
+            raw_key = layout.record_key(st.prefix, record.epoch, record.sample)
+            if es in st.window.keys or es in st.pending:
+                result.duplicates += 1
+                if self._differs(st, es, raw_key, prompt, response, logprobs):
+                    result.conflicts.append(key)
+                continue
+            if st.reference >= 0 and record.epoch < st.reference - window + 1:
+                result.stale.append(key)
+                continue
+            if record.epoch <= st.reference:
+                batch.put(raw_key, encode_trajectory(sequence, prompt, response, logprobs), h_traj)
+                batch.put(layout.encode_u64(sequence), layout.OP_ADDED + raw_key, h_seq)
+                sequence += 1
+                st.window.add(record.epoch, record.sample, prompt.size, response.size)
+                added_tokens += response.size
+                result.applied.append(key)
+            else:
+                batch.put(raw_key, encode_trajectory(0, prompt, response, logprobs), h_pend)
+                st.pending[es] = (prompt, response, logprobs)
+                result.pending.append(key)
+            ingested_bytes += 4 * (prompt.size + response.size) + (0 if logprobs is None else logprobs.nbytes)
+
+        for problem_id, st in problems.items():
+            newest = max(st.reference, st.advance)
+            if confirm_samples is not None:
+                counts = Counter(e for e, _ in st.pending)
+                confirmed = [e for e, n in counts.items() if n >= confirm_samples]
+                if confirmed:
+                    newest = max(newest, max(confirmed))
+            if newest <= st.reference:
+                continue
+            result.references[problem_id] = newest
+            batch.put(layout.META_REFERENCE + st.prefix, layout.encode_u64(newest), h_meta)
+            min_epoch = newest - window + 1
+            if min_epoch > 0 and len(st.window.entries()) and st.window.oldest < min_epoch:
+                for epoch, sample in st.window.evict_below(min_epoch):
+                    evicted_key = layout.record_key(st.prefix, epoch, sample)
+                    batch.put(layout.encode_u64(sequence), layout.OP_REMOVED + evicted_key, h_seq)
+                    sequence += 1
+                    result.evicted.append((problem_id, epoch, sample))
+                batch.delete_range(
+                    layout.epoch_bound(st.prefix, 0), layout.epoch_bound(st.prefix, min_epoch), h_traj
+                )
+            for epoch, sample in sorted(es for es in st.pending if es[0] <= newest):
+                raw_key = layout.record_key(st.prefix, epoch, sample)
+                arrays = st.pending.pop((epoch, sample)) or self._pending_arrays(raw_key)
+                batch.delete(raw_key, h_pend)
+                if epoch < min_epoch or arrays is None:  # retired while it waited (or unreadable: dropped)
+                    result.evicted.append((problem_id, epoch, sample))
+                    continue
+                prompt, response, logprobs = arrays
+                batch.put(raw_key, encode_trajectory(sequence, prompt, response, logprobs), h_traj)
+                batch.put(layout.encode_u64(sequence), layout.OP_ADDED + raw_key, h_seq)
+                sequence += 1
+                st.window.add(epoch, sample, prompt.size, response.size)
+                added_tokens += response.size
+                result.applied.append((problem_id, epoch, sample))
+                result.promoted.append((problem_id, epoch, sample))
+
+        h_win = self._handles[layout.CF_WINDOWS]
+        for st in problems.values():
+            if st.window.changed:
+                entries = st.window.entries()
+                if len(entries):
+                    batch.put(st.prefix, encode_window(entries), h_win)
+                else:
+                    batch.delete(st.prefix, h_win)
+        self._put_offsets(batch, offsets)
+        if sequence != self._next_sequence:
+            batch.put(layout.META_NEXT_SEQUENCE, str(sequence).encode(), h_meta)
+        if before_write is not None:
+            before_write(result)
+        if batch.is_empty():
+            return result
+        self._write(batch, f"applying {len(result.applied)} records ({len(result.pending)} held back)")
+        self._next_sequence = sequence
+        self._publish_hint()
+        self._response_tokens += added_tokens - sum(st.window.evicted_tokens for st in problems.values())
+        self._publish_size()
+        RECORDS_INGESTED.inc(len(result.applied))
+        BYTES_INGESTED.inc(ingested_bytes)
+        EVICTIONS.inc(len(result.evicted))
+        STORE_APPLY_DURATION.observe(time.perf_counter() - started)
+        return result
+
+    def _put_offsets(self, batch: WriteBatch, offsets: Mapping[tuple[str, int], int] | None) -> None:
+        h_off = self._handles[layout.CF_OFFSETS]
+        for (topic, partition), offset in (offsets or {}).items():
+            if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**64:
+                raise ValueError(
+                    f"offset of {topic}/{partition} must be an integer in 0..2**64-1, got {offset!r}"
+                )
+            batch.put(layout.offset_key(topic, partition), layout.encode_u64(offset), h_off)
+
+    def _pending_arrays(self, raw_key: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        raw = self._get(layout.CF_PENDING, raw_key)
+        if raw is None:
+            return None
+        try:
+            decoded = decode_trajectory(raw)
+        except CorruptRecordError as error:
+            QUARANTINED.labels(reason=error.code).inc()
+            log.warning(
+                "history store %s: dropping corrupt pending record %r: %s", self.path, raw_key, error.reason
+            )
+            return None
+        return decoded.prompt_ids, decoded.response_ids, decoded.response_logprobs
+
+    def _differs(
+        self,
+        st: _ProblemState,
+        es: tuple[int, int],
+        raw_key: bytes,
+        prompt: np.ndarray,
+        response: np.ndarray,
+        logprobs: np.ndarray | None,
+    ) -> bool:
+        """Whether a duplicate's content differs from the copy stored (or held, or earlier in the batch)."""
+        held = st.pending.get(es)
+        if held is None:
+            family = layout.CF_TRAJECTORIES if es in st.window.keys else layout.CF_PENDING
+            raw = self._get(family, raw_key)
+            if raw is None:  # added earlier in this very batch: the batch's first copy is kept
+                return False
+            try:
+                decoded = decode_trajectory(raw)
+            except CorruptRecordError:
+                return False  # quarantined when read; not this record's concern
+            held = (decoded.prompt_ids, decoded.response_ids, decoded.response_logprobs)
+        stored_prompt, stored_response, stored_logprobs = held
+        if (stored_logprobs is None) != (logprobs is None):
+            return True
+        return not (
+            np.array_equal(stored_prompt, prompt)
+            and np.array_equal(stored_response, response)
+            and (logprobs is None or np.array_equal(stored_logprobs, logprobs))
+        )
+
     def set_aside(self, keys: Sequence[TrajectoryKey], reason: str, code: str) -> list[TrajectoryKey]:
         """Moves stored records out of their windows into the quarantine family (kept, with `reason`), in one
         batch; readers learn it from the sequence log as for a corrupt record. Returns the keys that were
@@ -1088,7 +1521,9 @@ class HistoryStore(_StoreReader):
     def compact(self) -> None:
         """Full manual compaction of every column family: drops range tombstones and evicted data."""
         for name in layout.COLUMN_FAMILIES:
-            self._family(name).compact_range(None, None)
+            family = self._family(name)
+            if family is not None:
+                family.compact_range(None, None)
 
     def __enter__(self) -> HistoryStore:
         return self
@@ -1145,6 +1580,18 @@ class _PendingWindow:
         return True
 
 
+@dataclass(slots=True)
+class _ProblemState:
+    """One problem while `apply_judged` builds its batch: window, reference epoch, the highest advance in this
+    batch, and its pending keys (values: arrays of records held in this batch, None for those stored before)."""
+
+    prefix: bytes
+    window: _PendingWindow
+    reference: int
+    pending: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray | None] | None]
+    advance: int = -1
+
+
 class HistoryReader(_StoreReader):
     """A RocksDB secondary instance of a store that another process writes.
 
@@ -1162,7 +1609,7 @@ class HistoryReader(_StoreReader):
         if not (self.path / "CURRENT").exists():
             raise StoreOpenError(f"{self.path} is not a history store (no RocksDB CURRENT file)")
         Path(secondary_dir).mkdir(parents=True, exist_ok=True)
-        db_opts, families = _options(create=False)
+        db_opts, families = _options(create=False, path=self.path)
         # A secondary instance must keep every file open: the primary may delete them after compactions.
         db_opts.set_max_open_files(-1)
         try:
@@ -1174,7 +1621,7 @@ class HistoryReader(_StoreReader):
             )
         except Exception as exc:
             raise _open_error(self.path, exc) from exc
-        self._bind_families()
+        self._bind_families(families)
         version = self._meta_int(layout.META_LAYOUT_VERSION)
         if version != layout.LAYOUT_VERSION:
             self.close()

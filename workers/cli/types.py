@@ -123,14 +123,24 @@ class integer(_Checked):  # noqa: N801 (used like the builtin `int` it replaces)
         return str(self.minimum if self.minimum is not None else 0 if self.maximum is None else self.maximum)
 
 
+# Every number flag has an upper bound: without one, 1e308 passes the parser and overflows later (a sleep, a timeout
+# in milliseconds, a thread's wait) with a traceback, or leaves a thread dead. No count, cost or rate DAS takes
+# comes near this; durations have their own, lower bound (DURATION_CEILING).
+NUMBER_CEILING = 1e12
+# Seconds (about 11.6 days): far below threading's TIMEOUT_MAX and 2**31-1 milliseconds.
+DURATION_CEILING = 1e6
+
+
 class number(_Checked):  # noqa: N801 (used like the builtin `float` it replaces)
-    """A finite real number in [minimum, maximum]; `above` makes the lower bound exclusive (durations, rates)."""
+    """A finite real number in [minimum, maximum]; `above` makes the lower bound exclusive (durations, rates).
+    Without a `maximum`, NUMBER_CEILING is the bound."""
 
     def __init__(
         self, minimum: float | None = None, maximum: float | None = None, *, above: float | None = None
     ) -> None:
         if minimum is not None and above is not None:
             raise ValueError("give minimum or above, not both")
+        maximum = NUMBER_CEILING if maximum is None else maximum
         self.minimum, self.maximum, self.above = minimum, maximum, above
         parts = []
         if above is not None:
@@ -161,8 +171,8 @@ class number(_Checked):  # noqa: N801 (used like the builtin `float` it replaces
             out.append(f"{self.minimum - 1:g}")
         if self.above is not None:
             out.append(f"{self.above:g}")
-        if self.maximum is not None:
-            out.append(f"{self.maximum + 1:g}")
+        out.append(f"{self.maximum * 2 if self.maximum > 0 else self.maximum + 1:g}")
+        out.append("1e308")
         return out
 
     def valid_example(self) -> str:
@@ -191,7 +201,9 @@ class rate(number):  # noqa: N801 (a checked type, like `number`)
 
 POSITIVE = integer(1)
 NON_NEGATIVE = integer(0)
-SECONDS = number(above=0)
+SECONDS = number(above=0, maximum=DURATION_CEILING)
+# A wait that may be 0 (a timeout: 0 gives up at once).
+TIMEOUT = number(0, DURATION_CEILING)
 RATE = rate(0.001, 1e6)
 PORT = integer(1, 65535)
 # -1 serves nothing, 0 asks the OS for a free port.

@@ -21,14 +21,14 @@ brokers answer again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import os
 import shutil
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -38,12 +38,14 @@ import numpy as np
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable.checkpoints import Checkpointer
 from history_store.durable.store import (
+    ApplyResult,
     FolderLock,
     HistoryStore,
     TrajectoryLike,
     UndeliveredMessage,
     VerifyReport,
-    exchange_folders,
+    finish_swap,
+    swap_in,
     verify_store,
 )
 from history_store.errors import StoreCorruptionError, StoreError
@@ -58,23 +60,31 @@ from monitoring.metrics import (
     STORE_VERIFY_DURATION,
     UNDELIVERED_DEAD_LETTERS,
 )
+from pipeline.bounded import OVER_BOUND_HEADER
 from pipeline.bus import EMBEDDED_TOPIC, BusMessage, TrajectorySource
 from pipeline.consumer import ReplicaPublisher
+from pipeline.epochs import EpochAdvance, decode_advance
 from pipeline.errors import BusUnavailableError
+from pipeline.schemas import TrajectoryRecord
 from pipeline.wire import (
+    DEFAULT_CONFIRM_SAMPLES,
     DEFAULT_MAX_EPOCH,
-    DEFAULT_MAX_EPOCHS_AHEAD,
     DEFAULT_MAX_RECORD_TOKENS,
     DEFAULT_MAX_SAMPLE,
-    REASON_EPOCH_AHEAD,
-    REASON_EPOCH_JUMP,
+    REASON_CONTROL,
+    REASON_DUPLICATE,
     REASON_EPOCH_RANGE,
+    REASON_OVERSIZE,
+    REASON_PARTITION,
     REASON_SAMPLE_RANGE,
     REASON_STALE,
     WireError,
     check_key,
     check_logprobs,
     decode,
+    encode_record,
+    parse_record_key,
+    partition_for,
 )
 
 log = logging.getLogger(__name__)
@@ -90,10 +100,9 @@ POLL_TIMEOUT_S = 0.2
 LAG_INTERVAL_S = 5.0
 # Waiting out an outage: first retry after this, doubling up to the maximum.
 OUTAGE_BACKOFF_S = (0.5, 10.0)
-# While its epoch moves on, a partition's consensus (the median of its problems' newest epochs) trails the
-# records of the new epoch by up to one: a record at most this far ahead of it may evict its problem's whole
-# window (that problem's own next record would evict the same).
-TRANSITION_EPOCHS = 1
+EPOCH_MODES = ("auto", "control", "samples", "trusted")
+# A replica sends a record again at most this often per run (see `Indexer._restore`).
+MAX_RESTORES_PER_KEY = 2
 
 
 T = TypeVar("T")
@@ -125,7 +134,8 @@ def rebuild_store(
 ) -> FolderLock | None:
     """Rebuilds the (closed, damaged) store at `path`, whose folder lock the caller holds in `lock`, from the
     topic, which is the source of truth: replays it from the beginning into a fresh sibling folder until caught
-    up, then exchanges the two folders in one step (`exchange_folders`). The damaged one is kept beside it as
+    up, then swaps it in (`swap_in`: one exchange of the two folders, or where the file system cannot, a journaled
+    move of their files that a crash cannot leave half done). The damaged one is kept beside it as
     `<name>.corrupt-<unix time>` for inspection.
 
     Both folders stay locked throughout, so no second writer can open either, even mid-swap. Returns the lock of
@@ -133,6 +143,8 @@ def rebuild_store(
     damaged store is then left in place, still locked by `lock`).
     """
     fresh = path.with_name(f".{path.name}.rebuild")
+    if finish_swap(path):  # a crash interrupted the last swap: it is finished, not redone
+        return lock
     shutil.rmtree(fresh, ignore_errors=True)  # a crashed rebuild's leftover: only `lock`'s holder rebuilds
     clients = connect_waiting(connect, stop)
     if clients is None:
@@ -150,12 +162,15 @@ def rebuild_store(
                 return None
             records = store.stats().trajectories
         kept = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-        exchange_folders(fresh, path)
-        os.replace(fresh, kept)  # the damaged folder, now under the fresh one's name
+        exchanged = swap_in(fresh, path, kept)
     except BaseException:
         fresh_lock.release()
         raise
-    lock.release()
+    if not exchanged:  # the files moved, not the folders: `path` is still the folder `lock` holds
+        fresh_lock.release()
+        fresh_lock = lock
+    else:
+        lock.release()
     log.warning(
         "rebuilt history store %s from topic %s: %d records in %.1f s, swapped in; the damaged store is kept at "
         "%s (delete it once inspected)",
@@ -227,38 +242,6 @@ class StoreVerifier:
                 )
 
 
-class _PartitionEpochs:
-    """The newest epoch of each problem a replica has seen in one partition, and their median (the partition's
-    consensus: where its problems are)."""
-
-    __slots__ = ("newest", "_problems_at")
-
-    def __init__(self) -> None:
-        self.newest: dict[str, int] = {}
-        self._problems_at: Tally[int] = Tally()  # epoch -> problems whose newest epoch it is
-
-    def set(self, problem: str, epoch: int) -> None:
-        self.forget(problem)
-        self.newest[problem] = epoch
-        self._problems_at[epoch] += 1
-
-    def forget(self, problem: str) -> None:
-        old = self.newest.pop(problem, None)
-        if old is not None:
-            self._problems_at[old] -= 1
-            if not self._problems_at[old]:
-                del self._problems_at[old]
-
-    def consensus(self) -> int:
-        """The lower median of the problems' newest epochs (few distinct epochs: a short walk)."""
-        half, seen = (len(self.newest) + 1) // 2, 0
-        for epoch in sorted(self._problems_at):
-            seen += self._problems_at[epoch]
-            if seen >= half:
-                return epoch
-        raise ValueError("no problem seen in this partition")
-
-
 class ReplicaListener(Protocol):
     """Told about every change the replica applied, after it is durable."""
 
@@ -295,13 +278,28 @@ class BatchReport:
     stale: int = 0
     evicted: int = 0
     tombstones: int = 0
+    held: int = 0
+    advances: int = 0
+    restored: int = 0
     dead_lettered: Tally[str] = field(default_factory=Tally)
     freshness_s: list[float] = field(default_factory=list)
 
 
 class Indexer:
-    """Applies a trajectory source to a HistoryStore. `publisher` is required for Kafka sources (dead letters
-    and tombstones); the embedded bus delivers already validated records and needs none."""
+    """Applies a trajectory source to a HistoryStore. `publisher` is required for Kafka sources (dead letters,
+    tombstones and restores); the embedded bus delivers already validated records and needs none.
+
+    `epochs` says what moves a problem's window (its reference epoch, `HistoryStore.apply_judged`):
+    - "control": only epoch advances from the control topic (`pipeline.epochs`), which only the trainer's principal
+      may write. A data record never evicts anything: one beyond its problem's reference is held back until the
+      trainer gets there;
+    - "samples": `confirm_samples` distinct samples of a newer epoch (a deployment without advances);
+    - "trusted": every record, as it arrives (the embedded bus: one process, one trust domain);
+    - "auto" (default): "control" when the source reads a control topic, "trusted" for the embedded bus,
+      else "samples".
+    The judgement is a function of which records and advances were read, not of their order, so a rebuild from the
+    compacted topic holds what a running replica holds.
+    """
 
     def __init__(
         self,
@@ -315,17 +313,19 @@ class Indexer:
         poll_timeout_s: float = POLL_TIMEOUT_S,
         publish_tombstones: bool = True,
         checkpointer: Checkpointer | None = None,
-        max_epochs_ahead: int = DEFAULT_MAX_EPOCHS_AHEAD,
         max_sample: int = DEFAULT_MAX_SAMPLE,
         max_epoch: int = DEFAULT_MAX_EPOCH,
+        epochs: str = "auto",
+        confirm_samples: int = DEFAULT_CONFIRM_SAMPLES,
     ) -> None:
         if batch_records < 1:
             raise ValueError(f"batch_records must be >= 1, got {batch_records}")
-        if min(max_epochs_ahead, max_sample, max_epoch) < 0:
-            raise ValueError(
-                "max_epochs_ahead, max_sample and max_epoch must be >= 0, got "
-                f"{max_epochs_ahead}, {max_sample}, {max_epoch}"
-            )
+        if min(max_sample, max_epoch) < 0:
+            raise ValueError(f"max_sample and max_epoch must be >= 0, got {max_sample}, {max_epoch}")
+        if epochs not in EPOCH_MODES:
+            raise ValueError(f"epochs must be one of {', '.join(EPOCH_MODES)}, got {epochs!r}")
+        if confirm_samples < 1:
+            raise ValueError(f"confirm_samples must be >= 1, got {confirm_samples}")
         self.source = source
         self.store = store
         self.publisher = publisher
@@ -335,16 +335,30 @@ class Indexer:
         self.poll_timeout_s = poll_timeout_s
         self.publish_tombstones = publish_tombstones
         self.checkpointer = checkpointer
-        self.max_epochs_ahead = max_epochs_ahead
         self.max_sample = max_sample
         self.max_epoch = max_epoch
-        self._window = store.window_epochs
-        self._partitions: dict[tuple[str, int], _PartitionEpochs] = {}
+        self.epochs = epochs
+        self.confirm_samples = confirm_samples
+        self._restores: Tally[Key] = Tally()
         self._next_lag = 0.0
 
     def start(self) -> None:
-        """Positions the source at the offsets stored with the data."""
+        """Positions the source at the offsets stored with the data and settles the epoch mode."""
         self.source.start(self.store.offsets())
+        if self.epochs == "auto":
+            if self.source.topic == EMBEDDED_TOPIC:
+                self.epochs = "trusted"
+            else:
+                self.epochs = "control" if getattr(self.source, "reads_epochs", False) else "samples"
+        log.info(
+            "epochs of %s: %s",
+            self.source.topic,
+            {
+                "control": "moved by epoch advances only",
+                "samples": f"moved by {self.confirm_samples} distinct samples of a newer epoch",
+                "trusted": "moved by every record (in-process bus)",
+            }[self.epochs],
+        )
 
     def step(self) -> BatchReport:
         """Polls and applies one batch. Raises StoreWriteError (nothing advanced) or BusError (dead letters
@@ -358,99 +372,251 @@ class Indexer:
         records: list[TrajectoryLike] = []
         published_ms: dict[Key, int] = {}
         offsets: dict[tuple[str, int], int] = {}
-        candidates: list[tuple[BusMessage, TrajectoryLike]] = []
+        advances: dict[str, int] = {}
+        tombstoned: list[Key] = []
+        control_topic = getattr(self.source, "epochs_topic", None)
+        partitions = self.source.partition_count()
+        rejected: list[tuple[BusMessage, WireError]] = []
+        by_key: dict[Key, BusMessage] = {}
         for message in messages:
             if message.topic != EMBEDDED_TOPIC:
                 offsets[(message.topic, message.partition)] = message.offset + 1
+            if message.topic == control_topic:
+                advance = self._advance(message, rejected)
+                if advance is not None:
+                    report.advances += 1
+                    advances[advance.problem_id] = max(advance.epoch, advances.get(advance.problem_id, -1))
+                continue
             record: TrajectoryLike | None = message.record
             if record is None:
                 if message.value is None:
-                    # A tombstone another replica (or this one, earlier) published; our window evicts the same.
+                    # A tombstone: from a replica, for a record an epoch advance retired (every replica drops it
+                    # by itself), or from someone else, for a record still held: that one is sent again below.
                     report.tombstones += 1
+                    with contextlib.suppress(WireError):
+                        tombstoned.append(parse_record_key(message.key or b""))
                     continue
                 try:
-                    decoded = decode(message.value, self.max_record_tokens)
-                    check_key(message.key, decoded.key)
-                    record = decoded
+                    record = self._decode(message)
                 except WireError as exc:
-                    self._dead_letter(message, exc)
-                    report.dead_lettered[exc.reason] += 1
+                    rejected.append((message, exc))
                     continue
             elif record.response_logprobs is not None:
                 # An embedded record arrives as an object, not wire bytes: the rule `decode` applies, here.
                 try:
                     check_logprobs(np.asarray(record.response_logprobs, "<f4"), len(record.response_ids))
                 except WireError as exc:
-                    self._dead_letter(message, exc)
-                    report.dead_lettered[exc.reason] += 1
+                    rejected.append((message, exc))
                     continue
-            candidates.append((message, record))
-        stale: list[Key] = []
-        for message, record, error in self._judge(candidates):
-            if error is not None:
-                self._dead_letter(message, error)
-                report.dead_lettered[error.reason] += 1
-                if error.reason == REASON_STALE:
-                    stale.append((record.problem_id, record.epoch, record.sample))
+            try:
+                self._check_range(record)
+                if message.topic != EMBEDDED_TOPIC:
+                    self._check_partition(message, record.problem_id, partitions)
+            except WireError as exc:
+                rejected.append((message, exc))
                 continue
             records.append(record)
-            published_ms.setdefault((record.problem_id, record.epoch, record.sample), message.timestamp_ms)
-        if report.dead_lettered:
-            self._flush_dead_letters()
-            log.warning(
-                "dead-lettered %d messages: %s",
-                sum(report.dead_lettered.values()),
-                dict(report.dead_lettered),
+            key = (record.problem_id, record.epoch, record.sample)
+            published_ms.setdefault(key, message.timestamp_ms)
+            by_key.setdefault(key, message)
+        for message, error in rejected:
+            self._dead_letter(message, error)
+            report.dead_lettered[error.reason] += 1
+
+        def before_write(result: ApplyResult) -> None:
+            # Dead letters are acknowledged before the offsets past them are stored: a crash may repeat one,
+            # never lose one.
+            for key in result.stale:
+                self._dead_letter(by_key[key], self._stale_error(key))
+                report.dead_lettered[REASON_STALE] += 1
+            for key in result.conflicts:
+                error = WireError(
+                    REASON_DUPLICATE,
+                    f"record {key!r:.120} is already stored with other content; the stored copy stays (and is sent "
+                    "again, so that compaction keeps it)",
+                )
+                self._dead_letter(by_key[key], error)
+                report.dead_lettered[REASON_DUPLICATE] += 1
+            if report.dead_lettered:
+                self._flush_dead_letters()
+                log.warning(
+                    "dead-lettered %d messages: %s",
+                    sum(report.dead_lettered.values()),
+                    dict(report.dead_lettered),
+                )
+
+        if self.epochs == "trusted":
+            result = self.store.apply(records, offsets)
+            before_write(result)  # trusted records (the embedded bus) are never stale or conflicting here
+        else:
+            result = self.store.apply_judged(
+                records,
+                offsets,
+                advances=advances,
+                confirm_samples=self.confirm_samples if self.epochs == "samples" else None,
+                before_write=before_write,
             )
-        result = self.store.apply(records, offsets)
         report.applied, report.duplicates = len(result.applied), result.duplicates
-        report.stale, report.evicted = len(stale) + len(result.stale), len(result.evicted)
+        report.stale, report.evicted, report.held = (
+            len(result.stale),
+            len(result.evicted),
+            len(result.pending),
+        )
         if report.stale:
             STALE_RECORDS.inc(report.stale)
             log.info(
                 "dropped %d stale records (their epoch is below their problem's window), e.g. %s",
                 report.stale,
-                (stale or result.stale)[0],
+                result.stale[0],
+            )
+        if report.held:
+            log.info(
+                "held back %d records beyond their problem's reference epoch (e.g. %s): stored, not drafted "
+                "from, until the trainer's epoch gets there",
+                report.held,
+                result.pending[0],
             )
         if result.applied and self.listeners:
-            pending = set(result.applied)
-            fresh = []
-            for r in records:  # in batch order; a key repeated in the batch was applied once, its first copy
-                key = (r.problem_id, r.epoch, r.sample)
-                if key in pending:
-                    pending.discard(key)
-                    fresh.append(r)
             for listener in self.listeners:
-                listener.on_applied(fresh)
+                listener.on_applied(self._applied_records(records, result))
         if result.evicted:
             for listener in self.listeners:
                 listener.on_evicted(result.evicted)
         now_ms = time.time() * 1000
         for key in result.applied:
-            seconds = max(0.0, (now_ms - published_ms[key]) / 1000)
-            FRESHNESS.observe(seconds)
-            report.freshness_s.append(seconds)
+            if key in published_ms:
+                seconds = max(0.0, (now_ms - published_ms[key]) / 1000)
+                FRESHNESS.observe(seconds)
+                report.freshness_s.append(seconds)
         if self.publish_tombstones and self.publisher is not None:
-            # Every batch, evictions or not: it also sends again the tombstones an outage held back. A stale
-            # record gets one too: no replica stores it, so the compacted topic should not keep it either.
-            self.publisher.tombstones(
-                self.source.topic, self.source.partition_count(), [*result.evicted, *stale]
-            )
+            # Every batch, evictions or not: it also sends again the tombstones an outage held back. Only records
+            # an epoch advance (or, without advances, enough samples) retired get one.
+            self.publisher.tombstones(self.source.topic, partitions, [*result.evicted, *result.stale])
+            report.restored = self._restore([*tombstoned, *result.conflicts], partitions)
         if offsets:
             self.source.commit(offsets)
         if self.checkpointer is not None:
             self.checkpointer.after_apply(result.applied)
         log.debug(
-            "batch: messages=%d applied=%d duplicates=%d stale=%d evicted=%d tombstones=%d dead_lettered=%d",
+            "batch: messages=%d applied=%d held=%d duplicates=%d stale=%d evicted=%d tombstones=%d advances=%d "
+            "restored=%d dead_lettered=%d",
             report.messages,
             report.applied,
+            report.held,
             report.duplicates,
             report.stale,
             report.evicted,
             report.tombstones,
+            report.advances,
+            report.restored,
             sum(report.dead_lettered.values()),
         )
         return report
+
+    def _applied_records(
+        self, records: Sequence[TrajectoryLike], result: ApplyResult
+    ) -> list[TrajectoryLike]:
+        """The records newly in windows, in the order applied: the batch's own, then those promoted from the
+        held-back records (read back from the store)."""
+        pending = set(result.applied)
+        fresh: list[TrajectoryLike] = []
+        for r in records:  # a key repeated in the batch was applied once, its first copy
+            key = (r.problem_id, r.epoch, r.sample)
+            if key in pending:
+                pending.discard(key)
+                fresh.append(r)
+        for key in result.applied:
+            if key in pending:
+                stored = self.store.get(*key)
+                if stored is not None:
+                    fresh.append(stored)
+        return fresh
+
+    def _decode(self, message: BusMessage) -> TrajectoryLike:
+        """The record in a Kafka message. Raises WireError."""
+        headers = dict(message.headers)
+        if OVER_BOUND_HEADER in headers:
+            raise WireError(REASON_OVERSIZE, headers[OVER_BOUND_HEADER].decode("utf-8", "replace"))
+        decoded = decode(message.value, self.max_record_tokens)
+        check_key(message.key, decoded.key)
+        return decoded
+
+    def _advance(
+        self, message: BusMessage, rejected: list[tuple[BusMessage, WireError]]
+    ) -> EpochAdvance | None:
+        """The epoch advance a control-topic message carries, or None (dead-lettered: `control`)."""
+        try:
+            advance = decode_advance(message.key, message.value)
+        except ValueError as exc:
+            rejected.append((message, WireError(REASON_CONTROL, f"not an epoch advance: {exc}")))
+            return None
+        try:
+            if advance.epoch > self.max_epoch:
+                raise WireError(
+                    REASON_EPOCH_RANGE,
+                    f"epoch advance to {advance.epoch} is beyond this replica's limit {self.max_epoch} (--max-epoch)",
+                )
+            control_partitions = self.source.control_partition_count()  # type: ignore[attr-defined]
+            self._check_partition(message, advance.problem_id, control_partitions)
+        except WireError as exc:
+            rejected.append((message, exc))
+            return None
+        return advance
+
+    @staticmethod
+    def _check_partition(message: BusMessage, problem_id: str, partitions: int) -> None:
+        """Raises WireError(partition) unless the message is in its problem's partition: tombstones, restores and
+        compaction work per partition, and a problem's records are ordered only within its own."""
+        want = partition_for(problem_id, partitions)
+        if message.partition != want:
+            raise WireError(
+                REASON_PARTITION,
+                f"problem {problem_id!r:.80} belongs in partition {want} of {message.topic}, not {message.partition}",
+            )
+
+    def _stale_error(self, key: Key) -> WireError:
+        reference = self.store.reference(key[0])
+        window = self.store.window_epochs
+        return WireError(
+            REASON_STALE,
+            f"epoch {key[1]} is below the window of its problem (reference epoch {reference}, {window} epochs "
+            "kept): a late or reordered record",
+        )
+
+    def _restore(self, keys: Sequence[Key], partitions: int) -> int:
+        """Sends again each record in `keys` that this replica holds (in a window, or held back) and that no epoch
+        advance retired, after a message that compaction would let replace it. At most twice per key per run:
+        two replicas that disagree on a record (one rebuilt while compaction had already dropped the first copy)
+        then stop instead of answering each other forever. Returns how many were sent."""
+        assert self.publisher is not None
+        sent = 0
+        for key in keys:
+            if self._restores[key] >= MAX_RESTORES_PER_KEY:
+                continue
+            stored = self.store.get(*key) or self.store.get_pending(*key)
+            if stored is None:
+                continue
+            record = TrajectoryRecord(
+                problem_id=key[0],
+                epoch=key[1],
+                sample=key[2],
+                prompt_ids=stored.prompt_ids.tolist(),
+                response_ids=stored.response_ids.tolist(),
+                response_logprobs=None
+                if stored.response_logprobs is None
+                else stored.response_logprobs.tolist(),
+            )
+            self.publisher.restore(self.source.topic, partitions, key, encode_record(record))
+            self._restores[key] += 1
+            sent += 1
+        if sent:
+            log.warning(
+                "sent %d stored records again (e.g. %s): a tombstone no epoch advance justifies, or another copy "
+                "of their key, would otherwise replace them when the topic is compacted",
+                sent,
+                keys[0],
+            )
+        return sent
 
     def run(
         self, stop: threading.Event, until_caught_up: bool = False, verifier: StoreVerifier | None = None
@@ -511,110 +677,8 @@ class Indexer:
         finally:
             self.source.close()
 
-    def _judge(
-        self, candidates: Sequence[tuple[BusMessage, TrajectoryLike]]
-    ) -> Iterator[tuple[BusMessage, TrajectoryLike, WireError | None]]:
-        """Each decoded record with the reason it must not be stored (None: store it), in batch order.
-
-        A record is judged against its own problem's newest epoch and against its partition's consensus: the
-        median of the newest epochs of the problems this replica has seen in that partition (a problem's
-        records all share one partition, in order). So one record, or a few, cannot move the reference, and
-        problems other than its own cannot either. Refused are: an epoch more than `max_epochs_ahead` beyond
-        the consensus (`epoch_ahead`); one that would evict its problem's whole window while the consensus is
-        not there (`epoch_jump`); one already below its problem's window (`stale`). A problem new to the
-        replica counts with the lowest epoch its records in this batch carry, so an empty replica has a
-        consensus too (one hostile first record of a problem is outvoted by the problem's own later records
-        and by the other problems of its partition).
-        """
-        epochs: dict[str, list[int]] = {}
-        for _, record in candidates:
-            epochs.setdefault(record.problem_id, []).append(record.epoch)
-        provisional: dict[str, _PartitionEpochs] = {}
-        for message, record in candidates:
-            part = self._partitions.setdefault((message.topic, message.partition), _PartitionEpochs())
-            problem = record.problem_id
-            if problem not in part.newest:
-                self._reference(part, problem, epochs[problem], provisional)
-            newest = None if problem in provisional else part.newest[problem]
-            if newest is not None and record.epoch < newest - self._window + 1:
-                newest = self._outvote(part, problem, record.epoch, epochs[problem], provisional)
-            try:
-                self._check_identity(record, newest, part.consensus())
-            except WireError as exc:
-                yield message, record, exc
-                continue
-            provisional.pop(problem, None)
-            part.set(problem, record.epoch if newest is None else max(newest, record.epoch))
-            yield message, record, None
-        for problem, part in provisional.items():  # every record of it refused: it counts no more
-            part.forget(problem)
-
-    def _reference(
-        self,
-        part: _PartitionEpochs,
-        problem: str,
-        epochs: list[int],
-        provisional: dict[str, _PartitionEpochs],
-    ) -> None:
-        """Enters a problem into its partition's consensus: at its newest stored epoch, else (new to this
-        replica) provisionally at the lowest epoch its records in this batch carry."""
-        window = self.store.window(problem)
-        if len(window):
-            part.set(problem, int(window["epoch"].max()))
-        else:
-            part.set(problem, min(epochs))
-            provisional[problem] = part
-
-    def _outvote(
-        self,
-        part: _PartitionEpochs,
-        problem: str,
-        epoch: int,
-        epochs: list[int],
-        provisional: dict[str, _PartitionEpochs],
-    ) -> int | None:
-        """A record would be stale: unless its problem's own newest epoch is the outlier. That is what one
-        hostile record makes of itself when it is the first an empty replica reads (nothing to judge it against
-        yet). Its stored records beyond the partition's consensus (counting the problem at `epoch`) are set aside
-        (quarantined, kept) when this batch holds more records of the problem that agree with the consensus
-        than there are of them. Returns the problem's newest epoch after that (None: no stored record left)."""
-        newest = part.newest[problem]
-        part.set(problem, epoch)
-        consensus = part.consensus()
-        part.set(problem, newest)
-        limit = consensus + self.max_epochs_ahead
-        window = self.store.window(problem)
-        outliers = [
-            (problem, int(e), int(s))
-            for e, s in zip(window["epoch"], window["sample"], strict=True)
-            if e > limit
-        ]
-        agreeing = sum(1 for e in epochs if e <= limit)
-        if not outliers or len(outliers) >= agreeing or int(window["epoch"].max()) != newest:
-            return newest
-        moved = self.store.set_aside(
-            outliers,
-            f"outvoted: epoch beyond {limit}, where {agreeing} later records of its problem are",
-            "epoch_outlier",
-        )
-        for listener in self.listeners:
-            listener.on_evicted(moved)
-        log.warning(
-            "set aside %d records of problem %r at epochs %s (quarantined): %d later records of the problem are at "
-            "or below epoch %d, its partition's consensus plus --max-epochs-ahead",
-            len(moved),
-            problem,
-            sorted({k[1] for k in moved}),
-            agreeing,
-            limit,
-        )
-        part.forget(problem)
-        self._reference(part, problem, epochs, provisional)
-        return None if problem in provisional else part.newest[problem]
-
-    def _check_identity(self, record: TrajectoryLike, newest: int | None, consensus: int) -> None:
-        """Raises WireError if the record's identity would harm the replica's history; `newest` is its problem's
-        newest stored epoch (None: none yet), `consensus` its partition's (see `_judge`)."""
+    def _check_range(self, record: TrajectoryLike) -> None:
+        """Raises WireError if the record's sample or epoch is beyond this replica's limits."""
         if record.sample > self.max_sample:
             raise WireError(
                 REASON_SAMPLE_RANGE,
@@ -624,27 +688,6 @@ class Indexer:
             raise WireError(
                 REASON_EPOCH_RANGE,
                 f"epoch {record.epoch} is beyond this replica's limit {self.max_epoch} (--max-epoch)",
-            )
-        if record.epoch > consensus + self.max_epochs_ahead:
-            raise WireError(
-                REASON_EPOCH_AHEAD,
-                f"epoch {record.epoch} is {record.epoch - consensus} beyond epoch {consensus}, where the problems "
-                f"of its partition are (limit {self.max_epochs_ahead}, --max-epochs-ahead): storing it would "
-                "evict its problem's history",
-            )
-        if newest is None:
-            return
-        if record.epoch < newest - self._window + 1:
-            raise WireError(
-                REASON_STALE,
-                f"epoch {record.epoch} is below the window of its problem (newest epoch {newest}, "
-                f"{self._window} epochs kept): a late or reordered record",
-            )
-        if record.epoch - newest >= self._window and record.epoch > consensus + TRANSITION_EPOCHS:
-            raise WireError(
-                REASON_EPOCH_JUMP,
-                f"epoch {record.epoch} would evict every stored epoch of its problem (newest {newest}, window "
-                f"{self._window}) while the problems of its partition are at epoch {consensus}",
             )
 
     def _flush_dead_letters(self) -> None:

@@ -66,9 +66,13 @@ def read_rows(folder: Path) -> Iterator[DumpRow]:
                 prompt, response = item["input"], item["output"]
                 if not isinstance(prompt, str) or not isinstance(response, str):
                     raise TypeError("input and output must be strings")
+                row_step = item.get("step")  # absent or null: the file's own step
+                row_step = step if row_step is None else row_step
+                if isinstance(row_step, bool) or not isinstance(row_step, int) or row_step < 0:
+                    raise TypeError(f"step must be a whole number >= 0, got {row_step!r:.40}")
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a verl rollout dump line ({exc})") from exc
-            yield DumpRow(int(item.get("step", step)), prompt, response)
+            yield DumpRow(row_step, prompt, response)
 
 
 def problem_id(prompt: str) -> str:

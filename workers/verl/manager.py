@@ -19,6 +19,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.protocol import DataProto
 from verl.utils.ray_utils import auto_await
 
+from pipeline.epochs import advance_rows, trainer_epoch_publisher
+
 # Registers `das_agent` wherever this module is imported: the driver and, by unpickling the worker class
 # below, every agent loop worker process.
 from workers.verl import agent_loop as _agent_loop  # noqa: F401
@@ -62,11 +64,16 @@ class DasAgentLoopManager(AgentLoopManager):
         self.agent_loop_workers_class = ray.remote(DasAgentLoopWorker)
         super().__init__(*args, **kwargs)
         self.das = BatchAnnotator(ledger_from_config(self.config))
+        # The ledger's epochs, to the replicas: the only thing that moves their history windows.
+        self.das_epochs = trainer_epoch_publisher(self.config.get("das"))
 
     @auto_await
     async def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Annotates the batch, then runs verl's dispatch to the agent loop workers."""
         annotate(prompts, self.das)
+        advance_rows(
+            self.das_epochs, prompts.non_tensor_batch[PROBLEM_FIELD], prompts.non_tensor_batch[EPOCH_FIELD]
+        )
         prefetch_placed(self.llm_client._load_balancer, prompts.non_tensor_batch[PROBLEM_FIELD])
         return await super().generate_sequences(prompts)
 

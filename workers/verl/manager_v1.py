@@ -16,6 +16,8 @@ from tensordict import TensorDict
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 from verl.utils import tensordict_utils as tu
 
+from pipeline.epochs import advance_rows, trainer_epoch_publisher
+
 # Registers `das_agent` wherever this module is imported: the driver and every agent loop worker process.
 from workers.verl import agent_loop as _agent_loop  # noqa: F401
 from workers.verl.identity import (
@@ -62,10 +64,13 @@ class DasAgentLoopManagerTQ(AgentLoopManagerTQ):
         super().__init__(*args, **kwargs)
         self.agent_loop_workers_class = ray.remote(DasAgentLoopWorkerTQ)
         self.das = BatchAnnotator(ledger_from_config(self.config))
+        # The ledger's epochs, to the replicas: the only thing that moves their history windows.
+        self.das_epochs = trainer_epoch_publisher(self.config.get("das"))
 
     def generate_sequences(self, prompts: TensorDict) -> None:
         """Annotates the batch, then dispatches it to verl's agent loop workers."""
         annotate_tq(prompts, self.das, int(self.rollout_config.n))
+        advance_rows(self.das_epochs, tu.get(prompts, PROBLEM_FIELD), tu.get(prompts, EPOCH_FIELD))
         prefetch_placed(self.llm_client._load_balancer, tu.get(prompts, PROBLEM_FIELD))
         super().generate_sequences(prompts)
 

@@ -183,12 +183,17 @@ def verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), sort_keys=True))
     elif report.ok:
-        print(f"{args.data}: ok ({sum(report.entries.values())} entries read, every checksum verified)")
+        print(
+            f"{args.data}: ok ({sum(report.entries.values())} entries read, every checksum verified, the "
+            "write-ahead log replayed)"
+        )
     else:
         for damage in report.damaged:
             where = (
                 f"{damage.family} after key {damage.after_key}"
                 if damage.family
+                else "write-ahead log (an open would drop every write from there on)"
+                if damage.error.startswith("write-ahead log")
                 else "a file, the store does not open"
             )
             print(f"damaged: {where}: {damage.error}")

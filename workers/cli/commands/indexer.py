@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from workers.cli.commands.kafka import add_bus_arguments, kafka_client
-from workers.cli.types import NON_NEGATIVE, POSITIVE, SECONDS, add_metrics_arguments
+from workers.cli.types import NON_NEGATIVE, POSITIVE, SECONDS, add_metrics_arguments, integer
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
 
 def register(cli: Any) -> None:
     from pipeline.wire import (
+        DEFAULT_CONFIRM_SAMPLES,
         DEFAULT_MAX_EPOCH,
-        DEFAULT_MAX_EPOCHS_AHEAD,
         DEFAULT_MAX_RECORD_TOKENS,
         DEFAULT_MAX_SAMPLE,
     )
@@ -70,11 +70,19 @@ def register(cli: Any) -> None:
         help="records applied per RocksDB write (default: workers.replica.service.DEFAULT_BATCH_RECORDS, 500)",
     )
     p.add_argument(
-        "--max-epochs-ahead",
-        type=NON_NEGATIVE,
-        default=DEFAULT_MAX_EPOCHS_AHEAD,
-        help="records more epochs than this beyond the epoch of their partition's problems (the median of their "
-        f"newest epochs) are dead-lettered: they would evict history (default {DEFAULT_MAX_EPOCHS_AHEAD})",
+        "--epochs",
+        choices=["auto", "control", "samples"],
+        default="auto",
+        help="what moves a problem's history window: epoch advances from the trainer on the control topic "
+        "<topic>.epochs (control), or enough distinct samples of a newer epoch (samples); auto: control when that "
+        "topic exists. No single record ever evicts history",
+    )
+    p.add_argument(
+        "--confirm-samples",
+        type=integer(2, 1 << 20),
+        default=DEFAULT_CONFIRM_SAMPLES,
+        help="--epochs samples: distinct samples of a newer epoch that move its problem's window there "
+        f"(default {DEFAULT_CONFIRM_SAMPLES}; at most the samples per problem and epoch, RL's n)",
     )
     p.add_argument(
         "--max-sample",
@@ -86,8 +94,8 @@ def register(cli: Any) -> None:
         "--max-epoch",
         type=NON_NEGATIVE,
         default=DEFAULT_MAX_EPOCH,
-        help="records with a larger epoch are dead-lettered, whatever the store holds: the guard of an empty "
-        f"replica, which has no newest epoch yet (default {DEFAULT_MAX_EPOCH})",
+        help="records (and epoch advances) with a larger epoch are dead-lettered instead of held back until the "
+        f"trainer gets there (default {DEFAULT_MAX_EPOCH})",
     )
     p.add_argument(
         "--verify-every",
@@ -107,7 +115,7 @@ def _one_line_for_kafka_client_errors(record: logging.LogRecord) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from history_store.durable.store import FolderLock
+    from history_store.durable.store import FolderLock, finish_swap
     from history_store.errors import StoreCorruptionError
     from monitoring.server import start_from_args
     from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
@@ -141,14 +149,21 @@ def run(args: argparse.Namespace) -> int:
 
     def connect() -> tuple[KafkaTrajectorySource, ReplicaPublisher]:
         return (
-            KafkaTrajectorySource(servers, topic=args.topic, group_id=args.replica, **settings),
+            KafkaTrajectorySource(
+                servers,
+                topic=args.topic,
+                group_id=args.replica,
+                epochs={"auto": None, "control": True, "samples": False}[args.epochs],
+                **settings,
+            ),
             ReplicaPublisher(servers, replica=args.replica, dead_letter_topic=args.dlq_topic, **settings),
         )
 
     limits = {
         "max_record_tokens": args.max_record_tokens,
         "batch_records": args.batch_records or DEFAULT_BATCH_RECORDS,
-        "max_epochs_ahead": args.max_epochs_ahead,
+        "epochs": args.epochs,
+        "confirm_samples": args.confirm_samples,
         "max_sample": args.max_sample,
         "max_epoch": args.max_epoch,
     }
@@ -156,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     # gets in while this one repairs the store.
     lock = FolderLock(Path(args.data))
     try:
+        finish_swap(Path(args.data))  # a crash in the middle of swapping in a rebuilt store: finish it first
         while not stop.is_set():
             try:
                 replicate(args, lock, connect, limits, stop)

@@ -16,9 +16,12 @@ import time
 from typing import Any
 
 from pipeline.schemas import MAX_EPOCH
-from workers.cli.types import NON_NEGATIVE, POSITIVE, RATE, SECONDS, add_json_flag, integer, number
+from workers.cli.types import NON_NEGATIVE, POSITIVE, RATE, SECONDS, TIMEOUT, add_json_flag, integer
 
 BUS_ENV = "DAS_BUS"
+# Kafka's own ceiling on a topic's partitions is far lower in practice; this one keeps the request's 32-bit field
+# (and the brokers) from ever seeing a number they cannot hold.
+MAX_PARTITIONS = 100_000
 # A one-shot command (init, dlq, load) has a person waiting: brokers that answer at all answer within seconds,
 # so it gives up on bootstrapping after this instead of kafka-python's 30 s (bootstrap_timeout_ms overrides it).
 ONE_SHOT_BOOTSTRAP_MS = 5000
@@ -39,6 +42,14 @@ def add_bus_arguments(parser: argparse.ArgumentParser, default: str | None = Non
         metavar="KEY=VALUE",
         help="kafka-python client setting passed through (TLS/SASL), repeatable",
     )
+
+
+def principal(raw: str) -> str:
+    """A Kafka principal, `User:NAME` (argparse type)."""
+    kind, sep, name = raw.partition(":")
+    if not sep or kind != "User" or not name or any(c in name for c in ",;= \t"):
+        raise argparse.ArgumentTypeError(f"expected a principal like User:das, got {raw!r}")
+    return raw
 
 
 def kafka_settings(pairs: list[str]) -> dict[str, object]:
@@ -90,7 +101,37 @@ def register(cli: Any) -> None:
     add_bus_arguments(p)
     p.add_argument("--topic", default="das.trajectories", help="trajectory topic")
     p.add_argument("--dlq-topic", default="das.trajectories.dlq", help="dead-letter topic")
-    p.add_argument("--partitions", type=POSITIVE, default=6, help="partitions of both topics (default 6)")
+    p.add_argument(
+        "--partitions",
+        type=integer(1, MAX_PARTITIONS),
+        default=6,
+        help=f"partitions of the topics (default 6, at most {MAX_PARTITIONS})",
+    )
+    p.add_argument(
+        "--no-epochs-topic",
+        action="store_true",
+        help="do not create the control topic <topic>.epochs of epoch advances (replicas then move each "
+        "problem's window by samples: das indexer run --epochs samples)",
+    )
+    for role, what in (
+        ("rollout", "Write on the trajectory topic (agent loops, das rollout)"),
+        ("trainer", "Write on the control topic (epoch advances: verl's DAS manager, das rollout)"),
+        (
+            "replica",
+            "Read on every topic, Write on the dead-letter and trajectory topics, Read on the replica groups",
+        ),
+    ):
+        p.add_argument(
+            f"--{role}-principal",
+            metavar="User:NAME",
+            type=principal,
+            help=f"grant this principal {what}; needs the brokers' authorizer and a super user's login",
+        )
+    p.add_argument(
+        "--replica-groups",
+        default="das-replica-",
+        help="prefix of the replicas' consumer groups (their --replica names) that --replica-principal may use",
+    )
     p.add_argument(
         "--replication-factor",
         type=POSITIVE,
@@ -145,13 +186,13 @@ def register(cli: Any) -> None:
     )
     p.add_argument(
         "--publish-timeout-s",
-        type=number(0),
+        type=TIMEOUT,
         default=60.0,
         help="how long a publish waits for room while the brokers are away before the load stops (default 60)",
     )
     p.add_argument(
         "--close-timeout-s",
-        type=number(0),
+        type=TIMEOUT,
         default=60.0,
         help="how long the end waits for acknowledgements; unconfirmed records are counted unknown (default 60)",
     )
@@ -187,7 +228,7 @@ def dlq(args: argparse.Namespace) -> int:
 
 
 def init(args: argparse.Namespace) -> int:
-    from pipeline.topics import ensure_topics
+    from pipeline.topics import Principals, ensure_topics, grant
 
     servers, settings = kafka_client(args, one_shot=True)
     states = ensure_topics(
@@ -196,21 +237,36 @@ def init(args: argparse.Namespace) -> int:
         dead_letter_topic=args.dlq_topic,
         partitions=args.partitions,
         replication_factor=args.replication_factor,
+        epochs=not args.no_epochs_topic,
         **settings,
     )
+    principals = Principals(
+        args.rollout_principal, args.trainer_principal, args.replica_principal, args.replica_groups
+    )
+    granted = grant(servers, principals, topic=args.topic, dead_letter_topic=args.dlq_topic, **settings)
     if args.json:
-        print(json.dumps({"topics": [dataclasses.asdict(s) for s in states]}))
+        print(json.dumps({"topics": [dataclasses.asdict(s) for s in states], "acls": granted}))
     else:
         for s in states:
             print(
                 f"{s.name}: {s.action} ({s.partitions} partitions, replication factor {s.replication_factor})"
             )
+        if granted:
+            print(f"{granted} ACLs granted: " + ", ".join(
+                f"{role} {name}" for role, name in dataclasses.asdict(principals).items()
+                if name and role != "replica_groups"
+            ))  # fmt: skip
     return 0
 
 
 def load(args: argparse.Namespace) -> int:
     """Publishes, then prints one JSON summary whose counts are exact: acknowledged + refused + unknown equals
-    published, and `not_taken` counts the record refused by backpressure (publishing stops there)."""
+    published, and `not_taken` counts the record refused by backpressure (publishing stops there).
+
+    Where the topic has a control topic, it plays the trainer too: before a problem's first record of an epoch,
+    it publishes (and waits for) that problem's epoch advance, with the trainer's login where
+    DAS_KAFKA_CONTROL_SASL_USERNAME/PASSWORD are set (`advances` in the summary)."""
+    from pipeline.epochs import epoch_publisher
     from pipeline.errors import BusBackpressureError, BusDeliveryError
     from pipeline.producer import KafkaBus
     from pipeline.synthetic import SyntheticShape, synthetic_records
@@ -226,6 +282,13 @@ def load(args: argparse.Namespace) -> int:
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
     servers, settings = kafka_client(args, one_shot=True)
     bus = KafkaBus(servers, topic=args.topic, publish_timeout_s=args.publish_timeout_s, **settings)
+    try:
+        epochs = epoch_publisher(servers, args.topic, **settings)
+    except BaseException:
+        bus.close(0)
+        raise
+    advanced: dict[str, int] = {}
+    sent_advances = 0
     error: Exception | None = None
     not_taken = 0
     started = time.perf_counter()
@@ -235,9 +298,19 @@ def load(args: argparse.Namespace) -> int:
                 delay = started + n / args.rate - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
+            if epochs is not None and advanced.get(record.problem_id, -1) < record.epoch:
+                epochs.advance({record.problem_id: record.epoch})
+                advanced[record.problem_id] = record.epoch
+                sent_advances += 1
             bus.publish(record)
     except BusBackpressureError as exc:
         error, not_taken = exc, 1
+    except BaseException:
+        bus.close(0)
+        raise
+    finally:
+        if epochs is not None:
+            epochs.close()
     try:
         report = bus.close(args.close_timeout_s)
     except BusDeliveryError as exc:
@@ -249,6 +322,7 @@ def load(args: argparse.Namespace) -> int:
         "seconds": round(seconds, 3),
         "records_per_s": round(report.published / seconds, 1),
         "wire_bytes": bus.wire_bytes,
+        "advances": sent_advances,
     }
     print(json.dumps(summary), flush=True)
     if error is not None:

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.trace_files import trace_line, trace_writer
+from pipeline.trace_files import check_writable, trace_line, trace_writer
 from workers.cli.commands.rollout import _problems, shard
 from workers.cli.types import (
     NON_NEGATIVE,
@@ -88,6 +88,7 @@ def _learn(args: argparse.Namespace) -> int:
         if not args.json:
             print(json.dumps(line), flush=True)
 
+    check_writable(args.out)  # before the engine starts, not after the epochs
     scratch = tempfile.TemporaryDirectory(prefix="das-learn-") if args.work_dir is None else None
     work_dir = Path(scratch.name) if scratch is not None else args.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)

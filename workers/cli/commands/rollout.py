@@ -189,7 +189,10 @@ def engine_options(args: argparse.Namespace) -> Any:
 
 
 def _loop(
-    args: argparse.Namespace, problems: list[Any], sink: Callable[[Any], None] | None
+    args: argparse.Namespace,
+    problems: list[Any],
+    sink: Callable[[Any], None] | None,
+    advance: Callable[[dict[str, int]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Builds the engine and runs the epochs; returns the per-epoch reports."""
     from workers.rollout.worker import build_engine, shutdown_engine
@@ -198,13 +201,17 @@ def _loop(
     os.environ["DAS_BUDGET"] = args.budget
     llm = build_engine(options)
     try:
-        return _epochs(args, llm, problems, sink)
+        return _epochs(args, llm, problems, sink, advance)
     finally:
         shutdown_engine(llm)
 
 
 def _epochs(
-    args: argparse.Namespace, llm: Any, problems: list[Any], sink: Callable[[Any], None] | None
+    args: argparse.Namespace,
+    llm: Any,
+    problems: list[Any],
+    sink: Callable[[Any], None] | None,
+    advance: Callable[[dict[str, int]], None] | None = None,
 ) -> list[dict[str, Any]]:
     from workers.rollout.worker import RolloutWorker
 
@@ -212,6 +219,8 @@ def _epochs(
     reports = []
     for nth in range(args.epochs):
         sampling = {"temperature": epoch_temperature(args, nth), "max_tokens": args.max_tokens}
+        if advance is not None:  # the trainer's word that these problems are at this epoch (pipeline.epochs)
+            advance({p.problem_id: args.first_epoch + nth for p in problems})
         report, _ = worker.run_epoch(problems, args.first_epoch + nth, args.samples, sampling)
         line = {**report.to_json(), "temperature": sampling["temperature"]}
         proposer = line.pop("proposer")
@@ -233,6 +242,8 @@ def _epochs(
 def _rollout(args: argparse.Namespace) -> int:
     from monitoring.server import start_from_args
     from pipeline.bus import open_bus
+    from pipeline.epochs import open_epoch_publisher
+    from pipeline.topics import TRAJECTORY_TOPIC
     from workers.rollout.worker import EmbeddedReplica
 
     _check(args)
@@ -253,11 +264,15 @@ def _rollout(args: argparse.Namespace) -> int:
         # The proposer runs in vLLM's engine process: it reads the replica folder as a RocksDB secondary.
         os.environ["DAS_HISTORY_DIR"] = str(Path(args.history_dir).resolve())
     bus = open_bus(args.bus)
+    epochs = None
     try:
-        reports = _loop(args, problems, bus.publish)
+        epochs = open_epoch_publisher(args.bus, TRAJECTORY_TOPIC)
+        reports = _loop(args, problems, bus.publish, None if epochs is None else epochs.advance)
         bus.flush()
     finally:
         bus.close()
+        if epochs is not None:
+            epochs.close()
         if replica is not None:
             replica.close()
         if scratch is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.trace_files import open_trace, trace_writer
+from pipeline.trace_files import check_writable, open_trace, trace_writer
 from workers.cli.types import (
     add_json_flag,
     add_model_dir_argument,
@@ -46,6 +46,7 @@ def annotate(
     from workers.generator.model import require_model
     from workers.generator.teacher_forcing import TeacherForcedModel
 
+    check_writable(out)  # before the model pass (minutes), not after
     records = load_traces(trace)  # validates every line first: nothing is written from a malformed trace
     by_epoch = epoch_temperatures({r.epoch for r in records}, temperature, temperatures)
     started = time.perf_counter()
