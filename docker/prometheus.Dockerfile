@@ -12,6 +12,5 @@ USER 65534:65534
 WORKDIR /prometheus
 EXPOSE 9090
 VOLUME ["/prometheus"]
-HEALTHCHECK --interval=10s --timeout=5s --retries=6 CMD ["/usr/bin/promtool", "check", "healthy", "--url=http://127.0.0.1:9090"]
 ENTRYPOINT ["/usr/bin/prometheus"]
 CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]

@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9500)
-    parser.add_argument("--log", type=Path, default=None, help="JSON Lines file that keeps every notification")
+    parser.add_argument(
+        "--log", type=Path, default=None, help="JSON Lines file that keeps every notification"
+    )
     args = parser.parse_args(argv)
     server = make_server(Sink(args.log), args.host, args.port)
     print(f"webhook sink: listening on {args.host}:{args.port}", flush=True)

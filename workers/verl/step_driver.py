@@ -28,6 +28,7 @@ serves a small HTTP control interface on DAS_STEP_DRIVER_PORT (default 8700) ins
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -193,15 +194,11 @@ class StepDriver:
                         remove_placement_group(pg)
                     except Exception as exc:  # noqa: BLE001 - already gone with its node
                         logger.info("placement group already gone: %s", exc)
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(self.server_manager.global_load_balancer)
-            except Exception:  # noqa: BLE001
-                pass
         for actor in old:
-            try:
+            with contextlib.suppress(Exception):  # already dead with its node
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
         self.server_manager = self.manager = None
         self._build()
         self.ready = True
