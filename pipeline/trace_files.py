@@ -29,7 +29,6 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
                 yield number, line
 
 
-@contextmanager
 def check_writable(path: Path) -> None:
     """Raises OSError at once if `trace_writer(path)` could not write `path` (a read-only or missing folder, a
     folder in its place): commands check their output before minutes or hours of work, not after."""
@@ -42,6 +41,7 @@ def check_writable(path: Path) -> None:
     probe.unlink()
 
 
+@contextmanager
 def trace_writer(path: Path) -> Iterator[IO[str]]:
     """A text handle that becomes `path` only when the block ends without an error: a run that stops midway
     never leaves half a trace under the name a replay would read."""
