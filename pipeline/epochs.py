@@ -105,6 +105,7 @@ class EpochPublisher:
         self.topic = epochs_topic(topic)
         self._where = f"Kafka at {','.join(servers)}, topic {self.topic}"
         settings = control_settings(settings)
+        self._login = client_settings(settings)
         self._partitions = topic_partitions(servers, self.topic, **settings)
         try:
             self._producer = KafkaProducer(
@@ -123,7 +124,7 @@ class EpochPublisher:
 
         Raises BusError if one is refused (an unauthorised principal) or not acknowledged in time.
         """
-        from kafka.errors import KafkaError
+        from kafka.errors import KafkaError, TopicAuthorizationFailedError
 
         futures = []
         try:
@@ -134,6 +135,13 @@ class EpochPublisher:
             deadline = time.monotonic() + timeout_s
             for future in futures:
                 future.get(timeout=max(0.1, deadline - time.monotonic()))
+        except TopicAuthorizationFailedError as exc:
+            user = self._login.get("sasl_plain_username")
+            raise BusError(
+                f"{f'User:{user}' if user else 'this client'} is not authorised to write epoch advances to "
+                f"{self.topic} (only the trainer's user may: set DAS_KAFKA_CONTROL_SASL_USERNAME and _PASSWORD; "
+                "docs/operations.md, Access control)"
+            ) from exc
         except KafkaError as exc:
             raise BusError(f"epoch advances refused by {self._where}: {type(exc).__name__}: {exc}") from exc
 

@@ -52,6 +52,41 @@ ERRORS = {
     ),
     "demo: a strategy that does not exist": ("demo --strategies bogus", 2, "strategies must be"),
     "bench pipeline without a broker": ("bench pipeline", 2, "no broker"),
+    # Settings DAS sets itself, which kafka-python would get twice (a TypeError) or choke on (61 s, a traceback).
+    "load: the brokers as a Kafka setting": (
+        "kafka load --count 1 --bus {bus} --kafka-setting bootstrap_servers=127.0.0.1:1", 1,
+        "bootstrap_servers is not yours to set",
+    ),
+    "the replica: a group id as a Kafka setting": (
+        "indexer run --data {store} --bus {bus} --kafka-setting group_id=x", 1, "group_id is not yours to set"
+    ),
+    "the replica: a client id as a Kafka setting": (
+        "indexer run --data {store} --bus {bus} --kafka-setting client_id=x", 1, "client_id is not yours to set"
+    ),
+    "load: a serializer as a Kafka setting": (
+        "kafka load --count 1 --bus {bus} --kafka-setting key_serializer=x", 1, "key_serializer is not yours"
+    ),
+    "a request timeout of 0": (
+        "kafka init --bus {bus} --kafka-setting request_timeout_ms=0", 1,
+        "request_timeout_ms must be a whole number from 1",
+    ),
+    # Number flags are bounded: 1e308 used to overflow later, or kill the replica's verifier thread.
+    "dlq: an idle time of 1e308 s": ("kafka dlq --bus {bus} --idle-s 1e308", 2, "--idle-s"),
+    "load: a publish timeout of 1e308 s": (
+        "kafka load --count 1 --bus {bus} --publish-timeout-s 1e308", 2, "--publish-timeout-s"
+    ),
+    "load: a close timeout of 1e308 s": (
+        "kafka load --count 1 --bus {bus} --close-timeout-s 1e308", 2, "--close-timeout-s"
+    ),
+    "the replica: a verification period of 1e308 s": (
+        "indexer run --data {store} --bus {bus} --verify-every 1e308", 2, "--verify-every"
+    ),
+    "init: more partitions than a request holds": (
+        "kafka init --bus {bus} --partitions 99999999999", 2, "--partitions"
+    ),
+    "the replica: one confirming sample is no confirmation": (
+        "indexer run --data {store} --bus {bus} --confirm-samples 1", 2, "--confirm-samples"
+    ),
 }  # fmt: skip
 
 
@@ -63,10 +98,12 @@ def test_a_bad_command_line_is_one_line_with_its_exit_code(
     monkeypatch.delenv("DAS_BUS", raising=False)
     monkeypatch.delenv("DAS_KAFKA_BOOTSTRAP", raising=False)  # the broker bench pipeline would default to
     argv = line.format(bus=f"kafka://{','.join(kafka_servers)}", store=tmp_path).split()
+    started = time.monotonic()
     try:
         assert das(argv) == code
     except SystemExit as exc:  # the parser's own refusals
         assert exc.code == code
+    assert time.monotonic() - started < 10  # a local mistake is found before anything waits on a broker
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"das {argv[0]}") and fragment in err[0], err
     assert err[0].endswith("--help`)") == (code == 2)  # a usage error reads like the parser's own
@@ -129,3 +166,22 @@ def test_the_replica_reports_its_lag_unknown_while_no_broker_answers(das_process
     assert math.isnan(float(samples["das_consumer_lag_records"]))  # unknown, not "caught up"
     replica.send_signal(signal.SIGTERM)
     das_processes.wait_ok(replica, "replica", timeout_s=60)
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_the_model_runs(tmp_path, capsys):
+    # A read-only file system (root ignores permission bits, not a read-only mount).
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], check=True)
+    try:
+        started = time.monotonic()
+        code = das(
+            ["traces", "annotate", str(REPO / "data" / "dev_rollouts.jsonl"), "-o", str(folder / "a.jsonl")]
+        )
+        assert code == 1 and time.monotonic() - started < 10
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (
+            len(err) == 1 and err[0].startswith("das traces annotate: ") and "Read-only file system" in err[0]
+        ), err
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

@@ -485,3 +485,56 @@ def _create_topics(d: Deployment, topic: str, dlq: str) -> None:
             assert not result["failed"], result
     finally:
         admin.close()
+
+
+# A replica's peak resident memory while it reads a batch that decompresses to 1 GiB, and 600 records after it.
+# Measured here: 221 MiB with the bound (a batch decompresses to at most 17 MiB).
+RSS_BOUND_BYTES = 400 << 20
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def test_a_decompression_bomb_is_dead_lettered_and_the_replica_stays_small(
+    kafka_servers, kafka_topics, das_processes, tmp_path, capsys
+):
+    topic, dlq = kafka_topics
+    bus = f"kafka://{','.join(kafka_servers)}"
+    store = tmp_path / "store"
+    replica = das_processes.start(
+        "replica", "indexer", "run", "--bus", bus, "--topic", topic, "--dlq-topic", dlq, "--data", str(store),
+        "--replica", "das-replica-bomb",
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while "replica das-replica-bomb: " not in das_processes.log("replica"):
+        assert replica.poll() is None and time.monotonic() < deadline, das_processes.log("replica")
+        time.sleep(0.1)
+    # 1 GiB of zeros: about 4.4 MB of lz4, which every compressed-size limit of the broker and the fetch lets by.
+    producer = KafkaProducer(
+        bootstrap_servers=kafka_servers, compression_type="lz4", max_request_size=(1 << 30) + (1 << 20)
+    )
+    bomb = producer.send(topic, key=b"bomb", value=bytes(1 << 30), partition=0).get(timeout=300)
+    producer.close()
+    assert das(["kafka", "load", "--bus", bus, "--topic", topic, "--count", "600", "--problems", "16",
+                "--prompt-tokens", "20", "--response-tokens", "60"]) == 0  # fmt: skip
+    capsys.readouterr()
+    wait_caught_up(store, end_offsets(kafka_servers, topic), timeout_s=180, what="replica")
+    peak = _peak_rss(replica.pid)
+    replica.send_signal(signal.SIGTERM)
+    das_processes.wait_ok(replica, "replica", timeout_s=60)
+    print(f"replica peak RSS {peak / 2**20:.0f} MiB (bound {RSS_BOUND_BYTES / 2**20:.0f} MiB)")
+    assert peak < RSS_BOUND_BYTES, f"replica peak RSS {peak / 2**20:.0f} MiB"
+    shape = SyntheticShape(problems=16, epochs=3, prompt_tokens=20, response_tokens_median=60)
+    with HistoryStore(store) as opened:
+        assert {t.key for t in opened.iter_trajectories()} == {
+            r.key for r in synthetic_records(0, 600, shape)
+        }
+    [letter] = [
+        d for d in read_dead_letters(kafka_servers, dlq) if d.partition == 0 and d.offset == bomb.offset
+    ]
+    assert letter.reason == "oversize" and "larger than 17825792 bytes" in letter.detail, letter

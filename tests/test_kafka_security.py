@@ -1,9 +1,12 @@
-"""Kafka with TLS and SASL/PLAIN: the security settings DAS_KAFKA_* (or bus URL parameters) reach every client.
+"""Kafka with TLS, SASL/PLAIN and ACLs: the security settings DAS_KAFKA_* (or bus URL parameters) reach every
+client, and each user may do only what its role needs.
 
-The broker is `bash scripts/kafka.sh up-secure` (a single node that only speaks SASL_SSL, with a throwaway CA);
-`make test` starts it. `das kafka init`, `das kafka load`, `das indexer run` and `das kafka dlq` all work
-through it with the environment alone; without credentials, or with a wrong password, each command fails with
-one line and exit 1 instead of hanging or retrying forever.
+The broker is `bash scripts/kafka.sh up-secure` (a single node that only speaks SASL_SSL, with a throwaway CA and
+Kafka's KRaft authorizer); `make test` starts it. `das kafka init` (as the brokers' admin) creates the topics and
+grants the rollout writers (`das`), the trainer (`das-trainer`) and the replicas (`das-replica`) their ACLs;
+`das kafka load`, `das indexer run` and `das kafka dlq` then work through it with the environment alone. Without
+credentials, with a wrong password, or with a user whose role may not do it, each command fails with one line and
+exit 1, and nothing it sent lands.
 """
 
 from __future__ import annotations
@@ -46,6 +49,36 @@ def secure() -> dict[str, str]:
     }
 
 
+def _as(user: str) -> dict[str, str]:
+    """The login of one of the secure broker's users, as the DAS_KAFKA_SASL_* variables."""
+    password = {
+        "admin": "DAS_KAFKA_SECURE_ADMIN_PASSWORD",
+        "das": "DAS_KAFKA_SECURE_PASSWORD",
+        "das-trainer": "DAS_KAFKA_SECURE_TRAINER_PASSWORD",
+        "das-replica": "DAS_KAFKA_SECURE_REPLICA_PASSWORD",
+    }[user]
+    return {"DAS_KAFKA_SASL_USERNAME": user, "DAS_KAFKA_SASL_PASSWORD": os.environ[password]}
+
+
+def _trainer(user: str = "das-trainer") -> dict[str, str]:
+    """The login epoch advances go out with (DAS_KAFKA_CONTROL_SASL_*)."""
+    login = _as(user)
+    return {
+        "DAS_KAFKA_CONTROL_SASL_USERNAME": login["DAS_KAFKA_SASL_USERNAME"],
+        "DAS_KAFKA_CONTROL_SASL_PASSWORD": login["DAS_KAFKA_SASL_PASSWORD"],
+    }
+
+
+GRANTS = ("--rollout-principal", "User:das", "--trainer-principal", "User:das-trainer",
+          "--replica-principal", "User:das-replica")  # fmt: skip
+
+
+def _init(secure: dict[str, str], topic: str) -> None:
+    done = _das(_env(secure, **_as("admin")), "kafka", "init", "--bus", f"kafka://{secure['bootstrap']}",
+                "--topic", topic, "--dlq-topic", f"{topic}.dlq", *GRANTS)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
 def _env(secure: dict[str, str], **overrides: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAS_KAFKA_S")}
     env.update({k: v for k, v in secure.items() if k.startswith("DAS_")})
@@ -78,19 +111,21 @@ def _wait_for_offsets(store_path, total: int, timeout_s: float) -> None:
 
 
 def test_every_client_works_over_tls_and_sasl_from_the_environment(secure, tmp_path):
-    env = _env(secure)
     topic = f"test.secure.{uuid.uuid4().hex[:8]}"
     bus = f"kafka://{secure['bootstrap']}"
-    done = _das(env, "kafka", "init", "--bus", bus, "--topic", topic, "--dlq-topic", f"{topic}.dlq")
-    assert done.returncode == 0, done.stderr
+    _init(secure, topic)
+    # The load generator plays the rollout writers (das) and, for its epoch advances, the trainer.
+    env = _env(secure, **_trainer())
     done = _das(env, "kafka", "load", "--bus", bus, "--topic", topic, "--count", "200", *SHAPE_ARGS)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert (summary["acknowledged"], summary["refused"], summary["unknown"]) == (200, 0, 0)
+    assert summary["advances"] > 0
+    env = _env(secure, **_as("das-replica"))
     store = tmp_path / "replica"
     replica = subprocess.Popen(
         [sys.executable, "-m", "workers.cli", "indexer", "run", "--bus", bus, "--topic", topic,
-         "--dlq-topic", f"{topic}.dlq", "--data", str(store), "--replica", "secure-replica"],
+         "--dlq-topic", f"{topic}.dlq", "--data", str(store), "--replica", "das-replica-secure"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -106,7 +141,7 @@ def test_every_client_works_over_tls_and_sasl_from_the_environment(secure, tmp_p
 
 
 def test_bus_url_parameters_carry_the_security_settings_too(secure):
-    env = _env(secure, DAS_KAFKA_SECURITY_PROTOCOL=None, DAS_KAFKA_SASL_MECHANISM=None)
+    env = _env(secure, DAS_KAFKA_SECURITY_PROTOCOL=None, DAS_KAFKA_SASL_MECHANISM=None, **_as("admin"))
     url = f"kafka://{secure['bootstrap']}?security_protocol=SASL_SSL&sasl_mechanism=PLAIN"
     done = _das(env, "kafka", "init", "--bus", url, "--topic", f"test.secure-url.{uuid.uuid4().hex[:8]}")
     assert done.returncode == 0, done.stderr
@@ -146,3 +181,61 @@ def test_client_settings_carry_a_complete_login(secure, monkeypatch):
         if key.startswith("DAS_"):
             monkeypatch.setenv(key, value)
     assert client_settings({})["sasl_plain_username"] == secure["DAS_KAFKA_SASL_USERNAME"]
+
+
+def _ends(secure: dict[str, str], topic: str) -> dict[int, int]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=[secure["bootstrap"]], **_settings("admin"))
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        return {tp.partition: offset for tp, offset in consumer.end_offsets(parts).items()}
+    finally:
+        consumer.close()
+
+
+def _settings(user: str) -> dict[str, object]:
+    login = _as(user)
+    return {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "PLAIN",
+        "sasl_plain_username": login["DAS_KAFKA_SASL_USERNAME"],
+        "sasl_plain_password": login["DAS_KAFKA_SASL_PASSWORD"],
+        "ssl_cafile": os.environ["DAS_KAFKA_SECURE_CAFILE"],
+    }
+
+
+@pytest.mark.parametrize(
+    "writes, user, control",
+    [
+        ("trajectories", "das-trainer", None),  # the trainer may write epoch advances only
+        ("epoch advances", "das", "das"),  # a rollout writer may not move any window
+        ("epoch advances", "das-replica", "das-replica"),
+    ],
+)
+def test_a_user_whose_role_may_not_write_is_refused_in_one_line_and_nothing_lands(
+    secure, writes, user, control
+):
+    from kafka import KafkaProducer
+    from kafka.errors import TopicAuthorizationFailedError
+
+    topic = f"test.acl.{uuid.uuid4().hex[:8]}"
+    _init(secure, topic)
+    target = topic if writes == "trajectories" else f"{topic}.epochs"
+    before = _ends(secure, target)
+    env = _env(secure, **_as(user), **(_trainer(control) if control else {}))
+    started = time.monotonic()
+    done = _das(env, "kafka", "load", "--bus", f"kafka://{secure['bootstrap']}", "--topic", topic, "--count", "20",
+                *SHAPE_ARGS)  # fmt: skip
+    assert done.returncode == 1 and time.monotonic() - started < 30, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("das kafka load: ") and f"User:{user} is not authorised" in line, line
+    producer = KafkaProducer(bootstrap_servers=[secure["bootstrap"]], max_block_ms=10_000, **_settings(user))
+    try:  # a plain producer with that login, too
+        with pytest.raises(TopicAuthorizationFailedError):
+            producer.send(
+                target, key=b"problem-0", value=b'{"problem_id":"problem-0","epoch":9}', partition=0
+            ).get(30)
+    finally:
+        producer.close()
+    assert _ends(secure, target) == before  # nothing landed

@@ -123,3 +123,21 @@ def test_import_names_the_line_that_is_not_a_dump_row(tmp_path, capsys) -> None:
     )
     assert code == 1
     assert "3.jsonl:2: not a verl rollout dump line" in capsys.readouterr().err
+
+
+def test_a_null_step_takes_the_files_and_any_other_non_number_is_named_in_one_line(tmp_path, capsys) -> None:
+    # verl names each file after its step: a row whose "step" is null belongs to that step.
+    (tmp_path / "3.jsonl").write_text(json.dumps({"input": "q", "output": "a", "step": None}) + "\n")
+    out = tmp_path / "t.jsonl"
+    assert (
+        main(["traces", "import", str(tmp_path), "--model", str(require_model()), "-o", str(out), "--json"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["records"] == 1
+    for bad in ("three", 2.5, -1, True):
+        (tmp_path / "3.jsonl").write_text(json.dumps({"input": "q", "output": "a", "step": bad}) + "\n")
+        assert main(["traces", "import", str(tmp_path), "--model", str(require_model()), "-o", str(out)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert (
+            "3.jsonl:1: not a verl rollout dump line (step must be a whole number" in err and "\n" not in err
+        )

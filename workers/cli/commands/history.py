@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from workers.cli.types import POSITIVE, add_json_flag
@@ -99,9 +100,8 @@ def _guarded(
 def checkpoint(args: argparse.Namespace) -> int:
     def run(args: argparse.Namespace) -> dict[str, Any]:
         from history_store.durable.checkpoints import create_checkpoint
-        from history_store.durable.store import HistoryStore
 
-        with HistoryStore(args.data, create=False) as store:
+        with _open_writer(args.data) as store:
             info = create_checkpoint(store, args.dir, keep=args.keep)
         return {"checkpoint": str(info.path), "seconds": round(info.seconds, 4), **info.manifest}
 
@@ -121,6 +121,22 @@ def restore(args: argparse.Namespace) -> int:
         }
 
     return _guarded(run, args)
+
+
+def _open_writer(data: str) -> Any:
+    """The store as its writer, once it verifies: a writer's open replays the write-ahead log and, past a damaged
+    record, silently keeps only what precedes it; a command must not build on (or back up) that."""
+    from history_store.durable.store import HistoryStore, verify_store
+    from history_store.errors import StoreCorruptionError
+
+    if Path(data, "CURRENT").exists():
+        report = verify_store(data)
+        if not report.ok:
+            raise StoreCorruptionError(
+                f"history store {data} is damaged (files {', '.join(report.files) or 'none named'}): run `das history "
+                "verify`; restore a backup (das history restore) or let the replica rebuild it from the topic"
+            )
+    return HistoryStore(data, create=False)
 
 
 def _read(args: argparse.Namespace, fn: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
@@ -216,12 +232,11 @@ def verify(args: argparse.Namespace) -> int:
 def backup(args: argparse.Namespace) -> int:
     def run(args: argparse.Namespace) -> dict[str, Any]:
         from history_store.durable.checkpoints import create_backup
-        from history_store.durable.store import HistoryStore
 
         if args.checkpoint:
             info = create_backup(args.checkpoint, args.dir, keep=args.keep)
         else:
-            with HistoryStore(args.data, create=False) as store:
+            with _open_writer(args.data) as store:
                 info = create_backup(store, args.dir, keep=args.keep)
         return {
             "backup": str(info.path),
@@ -236,9 +251,8 @@ def backup(args: argparse.Namespace) -> int:
 
 def compact(args: argparse.Namespace) -> int:
     def run(args: argparse.Namespace) -> dict[str, Any]:
-        from history_store.durable.store import HistoryStore
 
-        with HistoryStore(args.data, create=False) as store:
+        with _open_writer(args.data) as store:
             before = store.stats().disk_bytes
             store.compact()
             after = store.stats().disk_bytes
