@@ -22,7 +22,7 @@ import pytest
 from conftest import end_offsets, wait_caught_up
 
 from history_store.durable import layout
-from history_store.durable.store import HistoryStore, exchange_folders, finish_swap
+from history_store.durable.store import HistoryStore, exchange_folders
 from history_store.errors import StoreCorruptionError
 from pipeline.bus import open_bus
 from pipeline.synthetic import SyntheticShape, synthetic_records
@@ -232,6 +232,8 @@ def test_a_damaged_store_in_an_overlay_lower_layer_is_rebuilt_and_swapped_in(
 def test_a_swap_a_crash_interrupted_is_finished_at_the_next_start(tmp_path):
     # What a crash leaves in the middle of a swap by moving files (`swap_in` on an overlay): the journal, part of
     # the damaged store's files moved out. The next start finishes it, and opens the rebuilt store.
+    from history_store.durable.store import finish_swap
+
     records = list(synthetic_records(4, 300, SHAPE))
     store, fresh, kept = tmp_path / "replica", tmp_path / ".replica.rebuild", tmp_path / "replica.corrupt-1"
     with HistoryStore(store) as old:
