@@ -106,3 +106,11 @@ def test_a_different_copy_of_a_stored_key_is_reported_and_the_stored_one_kept(tm
         assert result.duplicates == 3 and result.conflicts == [("p0", 0, 0), ("p0", 1, 0)]
         assert store.get("p0", 0, 0).response_ids.tolist() == [0, 0, 7]
         assert store.get_pending("p0", 1, 0).response_ids.tolist() == [1, 0, 7]
+
+
+def test_two_copies_of_a_key_in_one_batch_are_a_conflict_too(tmp_path):
+    with HistoryStore(tmp_path / "s", window_epochs=WINDOW) as store:
+        store.apply_judged([], advances={"p0": 0})
+        result = store.apply_judged([_record(0, 0, 0), _record(0, 0, 0, token=9), _record(0, 0, 0)])
+        assert result.applied == [("p0", 0, 0)] and result.conflicts == [("p0", 0, 0)]
+        assert store.get("p0", 0, 0).response_ids.tolist() == [0, 0, 7]

@@ -1266,6 +1266,7 @@ class HistoryStore(_StoreReader):
                 batch.put(layout.encode_u64(sequence), layout.OP_ADDED + raw_key, h_seq)
                 sequence += 1
                 st.window.add(record.epoch, record.sample, prompt.size, response.size)
+                st.added[es] = (prompt, response, logprobs)
                 added_tokens += response.size
                 result.applied.append(key)
             else:
@@ -1370,11 +1371,11 @@ class HistoryStore(_StoreReader):
         logprobs: np.ndarray | None,
     ) -> bool:
         """Whether a duplicate's content differs from the copy stored (or held, or earlier in the batch)."""
-        held = st.pending.get(es)
+        held = st.pending.get(es) or st.added.get(es)
         if held is None:
             family = layout.CF_TRAJECTORIES if es in st.window.keys else layout.CF_PENDING
             raw = self._get(family, raw_key)
-            if raw is None:  # added earlier in this very batch: the batch's first copy is kept
+            if raw is None:
                 return False
             try:
                 decoded = decode_trajectory(raw)
@@ -1590,6 +1591,10 @@ class _ProblemState:
     reference: int
     pending: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray | None] | None]
     advance: int = -1
+    # Records this batch put in the window, for telling a repeated key in the same batch apart from another copy.
+    added: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray | None]] = field(
+        default_factory=dict
+    )
 
 
 class HistoryReader(_StoreReader):

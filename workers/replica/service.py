@@ -242,6 +242,20 @@ class StoreVerifier:
                 )
 
 
+def _same_content(a: TrajectoryLike, b: TrajectoryLike) -> bool:
+    """Whether two records hold the same tokens and log probabilities."""
+    if (a.response_logprobs is None) != (b.response_logprobs is None):
+        return False
+    return (
+        np.array_equal(np.asarray(a.prompt_ids), np.asarray(b.prompt_ids))
+        and np.array_equal(np.asarray(a.response_ids), np.asarray(b.response_ids))
+        and (
+            a.response_logprobs is None
+            or np.array_equal(np.asarray(a.response_logprobs, "<f4"), np.asarray(b.response_logprobs, "<f4"))
+        )
+    )
+
+
 class ReplicaListener(Protocol):
     """Told about every change the replica applied, after it is durable."""
 
@@ -377,7 +391,7 @@ class Indexer:
         control_topic = getattr(self.source, "epochs_topic", None)
         partitions = self.source.partition_count()
         rejected: list[tuple[BusMessage, WireError]] = []
-        by_key: dict[Key, BusMessage] = {}
+        by_key: dict[Key, list[tuple[BusMessage, TrajectoryLike]]] = {}
         for message in messages:
             if message.topic != EMBEDDED_TOPIC:
                 offsets[(message.topic, message.partition)] = message.offset + 1
@@ -418,7 +432,7 @@ class Indexer:
             records.append(record)
             key = (record.problem_id, record.epoch, record.sample)
             published_ms.setdefault(key, message.timestamp_ms)
-            by_key.setdefault(key, message)
+            by_key.setdefault(key, []).append((message, record))
         for message, error in rejected:
             self._dead_letter(message, error)
             report.dead_lettered[error.reason] += 1
@@ -427,7 +441,7 @@ class Indexer:
             # Dead letters are acknowledged before the offsets past them are stored: a crash may repeat one,
             # never lose one.
             for key in result.stale:
-                self._dead_letter(by_key[key], self._stale_error(key))
+                self._dead_letter(by_key[key][0][0], self._stale_error(key))
                 report.dead_lettered[REASON_STALE] += 1
             for key in result.conflicts:
                 error = WireError(
@@ -435,8 +449,12 @@ class Indexer:
                     f"record {key!r:.120} is already stored with other content; the stored copy stays (and is sent "
                     "again, so that compaction keeps it)",
                 )
-                self._dead_letter(by_key[key], error)
-                report.dead_lettered[REASON_DUPLICATE] += 1
+                # The copy kept: stored by an earlier batch, else this batch's first.
+                kept = self.store.get(*key) or self.store.get_pending(*key) or by_key[key][0][1]
+                for message, record in by_key[key]:  # the copies that differ from it
+                    if not _same_content(kept, record):
+                        self._dead_letter(message, error)
+                        report.dead_lettered[REASON_DUPLICATE] += 1
             if report.dead_lettered:
                 self._flush_dead_letters()
                 log.warning(
