@@ -249,6 +249,8 @@ class Replica:
         self._open()
 
     def drain(self, ends: dict[tuple[str, int], int]) -> None:
+        if not getattr(self.indexer.source, "reads_epochs", False):  # a build that knows no epoch advances
+            ends = {tp: end for tp, end in ends.items() if tp[0] == self.topic}
         for _ in range(400):
             if all(self.store.offsets().get(tp, 0) >= end for tp, end in ends.items()):
                 return
@@ -423,6 +425,8 @@ def test_no_hostile_sequence_costs_a_legitimate_record(row, deployment, tmp_path
         rest = Indexer(source, rebuilt, publisher=publisher, poll_timeout_s=0.3, publish_tombstones=False)
         rest.start()
         ends = _ends(d, topics)
+        if not getattr(source, "reads_epochs", False):
+            ends = {tp: end for tp, end in ends.items() if tp[0] == topic}
         for _ in range(100):
             if all(rebuilt.offsets().get(tp, 0) >= end for tp, end in ends.items()):
                 break
