@@ -87,7 +87,8 @@ def _rebuild(servers: list[str], topic: str, path: Path, total: int) -> float:
         started, consumed = time.perf_counter(), 0
         try:
             while consumed < total:
-                consumed += indexer.step().messages
+                report = indexer.step()
+                consumed += report.messages - report.advances  # epoch advances are not records
             return time.perf_counter() - started
         finally:
             indexer.close()
@@ -125,7 +126,7 @@ def _ingest(
                             f"producer failed: {failed[0].stderr.read() if failed[0].stderr else ''}"
                         )
                     report = indexer.step()
-                    consumed += report.messages
+                    consumed += report.messages - report.advances  # epoch advances are not records
                     if report.freshness_s:
                         now = time.time()
                         last_applied = now
