@@ -36,15 +36,20 @@ import numpy as np
 from numba import njit
 from pydantic import ValidationError
 
-from history_store.automaton.config import DraftConfig
+from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS, DraftConfig
 from history_store.automaton.kernels import Source
-from history_store.automaton.problem_index import ProblemIndex
 from pipeline.schemas import TrajectoryRecord
 from pipeline.trace_files import numbered_lines
 from workers.bench.cost_model import CostModel, cost_models
 from workers.bench.engines import Engines, Fleet
-from workers.budget.config import BUDGET_MIN_TOKEN_PROB, BudgetConfig
-from workers.budget.policy import BudgetPolicy
+from workers.bench.replay_drafters import (
+    TREE_STRATEGIES,
+    EngineDrafter,
+    EpochRequests,
+    IndexDrafter,
+    NgramDrafter,
+    NoDrafter,
+)
 
 STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgeted", "das", "oracle")
 # Strategies whose steps do not depend on the cost model.
@@ -82,24 +87,6 @@ def trace_max_tokens(records: Iterable[TrajectoryRecord]) -> int | None:
 
 
 @njit(cache=True)
-def ngram_draft(ctx: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """vLLM's prompt lookup: the longest n-gram (min_n..max_n) ending the context that also occurs earlier;
-    its earliest occurrence's next k tokens."""
-    n_tok = ctx.shape[0]
-    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
-        for j in range(0, n_tok - n):
-            match = True
-            for t in range(n):
-                if ctx[j + t] != ctx[n_tok - n + t]:
-                    match = False
-                    break
-            if match:
-                start = j + n
-                return ctx[start : min(start + k, n_tok)].copy()
-    return np.empty(0, ctx.dtype)
-
-
-@njit(cache=True)
 def _accepted_prefix(drafts, kept, responses, starts, positions, remaining, out):
     """out[i] = how many of row i's first kept[i] draft tokens match its recorded continuation."""
     for i in range(drafts.shape[0]):
@@ -109,40 +96,6 @@ def _accepted_prefix(drafts, kept, responses, starts, positions, remaining, out)
         while a < n and drafts[i, a] == responses[base + a]:
             a += 1
         out[i] = a
-
-
-def _suffix_rules(config: DraftConfig) -> DraftConfig:
-    # SuffixDecoding's own rules: raw count ratios, probability floor 0.1, match-length factor 1.
-    return dataclasses.replace(
-        config,
-        escape=0.0,
-        min_token_prob=0.1,
-        max_spec_factor=1.0,
-        max_spec_offset=0.0,
-        remembered_probs=False,
-    )
-
-
-def _index_for(strategy: str, config: DraftConfig, window: int) -> ProblemIndex | None:
-    if strategy in ("none", "ngram"):
-        return None
-    if strategy == "suffix-global":
-        return ProblemIndex(
-            window_epochs=1_000_000, config=_suffix_rules(config), use_history=False, live_scope="all"
-        )
-    if strategy == "suffix-problem":
-        return ProblemIndex(
-            window_epochs=1_000_000, config=_suffix_rules(config), use_global=False, live_scope="request"
-        )
-    if strategy == "das-unbudgeted":
-        return ProblemIndex(window_epochs=window, config=config)
-    if strategy in ("das", "oracle"):
-        # The budget (or foresight) decides where a draft ends, not the tree's raw probability floor: as in
-        # the engine (workers/generator/proposer.py) with the budget on.
-        return ProblemIndex(
-            window_epochs=window, config=dataclasses.replace(config, min_token_prob=BUDGET_MIN_TOKEN_PROB)
-        )
-    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
 @dataclass
@@ -296,11 +249,27 @@ class Simulation:
     sources: _SourceTable
 
 
+def _drafter(
+    strategy: str, config: DraftConfig, window: int, ngram_range: tuple[int, int], records: list, engines: int
+) -> NoDrafter:
+    k = config.max_spec_tokens
+    if strategy == "none":
+        return NoDrafter(k)
+    if strategy == "ngram":
+        return NgramDrafter(k, ngram_range)
+    if strategy in TREE_STRATEGIES:
+        return IndexDrafter(strategy, config, window)
+    if strategy == "das":
+        longest = max(len(r.prompt_ids) + len(r.response_ids) for r in records)
+        return EngineDrafter(config, window, engines, trace_max_tokens(records), longest)
+    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+
+
 def simulate(
     records: list[TrajectoryRecord],
     strategy: str,
     config: DraftConfig,
-    window: int = 3,
+    window: int = DEFAULT_WINDOW_EPOCHS,
     cost: CostModel | None = None,
     ngram_range: tuple[int, int] = (2, 4),
     progress: Callable[[str], None] | None = None,
@@ -314,12 +283,11 @@ def simulate(
     drafts to `on_verified` (`das bench ceiling` scores the budget's predictions with it). `engines`: finite
     engines with queues (`workers.bench.engines`); None runs each epoch as one batch."""
     cost = cost or CostModel()
-    index = _index_for(strategy, config, window)
     k = config.max_spec_tokens
-    # The same policy the engine runs, with the engine's prior: it must learn the verifier from step times.
-    policy = BudgetPolicy(BudgetConfig(max_tokens=k)) if strategy == "das" else None
-    max_tokens = trace_max_tokens(records)
-    fleet = Fleet(engines, max_tokens) if engines is not None else None
+    drafter = _drafter(strategy, config, window, ngram_range, records, engines.engines if engines else 1)
+    trees = strategy not in ("none", "ngram")
+    budgeted = strategy == "das"
+    fleet = Fleet(engines, trace_max_tokens(records)) if engines is not None else None
     by_epoch: dict[int, list[TrajectoryRecord]] = defaultdict(list)
     for r in records:
         by_epoch[r.epoch].append(r)
@@ -331,161 +299,86 @@ def simulate(
         [],
         np.zeros((0, 4), np.int64),
         _Calibration(),
-        _Calibration() if policy else None,
-        _Calibration() if policy else None,
+        _Calibration() if budgeted else None,
+        _Calibration() if budgeted else None,
         _AgreementTable(),
         _SourceTable(),
     )
     per_request = []
     for epoch in sorted(by_epoch):
         batch = by_epoch[epoch]
-        n_req = len(batch)
         step_cost = (measured_costs or {}).get(epoch, cost)
-        keys = [f"{r.problem_id}/{r.epoch}/{r.sample}" for r in batch]
-        lengths = np.array([len(r.response_ids) for r in batch], np.int64)
-        starts = np.zeros(n_req + 1, np.int64)
-        np.cumsum(lengths, out=starts[1:])
-        responses = np.fromiter((t for r in batch for t in r.response_ids), np.int32, int(starts[-1]))
-        prompts = [np.asarray(r.prompt_ids, np.int32) for r in batch]
-        if index is not None:
-            # The policy names requests by the index's slots, as in the engine.
-            slots = np.array(
-                [
-                    index.start_request(key, r.problem_id, p)
-                    for key, r, p in zip(keys, batch, prompts, strict=True)
-                ]
-            )
-            if policy is not None:
-                for slot, r in zip(slots, batch, strict=True):
-                    policy.start(int(slot), r.problem_id, max_tokens)
-        pos = np.zeros(n_req, np.int64)
-        stats = np.zeros((n_req, 3), np.int64)  # steps, drafted, accepted
-        schedule = (
-            fleet.epoch(
-                [r.problem_id for r in batch], lengths, np.array([p.size for p in prompts], np.int64), pos
-            )
-            if fleet is not None
-            else None
-        )
+        requests = EpochRequests.of(batch)
+        drafter.start_epoch(requests)
+        lengths, pos, starts = np.diff(requests.starts), requests.pos, requests.starts
+        prompt_lens = np.array([p.size for p in requests.prompts], np.int64)
+        stats = np.zeros((len(batch), 3), np.int64)  # steps, drafted, accepted
+        schedule = fleet.epoch([r.problem_id for r in batch], lengths, prompt_lens, pos) if fleet else None
         engine, active = schedule.next_step() if schedule else (0, np.nonzero(lengths > 0)[0])
         step_log = []
         while active.size:
             n = active.size
             remaining = lengths[active] - pos[active]
-            act_keys = [keys[i] for i in active]
             # As in the engine, the first token comes from the prefill, before anything was drafted; so does the
             # first after a preemption, which recomputes the prefix (verified below).
             recompute = schedule.prefill(active) if schedule else np.zeros(n, bool)
             room = np.where((pos[active] > 0) & ~recompute, k, 0)
-            if strategy in ("none", "ngram"):
-                drafts = np.zeros((n, k), np.int32)
-                kept = np.zeros(n, np.int64)
-                if strategy == "ngram":
-                    for row in np.nonzero(room)[0]:
-                        i = active[row]
-                        context = np.concatenate([prompts[i], responses[starts[i] : starts[i] + pos[i]]])
-                        draft = ngram_draft(context, ngram_range[0], ngram_range[1], k)
-                        drafts[row, : draft.shape[0]] = draft
-                        kept[row] = draft.shape[0]
-            else:
-                # Queued requests are tail candidates too: they have not started.
-                queued = slots[schedule.queued(engine)] if schedule else None
-                budgets = policy.budgets(slots[active], pos[active], room, queued)[0] if policy else room
-                result = index.draft_batch(act_keys, budgets)
-                drafts = result.tokens
-                kept = np.minimum(result.lengths, budgets).astype(np.int64)
-                if policy is not None:
-                    kept = policy.truncate(
-                        kept,
-                        result.probs,
-                        result.match_lens,
-                        result.sources,
-                        result.support,
-                        result.agreement,
-                        result.tokens,
-                        result.remembered,
-                    )
-                    kept = kept.astype(np.int64)
+            drafts = drafter.draft(engine, active, room)
+            kept = drafts.kept
             accepted = np.zeros(n, np.int64)
-            _accepted_prefix(drafts, kept, responses, starts[active], pos[active], remaining, accepted)
-            if on_verified is not None and index is not None:
+            _accepted_prefix(
+                drafts.tokens, kept, requests.responses, starts[active], pos[active], remaining, accepted
+            )
+            if on_verified is not None and trees:
                 on_verified(
                     VerifiedStep(
                         epoch,
-                        act_keys,
+                        [requests.keys[i] for i in active],
                         pos[active],
-                        drafts,
+                        drafts.tokens,
                         kept,
                         accepted,
                         remaining,
-                        policy.last_predicted if policy is not None else None,
-                        result.sources,
-                        result.remembered,
-                        result.match_lens,
+                        drafts.predicted,
+                        drafts.sources,
+                        drafts.remembered,
+                        drafts.match_lens,
                     )
                 )
             if strategy == "oracle":
                 kept = accepted.copy()
-            if index is not None and strategy != "oracle":
-                sim.tree_calibration.add(result.probs.astype(np.float64), kept, accepted)
-                sim.agreement.add(result.probs, result.agreement, kept, accepted)
-            if index is not None:
-                sim.sources.add(epoch, result.sources, kept, accepted)
-            if policy is not None:
-                sim.policy_calibration.add(policy.last_predicted, kept, accepted)
-                past = np.where(result.match_lens > 0, result.match_lens, k)
-                sim.past_match_calibration.add(policy.path_p[slots[active]], kept, accepted, past)
+            elif trees:
+                sim.tree_calibration.add(drafts.probs.astype(np.float64), kept, accepted)
+                sim.agreement.add(drafts.probs, drafts.agreement, kept, accepted)
+            if trees:
+                sim.sources.add(epoch, drafts.sources, kept, accepted)
+            if budgeted:
+                sim.policy_calibration.add(drafts.predicted, kept, accepted)
+                past = np.where(drafts.match_lens > 0, drafts.match_lens, k)
+                sim.past_match_calibration.add(drafts.path_p, kept, accepted, past)
             advance = np.minimum(accepted + 1, remaining)
             verified = int(kept.sum()) + n
             for i in active[recompute]:
-                verified += prompts[i].size + int(pos[i])
+                verified += prompt_lens[i] + int(pos[i])
             step_log.append((n, verified, engine) if schedule else (n, verified))
             stats[active, 0] += 1
             stats[active, 1] += kept
             stats[active, 2] += accepted
-            if index is not None:
-                index.append_batch(
-                    act_keys,
-                    [
-                        responses[starts[i] + pos[i] : starts[i] + pos[i] + a]
-                        for i, a in zip(active, advance, strict=True)
-                    ],
-                )
             pos[active] += advance
-            if policy is not None:
-                policy.observe_acceptance(slots[active][kept > 0], accepted[kept > 0])
-                policy.observe_step(n, verified, step_cost.step(n, verified))
             done = active[pos[active] >= lengths[active]]
-            for i in done:
-                r = batch[i]
-                if index is not None:
-                    index.finish_request(keys[i])
-                    index.add_trajectory(
-                        r.problem_id,
-                        r.epoch,
-                        r.sample,
-                        r.prompt_ids,
-                        r.response_ids,
-                        r.response_logprobs,
-                    )
-                if policy is not None:
-                    policy.finish(int(slots[i]))
-                    policy.lengths.observe(r.problem_id, len(r.response_ids))
+            queued = schedule.queued(engine) if schedule else np.zeros(0, np.int64)
+            drafter.after_step(engine, active, done, step_cost.step(n, verified), queued)
             if schedule:
                 schedule.finish(engine, done)
                 engine, active = schedule.next_step()
             else:
                 active = active[pos[active] < lengths[active]]
-        for i in np.nonzero(lengths == 0)[0]:
-            if index is not None:
-                index.finish_request(keys[i])
-            if policy is not None:
-                policy.finish(int(slots[i]))
+        drafter.end_epoch()
         per_request.append(np.column_stack([lengths, stats]))
         sim.epochs.append(epoch)
         sim.steps.append(np.array(step_log, np.int64).reshape(-1, 3 if schedule else 2))
         sim.tokens.append(int(lengths.sum()))
-        sim.requests.append(n_req)
+        sim.requests.append(len(batch))
         if progress:
             progress(f"{strategy}: epoch {epoch} done")
     sim.per_request = np.concatenate(per_request)
@@ -496,7 +389,7 @@ def replay(
     records: list[TrajectoryRecord],
     strategy: str,
     config: DraftConfig,
-    window: int = 3,
+    window: int = DEFAULT_WINDOW_EPOCHS,
     cost: CostModel | None = None,
     measured_costs: Mapping[int, CostModel] | None = None,
 ) -> dict:
@@ -612,7 +505,7 @@ def run(
     path: str | Path,
     strategies: Iterable[str] = STRATEGIES,
     config: DraftConfig | None = None,
-    window: int = 3,
+    window: int = DEFAULT_WINDOW_EPOCHS,
     costs: dict[str, CostModel] | None = None,
     progress: Callable[[str], None] | None = None,
     engines: Engines | None = None,

@@ -2,7 +2,9 @@
 
 Workload (documented in docs/benchmarks.md): per problem, 16 sequences of 4,000 tokens from a skewed Markov token
 process (each next token is a Zipf-distributed pick among a few successors of the previous token), so
-contexts recur as they do in rollouts of one problem; depth 64; drafts of up to 16 tokens.
+contexts recur as they do in rollouts of one problem; depth 64; drafts of up to 16 tokens. With
+`remembered_probs` the trees keep remembered sampling probabilities (`DraftConfig.remembered_probs`) and every
+response token carries one, drawn uniformly from the (0.05, 1) range, so the memory and the time they cost show.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.automaton.suffix_tree import SuffixTree
+from history_store.automaton.suffix_tree import SuffixTree, as_levels
 
 VOCAB = 4096
 SEQS_PER_PROBLEM = 16
@@ -37,13 +39,22 @@ def markov_sequences(
     return out
 
 
+def sampled_logprobs(seq: np.ndarray, config: DraftConfig) -> np.ndarray | None:
+    """Log probabilities for a sequence's tokens where the trees remember them (None otherwise), from their own
+    generator so that the token workload is the same either way."""
+    if not config.remembered_probs:
+        return None
+    return np.log(np.random.default_rng(seq[:8].tolist()).uniform(0.05, 1.0, seq.shape[0]))
+
+
 def bench_insert(seqs: list[np.ndarray], config: DraftConfig) -> dict:
     # Compile outside the timing, growing the arena too: its rehash kernel would compile in the timed insert.
     SuffixTree(config).extend(0, seqs[0])
+    levels = [as_levels(sampled_logprobs(seq, config), seq.shape[0]) for seq in seqs]
     tree = SuffixTree(config)
     start = time.perf_counter()
     for i, seq in enumerate(seqs):
-        tree.extend(i, seq)
+        tree.extend(i, seq, levels[i])
     chunked = time.perf_counter() - start
     single = SuffixTree(config)
     start = time.perf_counter()
@@ -68,7 +79,7 @@ def bench_draft(rng: np.random.Generator, batch: int, config: DraftConfig, steps
     for p in range(n_problems):
         seqs = markov_sequences(rng, SEQS_PER_PROBLEM + 1, SEQ_TOKENS // 4)
         for s, seq in enumerate(seqs[:-1]):
-            index.add_trajectory(f"p{p}", 0, s, seq[:32], seq[32:])
+            index.add_trajectory(f"p{p}", 0, s, seq[:32], seq[32:], sampled_logprobs(seq[32:], config))
         held_out[p] = seqs[-1]
     keys = [f"r{i}" for i in range(batch)]
     for i, key in enumerate(keys):
@@ -98,11 +109,13 @@ def bench_draft(rng: np.random.Generator, batch: int, config: DraftConfig, steps
     }
 
 
-def run(seed: int = 0) -> dict:
-    config = DraftConfig(max_depth=64, max_spec_tokens=16)
+def run(seed: int = 0, remembered_probs: bool = False) -> dict:
+    """The bench's JSON; `remembered_probs` builds the trees with remembered sampling probabilities."""
+    config = DraftConfig(max_depth=64, max_spec_tokens=16, remembered_probs=remembered_probs)
     rng = np.random.default_rng(seed)
     result = {
         "workload": f"{SEQS_PER_PROBLEM} sequences x {SEQ_TOKENS} tokens per problem, Zipf-Markov, depth 64, K 16",
+        "remembered_probs": remembered_probs,
         **bench_insert(markov_sequences(rng, SEQS_PER_PROBLEM, SEQ_TOKENS), config),
     }
     for batch in (1, 64, 256):

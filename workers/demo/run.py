@@ -3,9 +3,16 @@
 What it shows: the same prompts, sampled n times per epoch (as an RL rollout does, at temperature 1.0), run with no
 drafting, vLLM's n-gram prompt lookup and DAS; per epoch and strategy the rollout wall time, throughput, acceptance,
 request latencies; and a greedy float32 check that every strategy produces the tokens plain decoding produces
-(sampled outputs differ by RNG state, greedy ones must not). It ends with a projection: the first strategy's
-rollouts replayed under the replay's GPU cost models (`workers.demo.projection`), because on a CPU verifier a
-verified token costs so much of a step that the measured times cannot show what drafting saves on a GPU.
+(sampled outputs differ by RNG state, greedy ones must not). It ends with two projections under the replay's GPU
+cost models (`workers.demo.projection`), because on a CPU verifier a verified token costs so much of a step that
+the measured times cannot show what drafting saves on a GPU: the first strategy's rollouts of this run, and a
+recorded multi-epoch trace shipped in `data/`, where history has epochs to grow.
+
+First-run work happens before the timed epochs and is reported on its own line: each engine runs a short
+throwaway batch (vLLM's first steps), and before DAS's runs a throwaway proposer takes rollouts into its history
+and evicts them, so that on a cold numba cache (a fresh clone, or kernel sources that changed) the history
+kernels compile there and not at the first rollout that finishes inside a timed epoch. A cold first run then
+measures what a warm one does.
 
 Everything runs embedded on one machine: finished DAS trajectories go over the in-process bus to the history
 indexer, which applies them to a RocksDB history store (`.das/demo/history` by default). The store outlives the
@@ -31,6 +38,8 @@ from typing import Any
 from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS
 from history_store.automaton.problem_index import eviction_bounds
 from pipeline.schemas import TrajectoryRecord
+from workers.demo.projection import RECORDED_TRACE
+from workers.rollout.priority import LengthPredictor
 from workers.rollout.worker import STRATEGIES, EngineOptions, Problem
 
 DEFAULT_HISTORY_DIR = Path(".das/demo/history")
@@ -38,6 +47,10 @@ DEFAULT_REPORT_DIR = Path(".das/demo/report")
 # vLLM's spec-decode series: per-position accepted tokens over drafts is the acceptance rate at each position.
 _ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 _NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+# The warm-up: enough tokens for drafts to be proposed, verified and accepted, few enough to take seconds once
+# compiled. Its problem ids never name a real problem, so nothing it does reaches the timed epochs' history.
+WARMUP_TOKENS = 16
+WARMUP_PROBLEM = "__das_demo_warmup__"
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,8 @@ class DemoConfig:
     window_epochs: int = DEFAULT_WINDOW_EPOCHS
     seed: int = 0
     progress: bool = True
+    # The recorded multi-epoch trace the demo ends with (None: skip it; a missing file is skipped and said so).
+    recorded_trace: Path | None = RECORDED_TRACE
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -110,7 +125,10 @@ class DemoResult:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     identical: dict[str, str] = field(default_factory=dict)
     budget_timeline: list[dict[str, Any]] = field(default_factory=list)
+    # Untimed first-run work per strategy (throwaway batch, history kernels, stored history loaded), seconds.
+    warmup_s: dict[str, float] = field(default_factory=dict)
     projection: dict[str, Any] | None = None
+    recorded_projection: dict[str, Any] | None = None
     metrics_url: str | None = None
     wall_s: float = 0.0
 
@@ -122,7 +140,9 @@ class DemoResult:
             "epochs": self.epochs,
             "identical_output": self.identical,
             "budget_timeline": self.budget_timeline,
+            "warmup_s": self.warmup_s,
             "projection": self.projection,
+            "recorded_projection": self.recorded_projection,
             "metrics_url": self.metrics_url,
             "wall_s": round(self.wall_s, 3),
         }
@@ -258,7 +278,13 @@ def run_demo(
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from workers.demo.projection import format_projection, project, write_trace
+    from workers.demo.projection import (
+        format_projection,
+        format_recorded,
+        project,
+        project_recorded,
+        write_trace,
+    )
     from workers.demo.report import format_table, write_report
     from workers.generator.model import prepare_model
 
@@ -295,6 +321,7 @@ def run_demo(
             say(f"[{strategy}] starting the engine")
             rows, greedy[strategy], rollouts[strategy] = run(strategy, history)
             result.epochs += rows
+            result.warmup_s[strategy] = round(run.warmup_s, 3)
     finally:
         sampler.stop()
         history.trajectories_at_end = sum(1 for _ in store.iter_trajectories())
@@ -304,10 +331,18 @@ def run_demo(
     projected = config.strategies[0]
     say(f"projection: replaying the {projected} rollouts under the replay's GPU cost models")
     result.projection = project(write_trace(rollouts[projected], config.report_dir), projected)
+    recorded = config.recorded_trace
+    if recorded is not None and recorded.is_file():
+        say(f"projection: replaying the recorded trace {recorded.name} (unlimited and 1/4 slots)")
+        result.recorded_projection = project_recorded(recorded)
+    elif recorded is not None:
+        say(f"projection: no recorded trace at {recorded} (it ships in a checkout's data/): skipped")
     result.wall_s = time.perf_counter() - started
     files = write_report(result.to_json(), config.report_dir)
     say(format_table(result.to_json()))
     say(format_projection(result.projection))
+    if result.recorded_projection is not None:
+        say(format_recorded(result.recorded_projection))
     say(f"report: {', '.join(str(f) for f in files)}")
     return result
 
@@ -316,7 +351,7 @@ def _config_json(config: DemoConfig, model_dir: Path) -> dict[str, Any]:
     out = asdict(config)
     out["strategies"] = list(config.strategies)
     out["model_dir"] = str(model_dir)
-    for key in ("problems_file", "history_dir", "report_dir"):
+    for key in ("problems_file", "history_dir", "report_dir", "recorded_trace"):
         out[key] = str(out[key]) if out[key] is not None else None
     return out
 
@@ -392,6 +427,7 @@ class _StrategyRun:
         self.sampler = sampler
         self.tqdm = tqdm
         self.say = say
+        self.warmup_s = 0.0  # the last strategy's untimed first-run work
 
     def __call__(
         self, strategy: str, history: HistoryState
@@ -420,10 +456,7 @@ class _StrategyRun:
                 # Only DAS drafts from history, so only its rollouts feed the store (as a DAS training run would).
                 indexer = Indexer(bus.subscribe(), self.store, listeners=[_ProposerEvictions(worker)])  # type: ignore[attr-defined]
                 indexer.start()
-                stored = [_record(item) for item in self.store.iter_trajectories()]
-                if stored:
-                    added = worker.push_history(stored)
-                    self.say(f"[das] {added} stored trajectories loaded into the proposer's history")
+            self.warmup_s = self._warm_up(worker, strategy)
             sampling = {"temperature": config.temperature, "max_tokens": config.max_tokens}
             for epoch in range(history.first_epoch, history.first_epoch + config.epochs):
                 drafts0, pos0 = _spec_vectors(llm)
@@ -455,6 +488,60 @@ class _StrategyRun:
                 indexer.close()
             _close(llm)
         return rows, greedy, records
+
+    def _warm_up(self, worker: Any, strategy: str) -> float:
+        """First-run work, before the timed epochs; returns its seconds and says them on their own line.
+
+        DAS loads the stored history (a warm start) and compiles its history kernels (below). Every engine then
+        runs a throwaway batch of the demo's prompts for a few tokens, without a problem id (DAS neither keeps
+        nor learns from it), and its worker gets a fresh length predictor afterwards, so the timed epochs start
+        from the state they would have started from without it."""
+        started = time.perf_counter()
+        loaded = 0
+        if strategy == "das":
+            stored = [_record(item) for item in self.store.iter_trajectories()]
+            loaded = worker.push_history(stored) if stored else 0
+            self._compile_history_kernels()
+        worker.sink, sink = None, worker.sink
+        try:
+            worker.run(
+                [(Problem(f"{WARMUP_PROBLEM}/{p.problem_id}", p.prompt_ids), 0, 0) for p in self.problems],
+                {"temperature": self.config.temperature, "max_tokens": WARMUP_TOKENS},
+                extra_args=lambda *_: None,
+            )
+        finally:
+            worker.sink = sink
+        worker.predictor = LengthPredictor()
+        seconds = time.perf_counter() - started
+        if loaded:
+            self.say(f"[das] {loaded} stored trajectories loaded into the proposer's history")
+        work = "history, its kernels, first engine steps" if strategy == "das" else "first engine steps"
+        self.say(f"[{strategy}] warm-up before the timed epochs: {seconds:.1f} s ({work}; not in the table)")
+        return seconds
+
+    def _compile_history_kernels(self) -> None:
+        """Compiles the kernels that take a finished rollout into the history and evict it, which the engine's
+        proposer first calls when a rollout of the first timed epoch finishes: on a cold numba cache (a fresh
+        clone, or changed kernel sources) that call waits seconds inside the epoch. A throwaway proposer in this
+        process does the same work, since the engine runs in this process too and shares numba's compiled
+        kernels, while the engine's proposer keeps its history and length statistics untouched."""
+        from workers.generator.proposer import DasProposer
+
+        prompt = list(self.problems[0].prompt_ids)
+        proposer = DasProposer.standalone(self.config.num_speculative_tokens, max_model_len=4096)
+        proposer.add_trajectories(
+            [
+                TrajectoryRecord(
+                    problem_id=WARMUP_PROBLEM,
+                    epoch=0,
+                    sample=sample,
+                    prompt_ids=prompt,
+                    response_ids=prompt[-WARMUP_TOKENS:],
+                )
+                for sample in range(2)
+            ]
+        )
+        proposer.evict(WARMUP_PROBLEM, 1)
 
     def _greedy(self, worker: Any, strategy: str) -> list[list[int]]:
         """Greedy float32 outputs of the check problems. DAS requests carry their problem id, so they draft

@@ -57,14 +57,14 @@ from dataclasses import dataclass
 from itertools import pairwise, repeat
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from history_store.automaton.bundles import draft_params
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import DONE
-from history_store.automaton.problem_index import ProblemIndex
+from history_store.automaton.problem_index import BatchDrafts, ProblemIndex
 from history_store.indexed_history import follow, load_index
 from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
@@ -85,6 +85,18 @@ MAX_PROBLEM_ID_LEN = 512
 # Frames searched above `propose` for the model runner: vLLM calls it from the runner's draft method, two or
 # three frames up depending on the version and wrapper.
 _RUNNER_SEARCH_DEPTH = 8
+
+
+class LastStep(NamedTuple):
+    """The last step's drafts in full, row-aligned with its rows (`DasProposer.last_step`): views of reused
+    buffers, valid until the next step."""
+
+    slots: np.ndarray  # the rows' request slots (the budget's per-request state is indexed by them)
+    drafts: BatchDrafts  # what the trees drafted, before the budget's cut
+    kept: np.ndarray  # tokens kept of each row's draft (sent to vLLM)
+    predicted: np.ndarray  # (rows, K) the budget's path acceptance of each token (with the budget on)
+    path_p: np.ndarray  # (rows, K) its raw path before the past-match recalibration
+    queued: int  # requests the budget counted as queued (tail candidates without a row)
 
 
 @dataclass
@@ -243,8 +255,7 @@ class DasProposer:
         # The cost model refits every few steps; its gauges follow at each flush, not at each refit.
         self._metrics = MetricsFlush(self._book, publish=publish, also_publish=self.policy.cost.publish)
         self._step_no = 0
-        self._last_rows = 0  # rows and draft tokens of the previous step, and when it returned
-        self._last_tokens = 0
+        self._last_rows = 0  # rows of the previous step, and when it returned
         self._last_ended_at: float | None = None
         self._verify_seconds: float | None = None
         self.reset_stats()
@@ -566,6 +577,21 @@ class DasProposer:
         self._rows_seen, self._rows_slots = list(req_ids), slots
         return slots, joined
 
+    def last_step(self) -> LastStep:
+        """What the last step drafted, kept and predicted per row (the replay reads it to verify the drafts)."""
+        slots = self._rows_slots
+        n = slots.shape[0]
+        drafts, _ = self.index.step_buffers(n)
+        kept = self._buffers.kept[:n] if self.settings.budget else drafts.lengths
+        return LastStep(
+            slots,
+            drafts,
+            kept,
+            self._buffers.predicted[:n],
+            self.policy.path_p[slots],
+            self._queued.shape[0],
+        )
+
     # ------------------------------------------------------------------ the queue
     def set_outstanding(self, problems: Mapping[str, int], max_tokens: int | None = None) -> None:
         """What the submitter has outstanding on this engine: per problem id, requests submitted and not
@@ -672,7 +698,6 @@ class DasProposer:
             joined,
             verify_seconds,
             self._last_rows,
-            self._last_tokens,
             budget_on,
             bases,
             src,
@@ -688,7 +713,6 @@ class DasProposer:
             status, row, promoted, tokens = draft_step(
                 self._tables(n), budget_on, True, row, slots, bases, src, self._step_no, queued
             )
-        self._last_tokens = tokens
         buffers = self._buffers
         policy.drafted(slots, buffers.value[:n], buffers.classes[:n], buffers.predicted[:n])
         return tokens
@@ -760,8 +784,10 @@ class DasProposer:
             self._add(live.problem_id, live.epoch, live.sample, prompt, response)
 
     def _reap(self, requests: Mapping[str, Any]) -> None:
-        """Finishes requests that left the engine (gone from `requests`; preempted ones stay there)."""
-        for key in self._live.keys() - requests.keys():
+        """Finishes requests that left the engine (gone from `requests`; preempted ones stay there), in the
+        order they started: each adds its trajectory and length, and the length model's state depends on their
+        order (a set's order would differ between processes)."""
+        for key in [key for key in self._live if key not in requests]:
             self._finish(key)
 
     def _warn_once(self, key: str, message: str) -> None:

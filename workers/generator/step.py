@@ -48,18 +48,18 @@ structref.define_boxing(_StepTablesType, StepTables)
 _STEP_TABLES = _StepTablesType(members(StepGroups))
 
 
-def _packer_source() -> Any:
+def _packer() -> Any:
     """`_pack`: one StepTables from a StepGroups, an assignment per StepGroups field, generated so that the
-    fields are named once. Compiled against this file's name, which numba's disk cache keys by."""
+    fields are named once. Defined in this module (numba's disk cache rebuilds a kernel's globals from its
+    module) and compiled against this file's name (which the cache keys by)."""
     lines = ["def _pack(groups):", "    t = structref.new(_STEP_TABLES)"]
     lines += [f"    t.{name} = groups.{name}" for name in StepGroups._fields]
     lines.append("    return t")
-    namespace = {"structref": structref, "_STEP_TABLES": _STEP_TABLES}
-    exec(compile("\n".join(lines), __file__, "exec"), namespace)
-    return namespace["_pack"]
+    exec(compile("\n".join(lines), __file__, "exec"), globals())
+    return globals()["_pack"]
 
 
-_pack = njit(cache=True)(_packer_source())
+_pack = njit(cache=True)(_packer())
 
 
 def pack_tables(groups: StepGroups) -> StepTables:
@@ -96,10 +96,12 @@ def check_arrays(bundle: tuple, where: str) -> None:
 
 
 @njit(cache=True, inline="always")
-def before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows, last_tokens):
+def before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows):
     """Per-row END/NEW/HEADROOM/OUTPUT into per_row, the verified rows' acceptance into the budget (`learn`),
-    and the previous step's time into its cost model (`price`) when it was a clean decode step (no request
-    joined, every row committed, something was verified). Returns (verified rows, clean)."""
+    and the time since the last step returned into its cost model (`price`) when it measured a clean decode
+    step: no request joined (no prefill ran in it), every row committed, and the last step had rows. That step
+    ran these rows and verified their last drafts: n rows, n + their kept draft tokens. Returns (verified rows,
+    clean)."""
     book = t.book
     have = K.committed(t.arena.seqs, t.slot_table, slots)
     m, every_row_new = prepare(
@@ -111,10 +113,14 @@ def before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_row
         max_model_len=t.max_model_len,
         book=book,
     )
-    learn(t.budget, book.rows[:m], book.accepted[:m])
     clean = not joined and every_row_new and last_rows > 0 and verify_seconds > 0.0
     if clean:
-        price(t.budget, last_rows, last_rows + last_tokens, verify_seconds)
+        n = slots.shape[0]
+        verified = n
+        for i in range(m):
+            verified += book.length[book.rows[i]]  # the kept draft tokens each row sent (`record`)
+        price(t.budget, n, verified, verify_seconds)
+    learn(t.budget, book.rows[:m], book.accepted[:m])
     return m, clean
 
 
@@ -155,7 +161,7 @@ def draft_step(t, budget_on, resume, row, slots, bases, src, step_no, queued):
             agreement=info[:, K.I_AGREE : K.I_AGREE + K.N_CANDIDATES - 1],
         )
         cut(t.budget, drafted, slots)
-        lengths = buffers.kept
+        lengths = buffers.kept[:n]  # the buffers hold the queued requests' rows too
     else:
         lengths = info[:, K.I_LEN]
     tokens = record(slots, lengths, classes, sources, budgets, step_no, t.book)
@@ -188,7 +194,6 @@ def decode_step(
     joined,
     verify_seconds,
     last_rows,
-    last_tokens,
     budget_on,
     bases,
     src,
@@ -197,7 +202,7 @@ def decode_step(
     """`before_draft`, then `draft_step` from the first row: the whole step in one call when the index has
     room. Returns before_draft's (verified rows, clean), then draft_step's (status, row reached, rows promoted,
     draft tokens)."""
-    m, clean = before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows, last_tokens)
+    m, clean = before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows)
     status, row, promoted, tokens = draft_step(t, budget_on, False, 0, slots, bases, src, step_no, queued)
     return m, clean, status, row, promoted, tokens
 

@@ -175,33 +175,35 @@ class StepDriver:
         return True
 
     def rebuild(self) -> dict[str, Any]:
-        """Kills every server, worker and agent loop actor and frees their placement groups, then starts anew:
-        a replaced node's replica comes with new Ray resources that the old placement groups would hold."""
+        """Kills every actor this driver started and removes its placement groups, then starts anew: a replaced
+        node comes with new Ray resources, which the old placement groups would keep holding (also those of a
+        start that failed half-way, which no handle here knows)."""
         import ray
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+        from ray.util.state import list_actors, list_placement_groups
 
         started = time.monotonic()
         self.ready = False
-        old = []
-        if self.manager is not None:
-            old += list(self.manager.agent_loop_workers)
-        if self.server_manager is not None:
-            for replica in self.server_manager.rollout_replicas:
-                old += list(replica.servers) + list(replica.workers)
-                pool = replica.resource_pool
-                for pg in getattr(pool, "pgs", None) or []:
-                    try:
-                        remove_placement_group(pg)
-                    except Exception as exc:  # noqa: BLE001 - already gone with its node
-                        logger.info("placement group already gone: %s", exc)
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(self.server_manager.global_load_balancer)
-        for actor in old:
-            with contextlib.suppress(Exception):  # already dead with its node
-                ray.kill(actor)
         self.server_manager = self.manager = None
+        job = ray.get_runtime_context().get_job_id()
+        actors = list_actors(filters=[("job_id", "=", job), ("state", "!=", "DEAD")], limit=10_000)
+        for actor in actors:
+            if actor.name:  # unnamed ones (in placement groups) go with their group
+                with contextlib.suppress(Exception):  # already dead with its node
+                    ray.kill(ray.get_actor(actor.name, namespace=actor.ray_namespace))
+        groups = list_placement_groups(filters=[("creator_job_id", "=", job)], limit=10_000)
+        removed = 0
+        for group in groups:
+            if group.state != "REMOVED":
+                with contextlib.suppress(Exception):
+                    remove_placement_group(
+                        PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group.placement_group_id)))
+                    )
+                    removed += 1
+        logger.info("rebuild: %d actors killed, %d placement groups removed", len(actors), removed)
         self._build()
         self.ready = True
+        self.error = None
         return {"rebuilt_s": round(time.monotonic() - started, 1), "servers": self.server_addresses()}
 
     # ------------------------------------------------------------------ a step

@@ -14,12 +14,17 @@ def register(cli) -> None:
     )
     add_json_flag(parser)
     parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
+    parser.add_argument(
+        "--remembered-probs",
+        action="store_true",
+        help="trees keep remembered sampling probabilities (DAS_REMEMBERED_PROBS=on), every response token one",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from workers.bench import tree
 
-    result = tree.run(seed=args.seed)
+    result = tree.run(seed=args.seed, remembered_probs=args.remembered_probs)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

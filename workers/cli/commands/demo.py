@@ -29,6 +29,7 @@ def _run(args: argparse.Namespace) -> int:
             check_tokens=args.check_tokens,
             seed=args.seed,
             progress=not args.no_progress,
+            recorded_trace=None if args.no_recorded_trace else Path(args.recorded_trace),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -53,8 +54,9 @@ def register(cli: Any) -> argparse.ArgumentParser:
     parser = cli.command(
         "demo",
         help="Rollouts of built-in math and code problems, epoch after epoch, with no drafting, n-gram and DAS; "
-        "prints a table per epoch and strategy, then a projection of the same rollouts under GPU cost models "
-        "(das bench replay), and writes a report folder (JSON, the rollouts, plots).",
+        "prints a table per epoch and strategy, then projections under GPU cost models (das bench replay) of "
+        "the same rollouts and of a recorded multi-epoch trace, and writes a report folder (JSON, the "
+        "rollouts, plots).",
         run=_run,
     )
     parser.add_argument(
@@ -102,6 +104,14 @@ def register(cli: Any) -> argparse.ArgumentParser:
         help="greedy tokens per checked problem",
     )
     parser.add_argument("--seed", type=NON_NEGATIVE, default=defaults.seed, help="engine seed")
+    parser.add_argument(
+        "--recorded-trace",
+        default=str(defaults.recorded_trace),
+        help="the recorded multi-epoch trace the demo ends with, replayed unlimited and at 1/4 slots",
+    )
+    parser.add_argument(
+        "--no-recorded-trace", action="store_true", help="end with this run's own projection only"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     # The demo shows its metrics by default: a free loopback port, printed at start.
     add_metrics_arguments(parser, default_port=0)
