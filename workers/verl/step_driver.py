@@ -91,6 +91,12 @@ def step_records(gen_batch: Any, output: Any) -> list[dict[str, Any]]:
     return records
 
 
+def _engine_errored(server: Any) -> bool:
+    """Runs inside a vLLMHttpServer actor: True when its engine has died."""
+    engine = getattr(server, "engine", None)
+    return engine is None or bool(engine.errored)
+
+
 class StepDriver:
     """verl's servers, router and agent loop manager, and the next step's prompts."""
 
@@ -164,11 +170,15 @@ class StepDriver:
         return list(self.server_manager.server_addresses) if self.server_manager else []
 
     def servers_alive(self) -> bool:
+        """Every server's actor answers and its engine has not died (vLLM's AsyncLLM.errored: an engine whose
+        worker process was killed fails every request after)."""
         import ray
 
         try:
             for handle in self.server_manager.server_handles:
-                ray.get(handle.get_server_address.remote(), timeout=SERVER_PROBE_TIMEOUT_S)
+                if ray.get(handle.__ray_call__.remote(_engine_errored), timeout=SERVER_PROBE_TIMEOUT_S):
+                    logger.warning("a vLLM server's engine is dead")
+                    return False
         except Exception as exc:  # noqa: BLE001 - any failure means the server cannot serve this step
             logger.warning("a vLLM server is gone (%s)", exc)
             return False
