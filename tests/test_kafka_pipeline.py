@@ -467,3 +467,32 @@ def test_response_logprobs_travel_to_the_store_and_invalid_ones_are_dead_lettere
     letters = read_dead_letters(kafka_servers, dlq)
     assert {(d.partition, d.offset): d.reason for d in letters} == expected
     assert all("response log probabilit" in d.detail for d in letters)
+
+
+def test_the_trainers_epoch_advances_reach_the_replica_from_a_batch_of_rows(
+    kafka_servers, epoch_topics, tmp_path
+):
+    # What verl's DAS managers do per rollout batch: each row's problem and epoch (validation rows carry -1), the
+    # newest per problem sent in the background, never blocking the trainer.
+    from pipeline.epochs import BackgroundEpochPublisher, advance_rows, newest_epochs
+
+    topic, dlq = epoch_topics
+    rows = (["a", "a", "b", None, "c"], [2, 3, 0, 5, -1])
+    assert newest_epochs(*rows) == {"a": 3, "b": 0}
+    publisher = BackgroundEpochPublisher(f"kafka://{','.join(kafka_servers)}", topic)
+    advance_rows(publisher, *rows)
+    assert publisher.flush(60) and not publisher.disabled and publisher.sent == 2
+    with HistoryStore(tmp_path / "store", window_epochs=2) as store:
+        indexer = _indexer(kafka_servers, topic, dlq, store)
+        _drain(indexer, store, kafka_servers, topic)
+        want = end_offsets(kafka_servers, f"{topic}.epochs")
+        for _ in range(50):
+            if all(store.offsets().get(tp, 0) >= end for tp, end in want.items()):
+                break
+            indexer.step()
+        indexer.close()
+        assert store.references() == {"a": 3, "b": 0}
+    # Without a control topic (a plain-data deployment), the publisher turns itself off.
+    plain = BackgroundEpochPublisher(f"kafka://{','.join(kafka_servers)}", f"{topic}.none")
+    plain.advance({"a": 1})
+    assert plain.flush(60) and plain.disabled
