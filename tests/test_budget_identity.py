@@ -1,17 +1,17 @@
 """The replay runs the engine's budget, bit for bit.
 
 The replay's das (`workers.bench.replay_drafters.EngineDrafter`) drives `DasProposer` from its own model of an
-engine: tokens from one flat buffer, request descriptions, a modelled clock, the queue as outstanding counts,
+engine: tokens from one flat buffer, request descriptions, a modelled clock, the queue as submitted counts,
 finished trajectories pushed into history. A real engine drives the same class differently: vLLM calls
 `propose` with its token matrix and its runner's requests (`SamplingParams` with stop tokens and max_tokens),
 the proposer adds each trajectory itself when the request ends by its stop token or its cap, and `das rollout`
-sends its outstanding requests (`das_outstanding`).
+tells the proposer what it submitted (`das_submitted`).
 
 Here the replay runs a recorded trace and notes only which rows each of its steps ran (the schedule: vLLM's
 scheduler's business, which the replay models). An engine-side driver then runs those rows through a fresh
 proposer as vLLM and `das rollout` would, working out everything else from the trace itself: how far each
 request got by verifying the proposer's own drafts against the recorded continuation, when requests finish,
-what is outstanding, and each step's time under the same cost model. Every draft, budget, cut and learned
+what was submitted, and each step's time under the same cost model. Every draft, budget, cut and learned
 feature must be identical, unlimited and with a queue (a quarter of an epoch's requests as slots). A change to
 either side alone (what the replay hands the proposer, or how the proposer reads vLLM's inputs) breaks it.
 """
@@ -108,16 +108,20 @@ class _EngineSide:
         self.stops = sorted({r.response_ids[-1] for r in records if r.finish_reason == "stop"})
         self.pos: dict[str, int] = {}  # response tokens each request has produced
         self.drafts: dict[str, list[int]] = {}  # each row's draft from the last step
-        self.outstanding: set[str] = set()  # submitted and not yet reported finished (das rollout's pending)
+        self.finished: set[str] = set()  # reported finished by vLLM
         self.epoch: int | None = None
 
     def step(self, keys: list[str]) -> dict[str, Any]:
         """The forward step that ran these rows (verifying their drafts, or the prefill of joiners), then the
         propose after it. Returns the budget's state."""
         epoch = self.records[keys[0]].epoch
-        if epoch != self.epoch:  # das rollout submits an epoch's requests at once
+        if epoch != self.epoch:  # das rollout submits an epoch's requests at once, and says so first
             self.epoch = epoch
-            self.outstanding = {k for k, r in self.records.items() if r.epoch == epoch and r.response_ids}
+            submitted: dict[str, int] = {}
+            for r in self.records.values():
+                if r.epoch == epoch:
+                    submitted[r.problem_id] = submitted.get(r.problem_id, 0) + 1
+            self.worker.das_submitted(submitted, self.cap)
         verified = len(keys)
         for key in keys:
             response = self.records[key].response_ids
@@ -136,10 +140,6 @@ class _EngineSide:
             self.pos[key] = min(at + accepted + 1, len(response))
         self.now += self.cost.step(len(keys), verified)
         self._requests_for(keys)
-        counts: dict[str, int] = {}
-        for key in self.outstanding:
-            counts[self.records[key].problem_id] = counts.get(self.records[key].problem_id, 0) + 1
-        self.worker.das_outstanding(counts, self.cap)
         self.runner.input_batch.req_ids = list(keys)
         matrix = np.zeros((len(keys) + 3, self.max_model_len), np.int32)  # vLLM's has max_num_reqs rows
         num_tokens = np.zeros(len(keys), np.int32)
@@ -153,7 +153,7 @@ class _EngineSide:
         )
         for key, draft in zip(keys, drafts, strict=True):
             if self.pos[key] >= len(self.records[key].response_ids):
-                self.outstanding.discard(key)  # vLLM reports it finished: das rollout's pending drops it
+                self.finished.add(key)  # vLLM reports it finished after this step
             else:
                 self.drafts[key] = draft
         return _state(self.proposer, drafts)
@@ -161,9 +161,7 @@ class _EngineSide:
     def _requests_for(self, keys: list[str]) -> None:
         """vLLM's runner holds every request it has scheduled until one step after its last."""
         running = set(keys)
-        for key in [
-            key for key in self.runner.requests if key not in running and key not in self.outstanding
-        ]:
+        for key in [key for key in self.runner.requests if key not in running and key in self.finished]:
             del self.runner.requests[key]
         for key in keys:
             if key not in self.runner.requests:

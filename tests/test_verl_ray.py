@@ -362,7 +362,7 @@ def test_proposer_metrics_are_discovered_on_every_node_beside_vllms_own(ray_clus
         ray.shutdown()
 
 
-def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_those_that_left(
+def test_each_server_hears_what_was_submitted_to_it_then_prefetches_and_releases_its_problems(
     ray_cluster,
 ) -> None:
     import ray
@@ -386,8 +386,8 @@ def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_
             placement = asyncio.run(_route(client, problems=6, samples=2, passes=1))
             # The next step's batch: the placed problems (one per sample row), one new problem, a row without one.
             rows = [pid for pid in placement for _ in range(2)] + ["new-problem", None]
-            asked = prefetch_placed(router, rows)
-            wanted = 0 if router_path is None else 1
+            asked = prefetch_placed(router, rows, max_tokens=64)
+            wanted = 0 if router_path is None else 2
             received = {sid: _rpcs_once_received(server, wanted) for sid, server in servers.items()}
             if router_path is None:  # verl's router places no problems: nothing to prefetch
                 assert asked == 0 and all(not rpcs for rpcs in received.values())
@@ -396,7 +396,11 @@ def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_
             for pid, ids in placement.items():
                 expected[ids[0]].append(pid)
             assert asked == len(expected) == 2
-            assert received == {sid: [("das_prefetch", (problems,))] for sid, problems in expected.items()}
+            # First what the step submits there (two samples a problem, waited for), then the prefetch.
+            assert received == {
+                sid: [("das_submitted", (dict.fromkeys(problems, 2), 64)), ("das_prefetch", (problems,))]
+                for sid, problems in expected.items()
+            }
 
             def move_off_its_server(balancer: Any, problem: str) -> tuple[str, str]:
                 """In the router actor: other requests load the problem's server, so its next request moves."""
@@ -412,8 +416,14 @@ def test_each_server_is_asked_to_prefetch_the_problems_placed_on_it_and_release_
             home, new = ray.get(router.__ray_call__.remote(move_off_its_server, moved))
             assert home != new
             prefetch_placed(router, [moved])
-            # The server it left drops its tree; the one it moved to builds it.
-            assert _rpcs_once_received(servers[home], 2)[-1] == ("das_release", ([moved],))
-            assert _rpcs_once_received(servers[new], 2)[-1] == ("das_prefetch", ([moved],))
+            # The server it left hears that nothing comes and drops its tree; the one it moved to builds it.
+            assert _rpcs_once_received(servers[home], 4)[-2:] == [
+                ("das_submitted", ({}, None)),
+                ("das_release", ([moved],)),
+            ]
+            assert _rpcs_once_received(servers[new], 4)[-2:] == [
+                ("das_submitted", ({moved: 1}, None)),
+                ("das_prefetch", ([moved],)),
+            ]
     finally:
         ray.shutdown()

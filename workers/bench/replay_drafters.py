@@ -4,9 +4,9 @@
 - `IndexDrafter` (suffix-global, suffix-problem, das-unbudgeted, oracle) drafts from a `ProblemIndex` at the
   start of each step, every row up to K.
 - `EngineDrafter` (das) runs the engine's own proposer (`DasProposer`) as vLLM calls it: after each forward
-  step, for every row that step ran (finished ones included), with the requests still unfinished, the
-  submitter's outstanding counts and a clock that advanced by the step's modelled cost; the next step
-  verifies those drafts. The budget, its cost fit and the history it drafts from are the engine's, so a
+  step, for every row that step ran (finished ones included), with the requests still unfinished, the epoch's
+  submitted requests (`set_submitted`, as `das rollout` sends them) and a clock that advanced by the step's
+  modelled cost; the next step verifies those drafts. The budget, its cost fit and the history it drafts from are the engine's, so a
   replayed makespan is the one of the code an engine runs.
 
 Every drafter sees an epoch through `EpochRequests` and answers a step with `Drafts`, row-aligned with it.
@@ -287,6 +287,7 @@ class EngineDrafter(NoDrafter):
             for i, r in enumerate(requests.records)
         ]
         self.unfinished: list[dict[str, SimpleNamespace]] = [{} for _ in self.proposers]
+        self.submitted = [False for _ in self.proposers]
         k = self.k
         self.pending = Drafts(
             tokens=np.zeros((n, k), np.int32),
@@ -316,8 +317,12 @@ class EngineDrafter(NoDrafter):
         for key, i in zip(keys, rows.tolist(), strict=True):
             if key not in unfinished:
                 unfinished[key] = self.described[i]
-        outstanding = Counter(requests.records[i].problem_id for i in (*rows.tolist(), *queued.tolist()))
-        proposer.set_outstanding(outstanding, self.max_tokens)
+        if not self.submitted[engine]:
+            # The epoch's requests routed here were all submitted at its start: the first step ran some (their
+            # prefill), the rest wait.
+            self.submitted[engine] = True
+            submitted = Counter(requests.records[i].problem_id for i in (*rows.tolist(), *queued.tolist()))
+            proposer.set_submitted(submitted, self.max_tokens)
         num_tokens = (self.prompt_lens[rows] + requests.pos[rows]).astype(np.int32)
         proposer.step_flat(keys, num_tokens, self.src, self.bases[rows], unfinished)
         self._keep(proposer, rows)

@@ -229,12 +229,12 @@ class DasProposer:
         self._loaded_tokens = 0
         self._load_seconds = 0.0
         self._load_seconds_max = 0.0
-        # What the submitter says it has outstanding here (`set_outstanding`): per problem, requests submitted
-        # and not finished, and their max_tokens. Those not running are queued: the budget's tail candidates,
-        # each held in a slot of its own (`_queue_slots`, started in the policy, never in the index).
-        self._outstanding: dict[str, int] = {}
-        self._outstanding_cap: int | None = None
-        self._running_of: Counter[str] = Counter()
+        # What the submitter last said it submitted here (`set_submitted`): per problem, requests, and their
+        # max_tokens; and how many of them have started since. The rest wait in vLLM's queue: the budget's tail
+        # candidates, each held in a slot of its own (`_queue_slots`, started in the policy, not in the index).
+        self._submitted: dict[str, int] = {}
+        self._submitted_cap: int | None = None
+        self._started: Counter[str] = Counter()
         self._queue_slots: dict[str, list[int]] = {}
         self._queued = np.zeros(0, np.int64)
         self._queue_stale = False
@@ -593,33 +593,34 @@ class DasProposer:
         )
 
     # ------------------------------------------------------------------ the queue
-    def set_outstanding(self, problems: Mapping[str, int], max_tokens: int | None = None) -> None:
-        """What the submitter has outstanding on this engine: per problem id, requests submitted and not
-        finished (`das rollout` from its pending requests, verl's DAS manager from what it routed here), and
-        the max_tokens they were submitted with. Those not running yet are queued: the budget counts them as
-        tail candidates (`workers.budget.step.plan`), as the replay always has. Replaces the last call's;
-        an empty mapping means no queue.
+    def set_submitted(self, problems: Mapping[str, int], max_tokens: int | None = None) -> None:
+        """Requests the submitter just submitted to this engine, per problem id (`das rollout` when it submits
+        an epoch, verl's DAS managers with each step's prefetch), and the max_tokens they carry. Until one
+        starts it waits in vLLM's queue, and the budget counts it as a tail candidate
+        (`workers.budget.step.plan`), as the replay does; the requests that start from now on are taken off.
+        Replaces the last call's counts (an empty mapping: no queue). Send it before the requests, or wait for
+        it: a request that started before it arrived would be counted as waiting.
 
         Raises:
             ValueError: a count is negative, or a problem id is not a non-empty str.
         """
         for problem_id, count in problems.items():
             if not isinstance(problem_id, str) or not problem_id or isinstance(count, bool) or count < 0:
-                raise ValueError(f"outstanding requests need a problem id and a count >= 0: {problem_id!r}")
-        outstanding = {p: int(c) for p, c in problems.items() if c}
-        if outstanding != self._outstanding or max_tokens != self._outstanding_cap:
-            self._outstanding, self._outstanding_cap = outstanding, max_tokens
-            self._queue_stale = True
+                raise ValueError(f"submitted requests need a problem id and a count >= 0: {problem_id!r}")
+        self._submitted = {p: int(c) for p, c in problems.items() if c}
+        self._submitted_cap = max_tokens
+        self._started = Counter()
+        self._queue_stale = True
 
     def _requeue(self) -> None:
-        """The queued requests' slots from the outstanding counts and the running requests: per problem, one
-        slot per request submitted and not yet running, in problem order (the budget's sums run in it)."""
+        """The queued requests' slots from the submitted counts and the starts since: per problem, one slot per
+        request not started yet, in problem order (the budget's sums run in it)."""
         self._queue_stale = False
-        cap = self.max_model_len if self._outstanding_cap is None else self._outstanding_cap
+        cap = self.max_model_len if self._submitted_cap is None else self._submitted_cap
         rows = self.index.request_rows
-        for problem_id in self._queue_slots.keys() | self._outstanding.keys():
+        for problem_id in self._queue_slots.keys() | self._submitted.keys():
             held = self._queue_slots.setdefault(problem_id, [])
-            want = max(self._outstanding.get(problem_id, 0) - self._running_of[problem_id], 0)
+            want = max(self._submitted.get(problem_id, 0) - self._started[problem_id], 0)
             while len(held) > want:
                 rows.release(held.pop())
             while len(held) < want:
@@ -751,18 +752,15 @@ class DasProposer:
         self._slot_of[key] = slot
         self._rows_seen = None
         self._book.start(slot, prompt_len)
-        if problem_id is not None:
-            self._running_of[problem_id] += 1
-            self._queue_stale = self._queue_stale or problem_id in self._outstanding
+        if problem_id in self._submitted:
+            self._started[problem_id] += 1
+            self._queue_stale = True
         return slot
 
     def _finish(self, key: str) -> None:
         live = self._live.pop(key)
         del self._slot_of[key]
         self._rows_seen = None
-        if live.problem_id is not None:
-            self._running_of[live.problem_id] -= 1
-            self._queue_stale = self._queue_stale or live.problem_id in self._queue_slots
         tokens = self.index.request_tokens(key)
         response_len = (
             _natural_end(live, tokens) if live.problem_id is not None and not live.resumed else None
@@ -825,9 +823,9 @@ class DasWorkerExtension:
         """Adds finished trajectories to the proposer's history; returns how many were new."""
         return self._das().add_trajectories(records)
 
-    def das_outstanding(self, problems: dict[str, int], max_tokens: int | None = None) -> None:
-        """The submitter's outstanding requests here, per problem (`DasProposer.set_outstanding`)."""
-        self._das().set_outstanding(problems, max_tokens)
+    def das_submitted(self, problems: dict[str, int], max_tokens: int | None = None) -> None:
+        """Requests just submitted here, per problem (`DasProposer.set_submitted`)."""
+        self._das().set_submitted(problems, max_tokens)
 
     def das_prefetch(self, problem_ids: list[str]) -> int:
         """Builds the history trees of problems about to be requested (`DasProposer.prefetch`)."""

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -374,6 +375,11 @@ class RolloutWorker:
             if self.tail_first
             else [0] * len(requests)
         )
+        if self.strategy == "das" and extra_args is None:
+            # The budget counts requests still waiting for a slot as tail candidates: tell the proposer what
+            # is coming before it comes (it then counts off each request that starts).
+            submitted = Counter(problem.problem_id for problem, _, _ in requests)
+            self.llm.collective_rpc("das_submitted", args=(dict(submitted), sampling.get("max_tokens")))
         for (problem, epoch, sample), priority in zip(requests, priorities, strict=True):
             request_id = f"{problem.problem_id}/{epoch}/{sample}/{next(self._ids)}"
             args = (

@@ -74,7 +74,11 @@ class DasAgentLoopManager(AgentLoopManager):
         advance_rows(
             self.das_epochs, prompts.non_tensor_batch[PROBLEM_FIELD], prompts.non_tensor_batch[EPOCH_FIELD]
         )
-        prefetch_placed(self.llm_client._load_balancer, prompts.non_tensor_batch[PROBLEM_FIELD])
+        prefetch_placed(
+            self.llm_client._load_balancer,
+            prompts.non_tensor_batch[PROBLEM_FIELD],
+            max_tokens=int(self.rollout_config.response_length),
+        )
         return await super().generate_sequences(prompts)
 
     def das_stats(self) -> list[list[dict]]:

@@ -71,7 +71,12 @@ class DasAgentLoopManagerTQ(AgentLoopManagerTQ):
         """Annotates the batch, then dispatches it to verl's agent loop workers."""
         annotate_tq(prompts, self.das, int(self.rollout_config.n))
         advance_rows(self.das_epochs, tu.get(prompts, PROBLEM_FIELD), tu.get(prompts, EPOCH_FIELD))
-        prefetch_placed(self.llm_client._load_balancer, tu.get(prompts, PROBLEM_FIELD))
+        prefetch_placed(
+            self.llm_client._load_balancer,
+            tu.get(prompts, PROBLEM_FIELD),
+            tu.get(prompts, "__rollout_n__", [int(self.rollout_config.n)] * len(prompts)),
+            max_tokens=int(self.rollout_config.response_length),
+        )
         super().generate_sequences(prompts)
 
     def das_stats(self) -> list[list[dict]]:

@@ -23,6 +23,7 @@ with `router_class: workers.verl.router.ProblemAffinityLoadBalancer` (`examples/
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -152,29 +153,60 @@ class ProblemAffinityLoadBalancer(GlobalRequestLoadBalancer):
         status["problems_moved"] = self.moves
         return status
 
+    def servers_in_pool(self) -> list[Any]:
+        """Every server requests may be routed to."""
+        return [self._servers[server_id] for server_id in self._inflight_requests]
+
 
 def _step_plan(balancer: Any, problem_ids: list[str]) -> tuple[list, list]:
-    """Runs inside the router actor: (departures, placements) of a router that places problems, else none."""
+    """Runs inside the router actor: the departures and, for every server in the pool, the problems placed on
+    it (none for some) of a router that places problems; nothing for verl's own routers."""
     if not hasattr(balancer, "placements"):  # verl's own routers
         return [], []
-    return balancer.take_departures(), balancer.placements(problem_ids)
+    placed = balancer.placements(problem_ids)
+    held = {id(server) for server, _ in placed}
+    idle = [(server, []) for server in balancer.servers_in_pool() if id(server) not in held]
+    return balancer.take_departures(), placed + idle
 
 
-def prefetch_placed(load_balancer: Any, problem_ids: Iterable[str | None]) -> int:
-    """Asks each server to build the history trees of the problems the router placed on it (the proposer's
-    `das_prefetch`), and the servers problems moved off to drop theirs (`das_release`), without waiting; returns
-    how many servers were asked to prefetch. Problems new to the router load on their first request instead;
-    verl's own routers place no problems, so nothing is sent.
+def prefetch_placed(
+    load_balancer: Any,
+    problem_ids: Iterable[str | None],
+    samples: Iterable[int] | None = None,
+    max_tokens: int | None = None,
+) -> int:
+    """At the start of a rollout step: tells every server the step's requests the router placed on it (the
+    proposer's `das_submitted`, waited for: its budget counts the requests still queued as tail candidates and
+    must hear before they start), then asks each to build the history trees of those problems (`das_prefetch`)
+    and the servers problems moved off to drop theirs (`das_release`), without waiting. Returns how many
+    servers were asked to prefetch. Problems new to the router are placed on their first request, so neither
+    counted nor prefetched; verl's own routers place no problems, so nothing is sent.
 
     Args:
         load_balancer: the router actor handle of verl's LLM server client (`llm_client._load_balancer`).
         problem_ids: a batch's problem ids, one per row (None for a row without one).
+        samples: the requests each row stands for (verl's V1 rows hold n sessions); one each by default.
+        max_tokens: the requests' response cap (verl's `rollout.response_length`).
     """
-    wanted = [p for p in dict.fromkeys(problem_ids) if isinstance(p, str)]
-    departures, placed = ray.get(load_balancer.__ray_call__.remote(_step_plan, wanted))
+    problem_ids = list(problem_ids)
+    samples = list(samples) if samples is not None else [1] * len(problem_ids)
+    counts: Counter[str] = Counter()
+    for problem, n in zip(problem_ids, samples, strict=True):
+        if isinstance(problem, str):
+            counts[problem] += int(n)
+    departures, plan = ray.get(load_balancer.__ray_call__.remote(_step_plan, list(counts)))
+    # Every server in the pool hears, those without problems this step too: a problem that moved away never
+    # starts where it was counted last step.
+    ray.get(
+        [
+            server.collective_rpc.remote("das_submitted", args=({p: counts[p] for p in problems}, max_tokens))
+            for server, problems in plan
+        ]
+    )
     # Fire and forget: each engine runs them between steps, and the step's requests must not wait here.
     for server, problems in departures:
         server.collective_rpc.remote("das_release", args=(problems,))
+    placed = [(server, problems) for server, problems in plan if problems]
     for server, problems in placed:
         server.collective_rpc.remote("das_prefetch", args=(problems,))
     return len(placed)
