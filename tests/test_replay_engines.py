@@ -11,7 +11,8 @@ from replay_support import random_records
 from history_store.automaton.config import DraftConfig
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
-from workers.bench.engines import Engines, Fleet, parse_slots, slots_label
+from workers.bench.engines import Engines, Fleet, parse_slots
+from workers.bench.replay_slots import slots_label
 from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
 from workers.cli import main

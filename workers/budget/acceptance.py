@@ -368,9 +368,6 @@ class AcceptanceModel:
         # A token's own record: on dev_rollouts and rl_t1.0 (ad hoc, replayed drafts) adding 0.5-0.75 of its log
         # odds gain to the model's log odds took the Brier score from 0.188 to 0.177 and 0.194 to 0.179.
         self.weights[F_TOKEN] = 0.5
-        import os
-
-        self.weights[F_REMEMBERED] = float(os.environ.get("W_MEM", "0"))
         self.accumulated = np.zeros((N_FEATURES, N_FEATURES))  # the forgetting sum of past curvatures
         self.gradient = np.zeros(N_FEATURES)
         self.curvature = np.zeros((N_FEATURES, N_FEATURES))

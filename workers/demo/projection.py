@@ -74,11 +74,11 @@ def project_recorded(trace: Path) -> dict[str, Any]:
     """Replays a recorded trace with none, suffix-problem and das under the default cost model, unlimited and
     with a quarter of an epoch's requests as slots (fcfs); returns the summary's `recorded_projection` entry."""
     from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS, DraftConfig
-    from workers.bench import engines, replay
+    from workers.bench import engines, replay, replay_slots
     from workers.bench.cost_model import CostModel
 
     settings = [None if s == "unlimited" else engines.parse_slots(s) for s in RECORDED_SLOTS]
-    result = engines.run_slots(
+    result = replay_slots.run_slots(
         str(trace),
         settings,
         ["fcfs"],

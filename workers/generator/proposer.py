@@ -2,9 +2,9 @@
 
 Engine arguments::
 
-    speculative_config={"method": "custom_class", "model": "workers.generator.proposer.DasProposer",
+    speculative_config={"method": "custom_class", "model": "workers.proposer.DasProposer",
                         "num_speculative_tokens": K}
-    worker_extension_cls="workers.generator.proposer.DasWorkerExtension"
+    worker_extension_cls="workers.proposer.DasWorkerExtension"
 
 Each decode step vLLM calls `propose` once for the whole batch. The proposer keeps one `ProblemIndex` (history
 trees per problem, a global tree of recent responses, a live overlay per request that also serves in-flight
@@ -83,7 +83,11 @@ logger = logging.getLogger(__name__)
 
 MAX_PROBLEM_ID_LEN = 512
 # Frames searched above `propose` for the model runner: vLLM calls it from the runner's draft method, two or
-# three frames up depending on the version and wrapper.
+# three frames up depending on the version and wrapper. Why frames: vLLM (0.24 and 0.32) builds a custom_class
+# proposer from the config alone and passes `propose` no request ids; a worker extension is appended as the
+# worker's last base class, so it cannot wrap a method vLLM calls (the worker's own comes first), and verl's
+# servers never call `collective_rpc("das_attach")`. The caller's frame is the one place the runner is named;
+# the search runs once per engine.
 _RUNNER_SEARCH_DEPTH = 8
 
 
@@ -811,7 +815,7 @@ class DasWorkerExtension:
         if proposer is None:
             raise RuntimeError(
                 "the engine does not run DasProposer: pass speculative_config="
-                '{"method": "custom_class", "model": "workers.generator.proposer.DasProposer", ...}'
+                '{"method": "custom_class", "model": "workers.proposer.DasProposer", ...}'
             )
         return proposer
 

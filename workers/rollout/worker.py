@@ -5,7 +5,7 @@ samples the same problems again, which is what DAS drafts from. The worker drive
 rather than `LLM.generate`, so each trajectory is published the moment it finishes, request latencies are
 measured, and the driver can act between steps (push history, evict).
 
-Strategies: `none` (plain decoding), `ngram` (vLLM's prompt lookup), `das` (`workers.generator.proposer.DasProposer`).
+Strategies: `none` (plain decoding), `ngram` (vLLM's prompt lookup), `das` (`workers.proposer.DasProposer`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from workers.rollout.priority import LengthPredictor
 STRATEGIES = ("none", "ngram", "das")
 # vLLM's scheduling policies: admission in arrival order, or by each request's priority (lower first).
 SCHEDULING_POLICIES = ("fcfs", "priority")
-PROPOSER_CLASS = "workers.generator.proposer.DasProposer"
-WORKER_EXTENSION = "workers.generator.proposer.DasWorkerExtension"
+# The names users put in their engine arguments (`workers.proposer` re-exports them).
+PROPOSER_CLASS = "workers.proposer.DasProposer"
+WORKER_EXTENSION = "workers.proposer.DasWorkerExtension"
 _SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",

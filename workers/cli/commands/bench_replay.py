@@ -177,7 +177,7 @@ def _default_cost(args: argparse.Namespace, cost_model: type):
 
 
 def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: dict, progress) -> int:
-    from workers.bench import engines, replay
+    from workers.bench import engines, replay, replay_slots
 
     settings = [
         None if part.strip() == "unlimited" else engines.parse_slots(part.strip())
@@ -189,7 +189,7 @@ def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: d
     if unknown or not orders or not settings:
         raise ValueError(f"unknown orders {unknown}; choose from {', '.join(engines.ORDERS)}")
     fleet = engines.Engines(1, args.engines, orders[0], args.router, args.order_seed, args.kv_tokens)
-    result = engines.run_slots(
+    result = replay_slots.run_slots(
         args.traces,
         settings,
         orders,
@@ -198,5 +198,5 @@ def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: d
         progress,
         args.jobs,
     )
-    print(replay.dumps(result) if args.json else engines.slots_table(result))
+    print(replay.dumps(result) if args.json else replay_slots.slots_table(result))
     return 0
