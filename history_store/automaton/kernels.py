@@ -582,11 +582,11 @@ def draft_best(
 def remembered_path(states, state, n, remembered, out_mem, r):
     """Into out_mem[r, :n]: how sure the model was when it sampled each token of the n-token draft drafted from
     `state` (its BEST path), after that context: the mean probability over the occurrences that carry one, -1
-    where none do, `remembered` is off or the forest does not remember them. Under rejection sampling a draft token is accepted with the target's
-    probability of it, which no count shows; the budget may weigh it (`workers.budget.acceptance`). It does
-    not steer the draft: from a short match it is the model's confidence in other contexts, and as the path's
-    probability it chose worse drafts (docs/benchmarks.md, "Remembered probabilities"). Run once for the kept
-    draft, not per candidate."""
+    where none do, `remembered` is off or the forest does not remember them. Under rejection sampling a draft
+    token is accepted with the target's probability of it, which no count shows; the budget may weigh it
+    (`workers.budget.acceptance`). It does not steer the draft: from a short match it is the model's
+    confidence in other contexts, and as the path's probability it chose worse drafts (docs/benchmarks.md,
+    "Remembered probabilities"). Run once for the kept draft, not per candidate."""
     if not (remembered and remembers(states)):
         for j in range(n):
             out_mem[r, j] = -1.0
