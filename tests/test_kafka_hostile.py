@@ -89,8 +89,11 @@ def test_a_dead_letter_that_cannot_be_written_never_stops_the_replica(
     while "replica hostile-replica: " not in das_processes.log("replica"):
         assert replica.poll() is None and time.monotonic() < deadline, das_processes.log("replica")
         time.sleep(0.1)
-    big_key = b"k" * (20 << 20)
+    # A 20 MiB key (lz4 on the wire: almost nothing) decompresses past the replica's bound: the batch is refused
+    # whole, as `oversize`. A 2 MiB key decompresses, and its dead letter copies only the key's first KiB.
+    huge_key, big_key = b"k" * (20 << 20), b"k" * (2 << 20)
     producer = _plain_producer(kafka_servers)
+    huge = producer.send(topic, key=huge_key, value=b"garbage", partition=0).get(timeout=60)
     producer.send(topic, key=big_key, value=b"garbage", partition=0).get(timeout=60)
     # Random bytes do not compress: 2 MiB that the trajectory topic takes and the dead-letter topic refuses.
     refused = producer.send(topic, key=b"noise", value=os.urandom(2 << 20), partition=1).get(timeout=60)
@@ -122,8 +125,10 @@ def test_a_dead_letter_that_cannot_be_written_never_stops_the_replica(
     [letter] = [m for m in _messages(kafka_servers, dlq) if m.value == b"garbage"]
     headers = dict(letter.headers)
     assert len(headers[H_KEY]) == 1024 and headers[H_KEY] == big_key[:1024]
-    assert headers[H_KEY_BYTES] == str(20 << 20).encode()
+    assert headers[H_KEY_BYTES] == str(2 << 20).encode()
     assert headers[H_KEY_SHA256] == hashlib.sha256(big_key).hexdigest().encode()
+    [over] = [d for d in read_dead_letters(kafka_servers, dlq) if (d.partition, d.offset) == (0, huge.offset)]
+    assert over.reason == "oversize" and "larger than" in over.detail
 
 
 PARTITIONS = 6
