@@ -144,18 +144,22 @@ class Stack:
     def container(service: str) -> str:
         return f"{PROJECT}-{service}-1"
 
-    def python(self, service: str, script: str, *args: str, timeout: float = 300) -> Any:
-        """Runs `script` with the container's Python (the DAS image) and returns the JSON its last line prints."""
-        done = subprocess.run(
-            [DOCKER, "exec", "-i", self.container(service), "python3", "-", *args],
-            input=script,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"python in {service} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def python(self, service: str, script: str, *args: str, timeout: float = 300, attempts: int = 1) -> Any:
+        """Runs `script` with the container's Python (the DAS image) and returns the JSON its last line prints;
+        `attempts` > 1 retries a failure (the drill's own Kafka reads while a broker it just killed comes back)."""
+        for attempt in range(1, attempts + 1):
+            done = subprocess.run(
+                [DOCKER, "exec", "-i", self.container(service), "python3", "-", *args],
+                input=script,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            if done.returncode == 0:
+                return json.loads(done.stdout.strip().splitlines()[-1])
+            if attempt < attempts:
+                time.sleep(5)
+        raise RuntimeError(f"python in {service} failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
     def state(self, service: str) -> dict[str, Any]:
         out = self.docker("inspect", self.container(service), check=False)
@@ -322,6 +326,16 @@ class Drill:
         raise RuntimeError(f"the step driver was not ready within {timeout_s} s")
 
     # ------------------------------------------------------------------ steps
+    def resume(self) -> None:
+        """The records and summaries of the steps an earlier run of this stack saved."""
+        for path in sorted((self.report / "steps").glob("step-*.json")):
+            result = json.loads(path.read_text())
+            for record in result["records"]:
+                self.published[key_text(record)] = record_digest(record)
+            summary = summarize_step(result)
+            summary["phase"] = result.get("phase", "earlier")
+            self.steps.append(summary)
+
     def step(self, phase: str) -> dict[str, Any]:
         try:
             result = self.http(f"{self.driver}/step", data=b"", timeout=1800)
@@ -333,7 +347,9 @@ class Drill:
         summary["phase"] = phase
         self.steps.append(summary)
         (self.report / "steps").mkdir(parents=True, exist_ok=True)
-        (self.report / "steps" / f"step-{result['step']:03d}.json").write_text(json.dumps(result))
+        (self.report / "steps" / f"step-{result['step']:03d}.json").write_text(
+            json.dumps({**result, "phase": phase})
+        )
         log(
             f"step {result['step']} ({phase}): {len(result['records'])} rollouts in {result['wall_s']:.1f} s, "
             f"acceptance {summary['acceptance']:.3f}, drafts from history {summary['history_drafts']}"
@@ -366,7 +382,18 @@ class Drill:
         return box["step"]
 
     def topic_end(self) -> int:
-        return int(self.stack.python("history", TOPIC_END, BROKERS, TOPIC, timeout=120))
+        return int(self.stack.python("history", TOPIC_END, BROKERS, TOPIC, timeout=120, attempts=5))
+
+    def grew(self, before: int) -> Callable[[], bool]:
+        """True once the topic holds more records than `before`: the step's first trajectories are published."""
+
+        def check() -> bool:
+            try:
+                return self.topic_end() > before
+            except RuntimeError:
+                return False
+
+        return check
 
     # ------------------------------------------------------------------ the exact check
     def in_window(self) -> dict[str, str]:
@@ -387,7 +414,7 @@ class Drill:
         started = time.monotonic()
         result: dict[str, Any] = {}
         while True:
-            topic = self.stack.python("history", READ_TOPIC, BROKERS, TOPIC, timeout=300)
+            topic = self.stack.python("history", READ_TOPIC, BROKERS, TOPIC, timeout=300, attempts=5)
             stores = {}
             for node in nodes:
                 service = NODES[node][0]
@@ -459,7 +486,7 @@ class Drill:
             killed["restarted_at"] = time.time()
             log(f"broker_kill: {victim} started again")
 
-        step = self.step_during("broker_kill", kill, lambda: self.topic_end() > before)
+        step = self.step_during("broker_kill", kill, self.grew(before))
         self.details["broker_kill_action"] = {**killed, "step_finished_at": step["finished_at"]}
         self.checks["broker_kill"] = self.exact("broker_kill")
 
@@ -477,7 +504,7 @@ class Drill:
             os.kill(pid, 9)
             log(f"replica_kill: {victim} (pid {pid}) killed with SIGKILL")
 
-        step = self.step_during("replica_kill", kill, lambda: self.topic_end() > before)
+        step = self.step_during("replica_kill", kill, self.grew(before))
         deadline = time.monotonic() + 300
         while not self.stack.state(victim).get("Running") and time.monotonic() < deadline:
             time.sleep(2)
@@ -536,7 +563,7 @@ class Drill:
             cut["reconnected_at"] = time.time()
             log("partition: reconnected")
 
-        step = self.step_during("partition", disconnect, lambda: self.topic_end() > before)
+        step = self.step_during("partition", disconnect, self.grew(before))
         self.details["partition_action"] = {**cut, "step_finished_at": step["finished_at"]}
         self.checks["partition"] = self.exact("partition")
 
@@ -713,9 +740,8 @@ def plots(drill: Drill, out: Path) -> list[str]:
             series, ("max (tail)", "mean") if len(series) > 1 else ("acceptance",), strict=True
         ):
             ax.plot(x, values, marker="o", label=legend)
-        for xi, label in zip(x, labels, strict=True):
-            ax.annotate(label, (xi, 0), xytext=(0, 4), textcoords="offset points", rotation=90, fontsize=7)
-        ax.set_xlabel("step")
+        ax.set_xticks(x, [f"{xi}\n{label}" for xi, label in zip(x, labels, strict=True)], fontsize=7)
+        ax.set_xlabel("step and the drill phase it ran in")
         ax.set_ylabel(ylabel)
         ax.set_title(f"compose-check: {name.replace('_', ' ')} per step")
         ax.legend()
@@ -752,6 +778,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--problems", type=int, default=8, help="problems in the training data")
     parser.add_argument("--keep", action="store_true", help="leave the stack running at the end")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="use the running stack and the steps already in the report folder (to rerun phases while debugging)",
+    )
     args = parser.parse_args(argv)
     phases = [p for p in args.phases.split(",") if p]
     unknown = set(phases) - set(PHASES)
@@ -770,13 +801,21 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     failure = None
     try:
-        log("starting from empty volumes")
-        stack.compose("down", "--volumes", "--remove-orphans", timeout=600)
-        started = time.monotonic()
-        stack.compose("up", "-d", timeout=1800)
-        drill.timings["up_s"] = round(time.monotonic() - started, 1)
-        drill.timings["ready_s"] = round(drill.wait_ready() + drill.timings["up_s"], 1)
-        log(f"stack up in {drill.timings['up_s']} s, step driver ready after {drill.timings['ready_s']} s")
+        if args.resume:
+            drill.resume()
+            log(f"resuming: {len(drill.published)} records published by {len(drill.steps)} earlier steps")
+        else:
+            log("starting from empty volumes")
+            stack.compose("down", "--volumes", "--remove-orphans", timeout=600)
+            for old in (report / "steps").glob("step-*.json"):
+                old.unlink()
+            started = time.monotonic()
+            stack.compose("up", "-d", timeout=1800)
+            drill.timings["up_s"] = round(time.monotonic() - started, 1)
+            drill.timings["ready_s"] = round(drill.wait_ready() + drill.timings["up_s"], 1)
+            log(
+                f"stack up in {drill.timings['up_s']} s, step driver ready after {drill.timings['ready_s']} s"
+            )
         for phase in phases:
             log(f"phase {phase}")
             phase_started = time.monotonic()
