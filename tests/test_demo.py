@@ -1,6 +1,9 @@
 """`das demo` end to end on the CPU: a tiny run writes the report and keeps its history; a second run starts warm
-from the stored history, says so, and serves /metrics while it runs. The demo ends with a projection of its own
-rollouts under the replay's GPU cost models, which is exactly what `das bench replay` computes on them."""
+from the stored history, says so, and serves /metrics while it runs. First-run work (the engines' first steps, the
+history kernels) is done and reported before the timed epochs, and leaves nothing in them. The demo ends with two
+projections under the replay's GPU cost models: of its own rollouts, and of a recorded multi-epoch trace unlimited
+and at a quarter of an epoch's requests as slots, each exactly what the `das bench replay` command it prints
+computes."""
 
 from __future__ import annotations
 
@@ -15,8 +18,17 @@ import pytest
 
 from workers.bench.replay import load_traces
 from workers.cli import main as das
+from workers.demo.projection import (
+    RECORDED_SLOTS,
+    RECORDED_STRATEGIES,
+    TRACE_FILE,
+    format_projection,
+    format_recorded,
+    project,
+    project_recorded,
+    write_trace,
+)
 from workers.demo.projection import STRATEGIES as PROJECTED
-from workers.demo.projection import TRACE_FILE, format_projection, project, write_trace
 from workers.demo.report import PLOT_FILES, SUMMARY_FILE, format_table, write_report
 from workers.demo.run import identical_status
 
@@ -50,24 +62,35 @@ def _finish(proc: subprocess.Popen[str], head: str = "") -> str:
 @pytest.mark.vllm
 def test_tiny_demo_writes_the_report_and_a_second_run_starts_warm(tmp_path: Path) -> None:
     history = tmp_path / "history"
+    recorded = _fidelity_subset(tmp_path / "recorded")
     first = _finish(
         _demo(
             "--epochs", "2", "--strategies", "none,das", "--check-problems", "1",
             "--history-dir", str(history), "--report-dir", str(tmp_path / "report1"),
+            "--recorded-trace", str(recorded),
         )
     )  # fmt: skip
     assert "history: cold start" in first
+    # First-run work is its own line per engine, before the engine's timed epochs, and outside them.
+    for strategy in ("none", "das"):
+        warm_up = first.index(f"[{strategy}] warm-up before the timed epochs: ")
+        assert first.index(f"[{strategy}] starting the engine") < warm_up
     report = tmp_path / "report1"
     for name in PLOT_FILES:
         assert (report / name).read_bytes().startswith(PNG_MAGIC), name
     summary = json.loads((report / SUMMARY_FILE).read_text())
+    assert set(summary["warmup_s"]) == {"none", "das"} and min(summary["warmup_s"].values()) > 0
     assert sorted((e["strategy"], e["epoch"]) for e in summary["epochs"]) == [
         ("das", 0), ("das", 1), ("none", 0), ("none", 1),
     ]  # fmt: skip
     assert summary["identical_output"] == {"none": "reference", "das": "identical"}
     assert summary["temperature"] == 1.0 and "sampling: temperature 1.0" in first  # RL's, on the CPU too
     for epoch in summary["epochs"]:
-        assert epoch["requests"] == 1 and epoch["output_tokens"] == sum(epoch["response_lengths"]) > 0
+        assert (
+            epoch["cpu_s"] > 0
+            and epoch["requests"] == 1
+            and epoch["output_tokens"] == sum(epoch["response_lengths"]) > 0
+        )
         assert epoch["latency_p50_s"] <= epoch["latency_p99_s"] <= epoch["latency_max_s"]
     # Only DAS rollouts feed the history: one problem, one sample, two epochs.
     assert summary["history"]["trajectories_at_end"] == 2
@@ -86,9 +109,13 @@ def test_tiny_demo_writes_the_report_and_a_second_run_starts_warm(tmp_path: Path
     ]
     table = format_projection(projection)
     assert first.index(table) > first.index("identical output") and table.startswith("PROJECTION")
+    # Then, last, the recorded trace: a size where history matters.
+    ending = format_recorded(summary["recorded_projection"])
+    assert summary["recorded_projection"]["records"] == 24
+    assert first.index(ending) > first.index(table) and ending.startswith("PROJECTION of a recorded trace")
 
     second = _demo(
-        "--epochs", "1", "--strategies", "das", "--check-problems", "0",
+        "--epochs", "1", "--strategies", "das", "--check-problems", "0", "--no-recorded-trace",
         "--history-dir", str(history), "--report-dir", str(tmp_path / "report2"), "--metrics-port", "0",
     )  # fmt: skip
     # The metrics line comes before the engine starts; fetch /metrics while the run goes on.
@@ -109,6 +136,7 @@ def test_tiny_demo_writes_the_report_and_a_second_run_starts_warm(tmp_path: Path
     assert summary["history"]["warm"] is True and summary["history"]["trajectories_at_start"] == 2
     assert [e["epoch"] for e in summary["epochs"]] == [2]
     assert summary["history"]["trajectories_at_end"] == 3
+    assert summary["recorded_projection"] is None and "PROJECTION of a recorded trace" not in out
 
 
 def test_identical_status_compares_each_strategy_with_plain_decoding() -> None:
@@ -119,7 +147,7 @@ def test_identical_status_compares_each_strategy_with_plain_decoding() -> None:
 
 def test_table_has_one_row_per_epoch_and_strategy_with_the_identity_status() -> None:
     row = {
-        "wall_s": 2.0, "tokens_per_s": 10.0, "acceptance_rate": 0.5, "mean_accepted_per_step": 1.25,
+        "wall_s": 2.0, "cpu_s": 1.5, "tokens_per_s": 10.0, "acceptance_rate": 0.5, "mean_accepted_per_step": 1.25,
         "latency_p50_s": 1.0, "latency_p99_s": 1.9, "latency_max_s": 2.0,
     }  # fmt: skip
     summary = {
@@ -134,15 +162,15 @@ def test_table_has_one_row_per_epoch_and_strategy_with_the_identity_status() -> 
     assert lines[-1].startswith("history: warm start with 4 trajectories")
 
 
-def _fidelity_subset(tmp_path: Path) -> Path:
+def _fidelity_subset(folder: Path) -> Path:
     """Two problems of the repo's engine-made trace (4 samples x 3 epochs each): a demo's worth of rollouts."""
     records = load_traces(REPO / "data" / "fidelity_das.jsonl.gz")
     problems = sorted({r.problem_id for r in records})[:2]
-    return write_trace([r for r in records if r.problem_id in problems], tmp_path / "report")
+    return write_trace([r for r in records if r.problem_id in problems], folder)
 
 
 def test_projection_is_what_das_bench_replay_computes_on_the_same_rollouts(tmp_path: Path, capsys) -> None:
-    trace = _fidelity_subset(tmp_path)
+    trace = _fidelity_subset(tmp_path / "report")
     projection = project(trace, "das")
     assert projection["records"] == 24 and projection["rollouts_of"] == "das"
     assert das(projection["command"].split()[1:] + ["--json"]) == 0
@@ -161,7 +189,7 @@ def test_projection_is_what_das_bench_replay_computes_on_the_same_rollouts(tmp_p
 
 
 def test_projection_table_is_labelled_and_the_report_plots_it(tmp_path: Path) -> None:
-    projection = project(_fidelity_subset(tmp_path), "das")
+    projection = project(_fidelity_subset(tmp_path / "report"), "das")
     lines = format_projection(projection).splitlines()
     assert lines[0].startswith("PROJECTION, not a measurement: this run's 24 das rollouts")
     assert lines[-1] == f"re-run: {projection['command']}"
@@ -173,3 +201,35 @@ def test_projection_table_is_labelled_and_the_report_plots_it(tmp_path: Path) ->
     files = write_report({"epochs": [], "projection": projection}, tmp_path / "plots")
     plot = tmp_path / "plots" / "projected_makespan.png"
     assert plot in files and plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_recorded_projection_is_what_das_bench_replay_computes_on_the_trace(tmp_path: Path, capsys) -> None:
+    trace = _fidelity_subset(tmp_path / "recorded")
+    projection = project_recorded(trace)
+    assert projection["records"] == 24 and projection["epochs"] == 3
+    assert das(projection["command"].split()[1:] + ["--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)["max_num_seqs"]
+    assert [row["slots"] for row in projection["rows"]] == list(RECORDED_SLOTS) == list(replayed)
+    for row in projection["rows"]:
+        block = replayed[row["slots"]]
+        runs = block["runs"]["default"] if row["slots"] == "unlimited" else block["runs"]["fcfs"]["default"]
+        strategies = runs["strategies"]
+        assert list(row["makespan_s"]) == list(RECORDED_STRATEGIES)
+        for strategy in RECORDED_STRATEGIES:
+            assert row["makespan_s"][strategy] == round(strategies[strategy]["projected_makespan_s"], 4)
+        epochs = zip(strategies["das"]["per_epoch"], strategies["none"]["per_epoch"], strict=True)
+        assert row["das_vs_none_by_epoch"] == [
+            round(d["projected_makespan_s"] / n["projected_makespan_s"] - 1, 4) for d, n in epochs
+        ]
+
+
+def test_recorded_table_is_labelled_and_ends_with_its_command(tmp_path: Path) -> None:
+    projection = project_recorded(_fidelity_subset(tmp_path / "recorded"))
+    lines = format_recorded(projection).splitlines()
+    assert lines[0].startswith("PROJECTION of a recorded trace, not a measurement: ")
+    assert "24 rollouts over 3 epochs" in lines[0]
+    assert lines[-1] == f"re-run: {projection['command']}"
+    for row in projection["rows"]:
+        line = next(line for line in lines if line.startswith(f"{row['slots']} "))
+        figures = line.split()
+        assert figures[1:4] == [f"{row['makespan_s'][s]:.2f}" for s in RECORDED_STRATEGIES]

@@ -28,6 +28,7 @@ _COLUMNS = (
     ("epoch", "epoch", "{}"),
     ("strategy", "strategy", "{}"),
     ("wall_s", "wall s", "{:.1f}"),
+    ("cpu_s", "cpu s", "{:.1f}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
     ("acceptance_rate", "accept", "{:.1%}"),
     ("mean_accepted_per_step", "acc/step", "{:.2f}"),

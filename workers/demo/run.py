@@ -1,8 +1,8 @@
 """`das demo`: GRPO-style rollouts of a few built-in problems, epoch after epoch, with each drafting strategy.
 
 What it shows: the same prompts, sampled n times per epoch (as an RL rollout does, at temperature 1.0), run with no
-drafting, vLLM's n-gram prompt lookup and DAS; per epoch and strategy the rollout wall time, throughput, acceptance,
-request latencies; and a greedy float32 check that every strategy produces the tokens plain decoding produces
+drafting, vLLM's n-gram prompt lookup and DAS; per epoch and strategy the rollout wall time and CPU time,
+throughput, acceptance, request latencies; and a greedy float32 check that every strategy produces the tokens plain decoding produces
 (sampled outputs differ by RNG state, greedy ones must not). It ends with two projections under the replay's GPU
 cost models (`workers.demo.projection`), because on a CPU verifier a verified token costs so much of a step that
 the measured times cannot show what drafting saves on a GPU: the first strategy's rollouts of this run, and a
@@ -467,12 +467,17 @@ class _StrategyRun:
                     unit="req",
                     disable=not config.progress,
                 )
+                cpu = time.process_time()
                 with bar:
                     report, finished = worker.run_epoch(self.problems, epoch, config.samples, sampling)
+                cpu = time.process_time() - cpu
                 self.sampler.sample()
                 self.sampler.label = ("", -1)
                 drafts1, pos1 = _spec_vectors(llm)
                 row = report.to_json()
+                # The engine runs in this process: its CPU seconds are the epoch's work, which other jobs on a
+                # shared machine do not inflate as they inflate the wall time.
+                row["cpu_s"] = round(cpu, 3)
                 if indexer is not None:
                     row["history_evicted"] = _drain(indexer)
                 drafts = drafts1 - drafts0
