@@ -79,6 +79,11 @@ _VERIFY_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 DRAFTS = Counter("das_drafts_total", "Drafts proposed (one per request per verification step with a draft).")
 DRAFT_TOKENS = Counter("das_draft_tokens_total", "Draft tokens proposed for verification.")
 ACCEPTED_TOKENS = Counter("das_accepted_tokens_total", "Draft tokens accepted by the verifier.")
+VERIFIED_DRAFT_TOKENS = Counter(
+    "das_verified_draft_tokens_total",
+    "Draft tokens the verifier tried: those proposed less what vLLM's scheduler cut (its token budget, "
+    "max_tokens) and drafts of requests that left first. Acceptance = accepted / this.",
+)
 DRAFT_TOKENS_BY_POSITION = Counter(
     "das_draft_position_tokens_total",
     "Draft tokens proposed, by 0-based position in the draft (see position_label).",
@@ -241,6 +246,7 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     DRAFTS,
     DRAFT_TOKENS,
     ACCEPTED_TOKENS,
+    VERIFIED_DRAFT_TOKENS,
     DRAFT_TOKENS_BY_POSITION,
     ACCEPTED_TOKENS_BY_POSITION,
     DRAFT_LATENCY,

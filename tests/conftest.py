@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "test_replay_fidelity.py",
     "test_proposer_engine.py",
     "test_priority_engine.py",
+    "test_proposer_scheduler_cuts.py",
     "test_rollout_cli.py",
     "test_proposer_bench.py",
     "test_draft_threads.py",

@@ -75,10 +75,9 @@ class _RecordingProposer(DasProposer):
         self.steps = []
         _RecordingProposer.made.append(self)
 
-    def step_flat(
-        self, req_ids: Any, num_tokens: Any, src: Any, bases: Any, requests: Any
-    ) -> list[list[int]]:
-        drafts = super().step_flat(req_ids, num_tokens, src, bases, requests)
+    def step_flat(self, *args: Any) -> list[list[int]]:
+        drafts = super().step_flat(*args)
+        req_ids = args[0]
         if self.steps is not None:
             self.steps.append((list(req_ids), _state(self, drafts)))
         return drafts
@@ -123,12 +122,15 @@ class _EngineSide:
                     submitted[r.problem_id] = submitted.get(r.problem_id, 0) + 1
             self.worker.das_submitted(submitted, self.cap)
         verified = len(keys)
+        scheduled = []  # vLLM's input batch keeps the drafts it verified this step, per row
         for key in keys:
             response = self.records[key].response_ids
             if key not in self.pos:  # a joiner: its prefill produces the first token
                 self.pos[key] = 1
+                scheduled.append([])
                 continue
             draft, at = self.drafts.pop(key, []), self.pos[key]
+            scheduled.append(draft)
             verified += len(draft)
             accepted = 0
             while (
@@ -141,6 +143,7 @@ class _EngineSide:
         self.now += self.cost.step(len(keys), verified)
         self._requests_for(keys)
         self.runner.input_batch.req_ids = list(keys)
+        self.runner.input_batch.spec_token_ids = scheduled
         matrix = np.zeros((len(keys) + 3, self.max_model_len), np.int32)  # vLLM's has max_num_reqs rows
         num_tokens = np.zeros(len(keys), np.int32)
         for row, key in enumerate(keys):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,10 +276,13 @@ def simulate(
     measured_costs: Mapping[int, CostModel] | None = None,
     on_verified: Callable[[VerifiedStep], None] | None = None,
     engines: Engines | None = None,
+    measured_steps: Mapping[int, Sequence[float]] | None = None,
 ) -> Simulation:
     """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online from
     step times: those of `cost`, or of `measured_costs[epoch]` where given (what an engine fitted in that
-    epoch, so that a replay of its trace prices drafts as it did). A tree strategy hands every step's verified
+    epoch), or, step by step, `measured_steps[epoch]` (each step's time as the engine that recorded the trace
+    measured it, where known: the budget then prices drafts as that engine did, whatever load the machine
+    was under). The projected makespan always uses the cost model. A tree strategy hands every step's verified
     drafts to `on_verified` (`das bench ceiling` scores the budget's predictions with it). `engines`: finite
     engines with queues (`workers.bench.engines`); None runs each epoch as one batch."""
     cost = cost or CostModel()
@@ -316,6 +319,7 @@ def simulate(
         schedule = fleet.epoch([r.problem_id for r in batch], lengths, prompt_lens, pos) if fleet else None
         engine, active = schedule.next_step() if schedule else (0, np.nonzero(lengths > 0)[0])
         step_log = []
+        timeline = (measured_steps or {}).get(epoch, ())
         while active.size:
             n = active.size
             remaining = lengths[active] - pos[active]
@@ -367,7 +371,10 @@ def simulate(
             pos[active] += advance
             done = active[pos[active] >= lengths[active]]
             queued = schedule.queued(engine) if schedule else np.zeros(0, np.int64)
-            drafter.after_step(engine, active, done, step_cost.step(n, verified), queued)
+            seconds = step_cost.step(n, verified)
+            if len(step_log) <= len(timeline) and timeline[len(step_log) - 1] > 0:
+                seconds = timeline[len(step_log) - 1]  # what the recording engine measured for this step
+            drafter.after_step(engine, active, done, seconds, queued)
             if schedule:
                 schedule.finish(engine, done)
                 engine, active = schedule.next_step()
@@ -392,10 +399,14 @@ def replay(
     window: int = DEFAULT_WINDOW_EPOCHS,
     cost: CostModel | None = None,
     measured_costs: Mapping[int, CostModel] | None = None,
+    measured_steps: Mapping[int, Sequence[float]] | None = None,
 ) -> dict:
     """One strategy's summary under one cost model (`simulate`, then `summarize`)."""
     cost = cost or CostModel()
-    return summarize(simulate(records, strategy, config, window, cost, measured_costs=measured_costs), cost)
+    sim = simulate(
+        records, strategy, config, window, cost, measured_costs=measured_costs, measured_steps=measured_steps
+    )
+    return summarize(sim, cost)
 
 
 def makespan(steps: np.ndarray, cost: CostModel) -> float:

@@ -305,6 +305,7 @@ class EngineDrafter(NoDrafter):
         """What the engine's last propose drafted for these rows (none for rows that did not run then)."""
         drafts = Drafts(*(a[rows] for a in self.pending))
         drafts.kept[room == 0] = 0
+        self._verified = drafts.kept  # what this step verifies: vLLM's scheduled draft tokens
         return drafts
 
     def after_step(
@@ -324,7 +325,7 @@ class EngineDrafter(NoDrafter):
             submitted = Counter(requests.records[i].problem_id for i in (*rows.tolist(), *queued.tolist()))
             proposer.set_submitted(submitted, self.max_tokens)
         num_tokens = (self.prompt_lens[rows] + requests.pos[rows]).astype(np.int32)
-        proposer.step_flat(keys, num_tokens, self.src, self.bases[rows], unfinished)
+        proposer.step_flat(keys, num_tokens, self.src, self.bases[rows], unfinished, self._verified)
         self._keep(proposer, rows)
         for i in done.tolist():
             # Finished: gone from vLLM's requests at the next step (which reaps it), and in every node's history.

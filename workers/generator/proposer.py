@@ -89,6 +89,8 @@ MAX_PROBLEM_ID_LEN = 512
 # servers never call `collective_rpc("das_attach")`. The caller's frame is the one place the runner is named;
 # the search runs once per engine.
 _RUNNER_SEARCH_DEPTH = 8
+# Step times kept between `reset_stats` calls (`step_seconds`): a long epoch's worth, a few MB at most.
+_STEP_SECONDS_KEPT = 1 << 18
 
 
 class LastStep(NamedTuple):
@@ -224,6 +226,7 @@ class DasProposer:
         self._rows_slots = np.zeros(0, np.int64)
         self._row_base = np.zeros(0, np.int64)
         self._row_width = 0
+        self._all_verified = np.zeros(0, np.int64)  # `scheduled` when the caller knows of no cuts: -1s
         self._warned: set[str] = set()
         self._replica: Any = None
         self._next_catch_up = 0.0
@@ -318,6 +321,13 @@ class DasProposer:
         self._errors = 0
         self._malformed = 0
         self._draft_seconds = 0.0
+        self._step_seconds: list[float] = []
+
+    def step_seconds(self) -> list[float]:
+        """The time from each step's return to the next step's call since `reset_stats` (the engine's forward
+        pass between them; -1 for the first), in order: `das traces generate` records them so that the replay
+        of its trace prices drafts with this engine's own step times (`das bench fidelity`)."""
+        return list(self._step_seconds)
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset, the live request count, and the budget policy's state."""
@@ -475,8 +485,15 @@ class DasProposer:
         if self.runner is None and self._find_runner() is None:
             self._warn_once("runner", "DasProposer could not find the model runner: drafting disabled")
             return [[] for _ in range(n)]
-        runner = self.runner
-        return self.step(runner.input_batch.req_ids[:n], num_tokens_no_spec, token_ids_cpu, runner.requests)
+        batch = self.runner.input_batch
+        # The draft tokens vLLM's scheduler sent to the verifier this step, per row (it cuts drafts to fit its
+        # token budget): the input batch keeps them until the next schedule (vLLM 0.24 and 0.32; a runner
+        # without them counts every draft as verified).
+        spec = getattr(batch, "spec_token_ids", None)
+        scheduled = None if spec is None else np.fromiter(map(len, spec[:n]), np.int64, n)
+        return self.step(
+            batch.req_ids[:n], num_tokens_no_spec, token_ids_cpu, self.runner.requests, scheduled
+        )
 
     def step(
         self,
@@ -484,11 +501,14 @@ class DasProposer:
         num_tokens: np.ndarray,
         token_ids: np.ndarray,
         requests: Mapping[str, Any],
+        scheduled: np.ndarray | None = None,
     ) -> list[list[int]]:
         """One decode step for a batch, without an engine: row i is request req_ids[i], whose prompt and
         output are token_ids[i, :num_tokens[i]] (int32); `requests` maps every unfinished request id to its
         description (num_prompt_tokens, sampling_params with extra_args and max_tokens), as vLLM's runner
-        does. Requests missing from it finished. Returns each row's draft (at most K, within max_model_len).
+        does. Requests missing from it finished. `scheduled[i]` (int64): how many of row i's last draft
+        tokens were verified, where the engine's scheduler cut some (None: all of them). Returns each row's
+        draft (at most K, within max_model_len).
 
         Never raises: an unexpected error is logged and counted, and that step drafts nothing.
         """
@@ -499,7 +519,7 @@ class DasProposer:
             self._row_base = np.arange(max(n, token_ids.shape[0]), dtype=np.int64) * width
             self._row_width = width
         src = token_ids.ravel() if token_ids.dtype == np.int32 else token_ids.astype(np.int32).ravel()
-        return self.step_flat(req_ids, num_tokens, src, self._row_base[:n], requests)
+        return self.step_flat(req_ids, num_tokens, src, self._row_base[:n], requests, scheduled)
 
     def step_flat(
         self,
@@ -508,14 +528,19 @@ class DasProposer:
         src: np.ndarray,
         bases: np.ndarray,
         requests: Mapping[str, Any],
+        scheduled: np.ndarray | None = None,
     ) -> list[list[int]]:
         """`step` for tokens held in one flat int32 buffer: row i's prompt and output are
         src[bases[i] : bases[i] + num_tokens[i]] (bases int64, one per row). The replay keeps every request's
         tokens so and runs the engine's step on them."""
         started = self.clock()
         n = len(req_ids)
+        if scheduled is None:
+            if self._all_verified.shape[0] < n:
+                self._all_verified = np.full(2 * n, -1, np.int64)
+            scheduled = self._all_verified[:n]
         try:
-            drafts = self._step(req_ids, num_tokens, src, bases, requests, started)
+            drafts = self._step(req_ids, num_tokens, src, bases, requests, scheduled, started)
         except Exception:
             # The engine must survive whatever a request or the history holds; the error is logged and counted
             # (tests assert none happen) and this step simply drafts nothing.
@@ -537,6 +562,7 @@ class DasProposer:
         src: np.ndarray,
         bases: np.ndarray,
         requests: Mapping[str, Any],
+        scheduled: np.ndarray,
         started: float,
     ) -> list[list[int]]:
         self._reap(requests)
@@ -555,7 +581,7 @@ class DasProposer:
             self.catch_up()
         if self._queue_stale:
             self._requeue()
-        total = self._native_step(slots, num_tokens, joined, started, src, bases)
+        total = self._native_step(slots, num_tokens, scheduled, joined, started, src, bases)
         self._last_rows = len(req_ids)
         self._step_no += 1
         # A fresh list per row (vLLM's scheduler may extend a draft in place), sliced from the packed tokens.
@@ -679,6 +705,7 @@ class DasProposer:
         self,
         slots: np.ndarray,
         num_tokens: np.ndarray,
+        scheduled: np.ndarray,
         joined: bool,
         now: float,
         src: np.ndarray,
@@ -695,10 +722,13 @@ class DasProposer:
         tables = self._tables(n)
         queued = self._queued
         verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
+        if len(self._step_seconds) < _STEP_SECONDS_KEPT:
+            self._step_seconds.append(verify_seconds)
         m, clean, status, row, promoted, tokens = decode_step(
             tables,
             slots,
             num_tokens,
+            scheduled,
             self._step_no,
             joined,
             verify_seconds,
@@ -846,6 +876,10 @@ class DasWorkerExtension:
     def das_stats(self) -> dict[str, Any]:
         """The proposer's counters and budget policy state."""
         return self._das().stats()
+
+    def das_step_seconds(self) -> list[float]:
+        """`DasProposer.step_seconds` on this worker."""
+        return self._das().step_seconds()
 
     def das_pause_drafting(self, paused: bool) -> None:
         """`DasProposer.pause_drafting` on this worker."""

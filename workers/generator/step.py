@@ -96,17 +96,18 @@ def check_arrays(bundle: tuple, where: str) -> None:
 
 
 @njit(cache=True, inline="always")
-def before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows):
+def before_draft(t, slots, num_tokens, scheduled, step_no, joined, verify_seconds, last_rows):
     """Per-row END/NEW/HEADROOM/OUTPUT into per_row, the verified rows' acceptance into the budget (`learn`),
     and the time since the last step returned into its cost model (`price`) when it measured a clean decode
     step: no request joined (no prefill ran in it), every row committed, and the last step had rows. That step
-    ran these rows and verified their last drafts: n rows, n + their kept draft tokens. Returns (verified rows,
-    clean)."""
+    ran these rows and verified their last drafts as vLLM's scheduler cut them (`scheduled`, see
+    `step_book.prepare`): n rows, n + their verified draft tokens. Returns (verified rows, clean)."""
     book = t.book
     have = K.committed(t.arena.seqs, t.slot_table, slots)
     m, every_row_new = prepare(
         slots=slots,
         num_tokens=num_tokens,
+        scheduled=scheduled,
         have=have,
         step_no=step_no,
         k=t.k,
@@ -118,8 +119,12 @@ def before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_row
         n = slots.shape[0]
         verified = n
         for i in range(m):
-            verified += book.length[book.rows[i]]  # the kept draft tokens each row sent (`record`)
+            verified += book.length[book.rows[i]]  # the draft tokens each row had verified (`prepare`)
         price(t.budget, n, verified, verify_seconds)
+    kept = t.budget.policy.kept
+    for i in range(m):  # tokens the scheduler cut were never tried: the budget learns nothing of them
+        s = book.rows[i]
+        kept[s] = min(kept[s], book.length[s])
     learn(t.budget, book.rows[:m], book.accepted[:m])
     return m, clean
 
@@ -190,6 +195,7 @@ def decode_step(
     t,
     slots,
     num_tokens,
+    scheduled,
     step_no,
     joined,
     verify_seconds,
@@ -202,7 +208,7 @@ def decode_step(
     """`before_draft`, then `draft_step` from the first row: the whole step in one call when the index has
     room. Returns before_draft's (verified rows, clean), then draft_step's (status, row reached, rows promoted,
     draft tokens)."""
-    m, clean = before_draft(t, slots, num_tokens, step_no, joined, verify_seconds, last_rows)
+    m, clean = before_draft(t, slots, num_tokens, scheduled, step_no, joined, verify_seconds, last_rows)
     status, row, promoted, tokens = draft_step(t, budget_on, False, 0, slots, bases, src, step_no, queued)
     return m, clean, status, row, promoted, tokens
 

@@ -34,12 +34,13 @@ from monitoring.metrics import (
     LENGTH_CLASSES,
     SPEC_BUDGET,
     STEP_DURATION,
+    VERIFIED_DRAFT_TOKENS,
     position_label,
 )
 from workers.generator.step_tables import BookState
 
 # Running totals, one slot each in `StepBook.totals`.
-STEPS, ROWS, DRAFTED, DRAFT_TOKEN_TOTAL, ACCEPTED, VERIFIED, BUDGET_TOKENS = range(7)
+STEPS, ROWS, DRAFTED, DRAFT_TOKEN_TOTAL, ACCEPTED, VERIFIED, BUDGET_TOKENS, VERIFIED_TOKENS = range(8)
 TOTAL_NAMES = (
     "steps",
     "rows",
@@ -48,6 +49,7 @@ TOTAL_NAMES = (
     "accepted_tokens",
     "verified_drafts",
     "budget_tokens",
+    "verified_draft_tokens",
 )
 logger = logging.getLogger(__name__)
 # Rows of `StepBook.prepare`'s output.
@@ -58,11 +60,16 @@ FLUSH_INTERVAL_S = 1.0
 
 
 @njit(cache=True, inline="always")
-def prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
+def prepare(slots, num_tokens, scheduled, have, step_no, k, max_model_len, book):
     """Per row: tokens after this step (END), committed now (NEW), draft headroom (HEADROOM: none for a row
     that committed nothing, a partial prefill), output length (OUTPUT) into book.per_row; and the verified
-    previous drafts into book.rows and book.accepted. Returns (verified rows, whether every row committed
-    something)."""
+    previous drafts into book.rows and book.accepted.
+
+    `scheduled[i]`: how many of row i's last draft tokens vLLM's scheduler sent to the verifier (it cuts
+    drafts to fit its token budget, and a request it did not schedule keeps its draft for a later step), or -1
+    when unknown: then all of them, if the row ran in the previous step (a row back from a preemption had its
+    draft dropped). Only those were verified: book.length keeps that many, and a row accepted at most that
+    many. Returns (verified rows, whether every row committed something)."""
     drafted_at, length, prompt_len, rows = book.drafted_at, book.length, book.prompt_len, book.rows
     accepted = book.accepted
     accepted_by_position, totals, out = book.accepted_by_position, book.totals, book.per_row
@@ -78,12 +85,17 @@ def prepare(slots, num_tokens, have, step_no, k, max_model_len, book):
         out[OUTPUT, i] = end - prompt_len[s]
         if new == 0:
             every_row_new = False
-        elif drafted_at[s] == step_no - 1 and length[s] > 0:
+        elif length[s] > 0 and (scheduled[i] >= 0 or drafted_at[s] == step_no - 1):
+            if 0 <= scheduled[i] < length[s]:
+                length[s] = scheduled[i]  # the tokens cut before verification were never tried
+            if length[s] == 0:
+                continue
             a = min(new - 1, length[s])
             rows[m] = s
             accepted[m] = a
             m += 1
             totals[ACCEPTED] += a
+            totals[VERIFIED_TOKENS] += length[s]
             for j in range(a):
                 accepted_by_position[j] += 1
     totals[VERIFIED] += m
@@ -230,6 +242,8 @@ class MetricsFlush:
             DRAFT_TOKENS.inc(totals[DRAFT_TOKEN_TOTAL])
         if totals[ACCEPTED]:
             ACCEPTED_TOKENS.inc(totals[ACCEPTED])
+        if totals[VERIFIED_TOKENS]:
+            VERIFIED_DRAFT_TOKENS.inc(totals[VERIFIED_TOKENS])
         for children, counts in (
             (self._drafted_at, book.drafted_by_position - old["drafted_by_position"]),
             (self.accepted_at, book.accepted_by_position - old["accepted_by_position"]),

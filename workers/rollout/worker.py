@@ -59,6 +59,9 @@ class EngineOptions:
     max_model_len: int = 2048
     # CPU 16; GPU 256, vLLM's own default for serving.
     max_num_seqs: int | None = None
+    # Tokens one engine step may schedule (vLLM's max_num_batched_tokens); None: vLLM's default. Below
+    # max_num_seqs x (1 + K) the scheduler cuts drafts at full batch.
+    max_num_batched_tokens: int | None = None
     # CPU float32 (bf16 changes greedy outputs at batch > 1 on the CPU, see NOTES); GPU "auto" (the checkpoint's).
     dtype: str | None = None
     seed: int = 0
@@ -88,6 +91,8 @@ class EngineOptions:
             )
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
@@ -119,6 +124,8 @@ def engine_kwargs(options: EngineOptions, on_cpu: bool) -> dict[str, Any]:
         "logprobs_mode": "processed_logprobs",
         "scheduling_policy": options.scheduling_policy,
     }
+    if options.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = options.max_num_batched_tokens
     kv_bytes = options.kv_cache_bytes or (512 * 2**20 if on_cpu else None)
     if kv_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_bytes
@@ -452,6 +459,7 @@ class RolloutWorker:
         if self.strategy == "das":
             self.push_history([f.record for f in finished])
             proposer = self.llm.collective_rpc("das_stats")[0]
+            proposer["step_seconds"] = self.llm.collective_rpc("das_step_seconds")[0]
         return self.report(
             epoch, finished, wall, {k: after[k] - before[k] for k in after}, proposer
         ), finished
