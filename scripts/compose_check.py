@@ -714,6 +714,7 @@ def summarize_step(result: dict[str, Any]) -> dict[str, Any]:
         "latency_max_s": timing.get("agent_loop/generate_sequences/max"),
         "latency_mean_s": timing.get("agent_loop/generate_sequences/mean"),
         "rebuilt": result.get("rebuilt"),
+        "failed_attempts": len(result.get("failed_attempts") or []),
     }
 
 

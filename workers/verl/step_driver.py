@@ -48,6 +48,8 @@ DEFAULT_PORT = 8700
 STATE_FILE = "das_step_driver.json"
 # A server that does not answer its address within this is taken for gone (its node died or was replaced).
 SERVER_PROBE_TIMEOUT_S = 30.0
+# A node alive for this long is taken to stay (see StepDriver._wait_for_nodes).
+NODE_SETTLED_S = 30.0
 
 
 def ray_init(config: Any) -> None:
@@ -169,6 +171,22 @@ class StepDriver:
     def server_addresses(self) -> list[str]:
         return list(self.server_manager.server_addresses) if self.server_manager else []
 
+    def healthy(self) -> bool:
+        """The servers (`servers_alive`) and the router answer."""
+        import ray
+
+        if self.server_manager is None or not self.servers_alive():
+            return False
+        try:
+            ray.get(
+                self.server_manager.global_load_balancer.__ray_call__.remote(lambda _balancer: True),
+                timeout=SERVER_PROBE_TIMEOUT_S,
+            )
+        except Exception as exc:  # noqa: BLE001 - a router that cannot answer cannot route this step
+            logger.warning("the router is gone (%s)", exc)
+            return False
+        return True
+
     def servers_alive(self) -> bool:
         """Every server's actor answers and its engine has not died (vLLM's AsyncLLM.errored: an engine whose
         worker process was killed fails every request after)."""
@@ -195,6 +213,7 @@ class StepDriver:
         started = time.monotonic()
         self.ready = False
         self.server_manager = self.manager = None
+        self._wait_for_nodes()
         job = ray.get_runtime_context().get_job_id()
         actors = list_actors(filters=[("job_id", "=", job), ("state", "!=", "DEAD")], limit=10_000)
         for actor in actors:
@@ -216,6 +235,29 @@ class StepDriver:
         self.error = None
         return {"rebuilt_s": round(time.monotonic() - started, 1), "servers": self.server_addresses()}
 
+    def _wait_for_nodes(self, settled_s: float = NODE_SETTLED_S, timeout_s: float = 1800.0) -> None:
+        """Waits until the nodes holding the servers' GPUs have all been alive for `settled_s`: a node that
+        just joined may still be torn down (a Ray worker whose start timed out restarts its container), and an
+        actor placed there would die with it."""
+        from ray.util.state import list_nodes
+
+        rollout = self.config.actor_rollout_ref.rollout
+        needed = int(rollout.nnodes) * int(rollout.n_gpus_per_node)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now_ms = time.time() * 1000
+            settled = [
+                node
+                for node in list_nodes(filters=[("state", "=", "ALIVE")], detail=True)
+                if now_ms - float(node.start_time_ms or now_ms) >= settled_s * 1000
+            ]
+            if sum(float(node.resources_total.get("GPU", 0)) for node in settled) >= needed:
+                return
+            time.sleep(5)
+        raise RuntimeError(
+            f"the cluster did not hold {needed} GPUs on settled nodes within {timeout_s:.0f} s"
+        )
+
     # ------------------------------------------------------------------ a step
     def _next_batch(self) -> Any:
         from verl import DataProto
@@ -227,12 +269,15 @@ class StepDriver:
         return DataProto.from_single_dict(collate_fn(rows))
 
     def step(self) -> dict[str, Any]:
-        """One training step's rollout, as verl's trainer runs it (ray_trainer.fit, before the update)."""
+        """One training step's rollout, as verl's trainer runs it (ray_trainer.fit, before the update). A step that
+        fails because a server, the router or their node is gone is run again once on new servers (verl's
+        trainer would fail and resume from its checkpoint instead); its first attempt's trajectories keep their
+        keys (the ledger gives the second attempt fresh sample numbers), and the answer says so."""
         from workers.verl.stats import das_stats
 
         with self._lock:
             rebuilt = None
-            if not self.servers_alive():
+            if not self.healthy():
                 rebuilt = self.rebuild()
             self.global_step += 1
             batch = self._next_batch()
@@ -249,12 +294,26 @@ class StepDriver:
             gen_batch = gen_batch.repeat(
                 repeat_times=int(self.config.actor_rollout_ref.rollout.n), interleave=True
             )
-            handles = list(self.server_manager.server_handles)
-            before = das_stats(handles)
-            started = time.time()
-            output = self.manager.generate_sequences(gen_batch)
-            finished = time.time()
-            after = das_stats(handles)
+            failed_attempts = []
+            while True:
+                try:
+                    handles = list(self.server_manager.server_handles)
+                    before = das_stats(handles)
+                    started = time.time()
+                    output = self.manager.generate_sequences(gen_batch)
+                    finished = time.time()
+                    after = das_stats(handles)
+                    break
+                except Exception as exc:
+                    if failed_attempts or self.healthy():
+                        raise
+                    logger.warning(
+                        "step %d failed with a server or node gone; once more on new servers: %r",
+                        self.global_step,
+                        exc,
+                    )
+                    failed_attempts.append(repr(exc)[-2000:])
+                    rebuilt = self.rebuild()
             self._save_step()
             return {
                 "step": self.global_step,
@@ -262,6 +321,7 @@ class StepDriver:
                 "finished_at": finished,
                 "wall_s": round(finished - started, 3),
                 "rebuilt": rebuilt,
+                "failed_attempts": failed_attempts,
                 "servers": self.server_addresses(),
                 "timing": {k: float(v) for k, v in output.meta_info.get("timing", {}).items()},
                 "records": step_records(gen_batch, output),

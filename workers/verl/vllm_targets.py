@@ -25,6 +25,8 @@ SERVER_CLASS = "vLLMHttpServer"
 # A server that is still loading its model answers only after its engine is up; a stuck one must not stall
 # the refresh of all others.
 ADDRESS_TIMEOUT_S = 10.0
+# How long one refresh waits for a node's proposer notes.
+NODE_TIMEOUT_S = 30.0
 
 
 def file_sd_document(addresses: Iterable[str], job: str) -> list[dict[str, object]]:
@@ -88,4 +90,6 @@ def proposer_metric_addresses(folder: str) -> list[str]:
     the connected Ray cluster, read from each node's `folder`."""
     from workers.verl.cluster import on_every_node
 
-    return [address for addresses in on_every_node(_proposer_notes, folder) for address in addresses]
+    # A node that stops answering drops out of this refresh instead of stalling the target list for good.
+    notes = on_every_node(_proposer_notes, folder, timeout_s=NODE_TIMEOUT_S)
+    return [address for addresses in notes for address in addresses]
