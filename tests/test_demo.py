@@ -21,6 +21,7 @@ from workers.cli import main as das
 from workers.demo.projection import (
     RECORDED_SLOTS,
     RECORDED_STRATEGIES,
+    RECORDED_TRACE,
     TRACE_FILE,
     format_projection,
     format_recorded,
@@ -30,7 +31,7 @@ from workers.demo.projection import (
 )
 from workers.demo.projection import STRATEGIES as PROJECTED
 from workers.demo.report import PLOT_FILES, SUMMARY_FILE, format_table, write_report
-from workers.demo.run import identical_status
+from workers.demo.run import DemoConfig, identical_status
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -233,3 +234,15 @@ def test_recorded_table_is_labelled_and_ends_with_its_command(tmp_path: Path) ->
         line = next(line for line in lines if line.startswith(f"{row['slots']} "))
         figures = line.split()
         assert figures[1:4] == [f"{row['makespan_s'][s]:.2f}" for s in RECORDED_STRATEGIES]
+
+
+def test_the_readme_shows_what_the_demo_projects_on_the_shipped_trace() -> None:
+    """The demo ends with a trace shipped in data/, and the README's copy of that table is what the code
+    projects on it now (a change to the replay that moves these figures must move the README too)."""
+    assert DemoConfig().recorded_trace == RECORDED_TRACE and RECORDED_TRACE.is_file()
+    lines = format_recorded(project_recorded(RECORDED_TRACE)).splitlines()
+    readme = (REPO / "README.md").read_text()
+    rows = [line for line in lines if line.startswith(tuple(f"{label} " for label in RECORDED_SLOTS))]
+    assert len(rows) == len(RECORDED_SLOTS)
+    for line in rows:
+        assert f"\n{line}\n" in readme, f"README's demo output lacks the recorded trace's row: {line}"
