@@ -1,3 +1,3 @@
-from history_store.automaton.kernel_cache import guard as _guard_kernel_caches
+from history_store.native.kernel_cache import guard as _guard_kernel_caches
 
 _guard_kernel_caches()  # before any cached kernel loads: see kernel_cache

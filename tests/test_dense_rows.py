@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from history_store.automaton.dense_rows import DenseRows
 from history_store.automaton.problem_index import ProblemIndex
+from history_store.native.dense_rows import DenseRows
 from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
 from workers.generator.step_book import StepBook

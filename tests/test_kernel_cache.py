@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from history_store.automaton import kernel_cache
+from history_store.native import kernel_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,7 @@ def _run(folder: Path, guard: bool) -> int:
         import sys
         from pathlib import Path
         sys.path.insert(0, {str(folder)!r})
-        from history_store.automaton.kernel_cache import drop_stale_caches
+        from history_store.native.kernel_cache import drop_stale_caches
         folder = Path({str(folder)!r})
         if {guard!r}:
             drop_stale_caches([folder / "callee.py", folder / "caller.py"], folder / "__pycache__")

@@ -14,11 +14,11 @@ from _store_workload import Workload
 from numba import njit, types
 from rocksdict import Options, Rdict
 
-from history_store.automaton.bundles import members
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable import layout
 from history_store.durable.store import HistoryStore
 from history_store.indexed_history import load_index
+from history_store.native.bundles import members
 from pipeline.schemas import TrajectoryRecord
 from workers.bench.proposer import _build, _engine_for, decoding
 from workers.bench.replay import load_traces

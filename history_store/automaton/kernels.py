@@ -201,7 +201,9 @@ def remembers(states):
 
 
 @njit(cache=True)
-def _slot(key, mask):
+def hash_bucket(key, mask):
+    """A key's bucket in a table of mask + 1 buckets (a power of two): a multiplicative hash, which the arena's
+    edge table and the budget's token outcomes use."""
     x = np.uint64(key) * _MUL
     x ^= x >> np.uint64(29)
     return np.int64(x & np.uint64(mask))
@@ -229,7 +231,7 @@ def find_edge(states, edges, hashes, state, tok):
             e = np.int64(edges[e, NEXT])
         return e
     mask = hashes.shape[0] - 1
-    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
+    i = hash_bucket((np.int64(state) << 32) | np.int64(tok), mask)
     while True:
         k = hashes[i, H_STATE]
         if k == state and hashes[i, H_TOKEN] == tok:
@@ -242,7 +244,7 @@ def find_edge(states, edges, hashes, state, tok):
 @njit(cache=True)
 def _hash_put(hashes, state, tok, edge):
     mask = hashes.shape[0] - 1
-    i = _slot((np.int64(state) << 32) | np.int64(tok), mask)
+    i = hash_bucket((np.int64(state) << 32) | np.int64(tok), mask)
     while hashes[i, H_STATE] != -1:
         i = (i + 1) & mask
     hashes[i, H_STATE] = state

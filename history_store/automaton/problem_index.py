@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from history_store.automaton import kernels as K
-from history_store.automaton.bundles import DraftOutputs, StepRows, draft_params
 from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS, DraftConfig
-from history_store.automaton.dense_rows import DenseRows
 from history_store.automaton.draft_threads import usable_draft_threads
 from history_store.automaton.suffix_tree import SuffixForest, SuffixTree, as_levels, as_tokens
+from history_store.native.bundles import DraftOutputs, StepRows, draft_params
+from history_store.native.dense_rows import DenseRows
 
 # A live tree is rebuilt from its active requests once finished ones hold this many times their tokens. Each
 # rebuild re-inserts the active tokens, so its cost per finished request falls as 1/DEAD_PER_LIVE; the

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import numpy as np
 
 from history_store.automaton import kernels as K
-from history_store.automaton.bundles import DraftOutputs, Forest, draft_params, gather
 from history_store.automaton.config import DraftConfig
+from history_store.native.bundles import DraftOutputs, Forest, draft_params, gather
 
 MAX_TOKEN_ID = 2**31 - 1
 _SERIAL_MAGIC = b"DAST"

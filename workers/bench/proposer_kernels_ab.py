@@ -10,7 +10,7 @@ step, so the run also says whether the change left the drafts as they were.
 
 Only the native step differs between the sides. REV's step kernel modules (`KERNEL_MODULES`) are imported as
 a temporary package (`das_rev_kernels`, their imports of each other rewritten to it), while the proposer,
-index and policy around them, and the bundles the kernels take (`history_store.automaton.bundles`,
+index and policy around them, and the bundles the kernels take (`history_store.native.bundles`,
 `workers.budget.state`, `workers.generator.step_tables`) and the budget's config, are this checkout's on both
 sides. REV must
 therefore be a revision of this layout: kernels in these modules taking these bundles (a revision from before

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from history_store.automaton.bundles import gather
-from history_store.automaton.kernels import N_CANDIDATES, _slot, columns
+from history_store.automaton.kernels import N_CANDIDATES, columns, hash_bucket
+from history_store.native.bundles import gather
 from workers.budget.config import BudgetConfig
 from workers.budget.cost import solve_augmented
 from workers.budget.state import AcceptanceState
@@ -187,7 +187,7 @@ def _truncate_kernel(drafted, slots, policy, acceptance, c_tok, buffers):
             if j >= lengths[i]:
                 predicted[i, j] = 0.0
                 continue
-            bucket = _slot(tokens[i, j], TOKEN_BUCKETS - 1)  # the arena's hash
+            bucket = hash_bucket(tokens[i, j], TOKEN_BUCKETS - 1)
             drafted_bucket[s, j] = bucket
             token_gain = _log_odds_gain(token_outcomes, bucket)
             ratio = probs[i, j] / previous if previous > 0 else 0.0

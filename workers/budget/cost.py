@@ -8,7 +8,7 @@ import math
 import numpy as np
 from numba import njit
 
-from history_store.automaton.bundles import gather
+from history_store.native.bundles import gather
 from monitoring.metrics import COST_COEFFICIENTS, COST_MODEL_COEFFICIENT
 from workers.budget.config import BudgetConfig
 from workers.budget.state import CostState

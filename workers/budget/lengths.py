@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from history_store.automaton.bundles import gather
-from history_store.automaton.dense_rows import DenseRows
+from history_store.native.bundles import gather
+from history_store.native.dense_rows import DenseRows
 from workers.budget.state import LengthState
 
 # Fields of `LengthModel.stats`: ratios seen, responses past every predicted quantile, responses predicted.

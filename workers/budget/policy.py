@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from history_store.automaton.bundles import gather
-from history_store.automaton.dense_rows import DenseRows
+from history_store.native.bundles import gather
+from history_store.native.dense_rows import DenseRows
 from monitoring.metrics import CLASS_PROMOTIONS, COST_COEFFICIENTS, LENGTH_CLASSES
 from workers.budget.acceptance import N_FEATURES, TOKEN_BUCKETS, AcceptanceModel
 from workers.budget.config import BudgetConfig
@@ -100,7 +100,7 @@ class BudgetPolicy:
         problems = self.lengths.problem_rows
         problems.register(self, "problem_outcomes", (3,))
         problems.register(self, "problem_stamp", dtype=np.int64)
-        # Recent (accepted, predicted, tried) of drafted tokens, by bucket of token id (`_kernels._slot`).
+        # Recent (accepted, predicted, tried) of drafted tokens, by bucket of token id (`kernels.hash_bucket`).
         self.token_outcomes = np.zeros((TOKEN_BUCKETS, 3))
         self.observed = np.zeros(1, np.int64)  # the problems' decay clock (`step.learn` ticks it)
         # Per slot: problem row, recent outcomes, accepted tokens per step, promotion, and the

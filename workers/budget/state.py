@@ -1,5 +1,5 @@
 """The budget's state as its kernels take it: named bundles of the policy's arrays and settings (see
-`history_store.automaton.bundles`). Each owner builds its own by keyword (`FittedCostModel.kernel_state`, ...)."""
+`history_store.native.bundles`). Each owner builds its own by keyword (`FittedCostModel.kernel_state`, ...)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from history_store.automaton.bundles import B1, F1, F2, F3, FLOAT, I1, I2, I32_1, INT
+from history_store.native.bundles import B1, F1, F2, F3, FLOAT, I1, I2, I32_1, INT
 
 
 class CostState(NamedTuple):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from history_store.automaton.bundles import numba_type
+from history_store.native.bundles import numba_type
 from workers.budget.acceptance import _acceptance_added, _observe_kernel, _truncate_kernel
 from workers.budget.cost import _cost_observe
 from workers.budget.lengths import _atypical

@@ -61,11 +61,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from history_store.automaton.bundles import draft_params
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import BatchDrafts, ProblemIndex
 from history_store.indexed_history import follow, load_index
+from history_store.native.bundles import draft_params
 from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
 from workers.generator.settings import ProposerSettings

@@ -9,7 +9,7 @@ this is the one place they are composed, and the replay runs this step too (`wor
 proposer), so the engine runs exactly the replay's policy.
 
 Both take the step's tables as one `StepTables` value: numba unboxes every argument of every call (about
-100 ns an array), so passing the 91 arrays of `StepGroups` cost more than a batch of one's whole drafting.
+100 ns an array), so passing the 70 arrays of `StepGroups` cost more than a batch of one's whole drafting.
 The proposer packs them once and packs again only after something outside these kernels replaced an array (a
 request joined or finished, the history changed, the index grew, the batch size or the queue changed).
 `DirectCall` then skips numba's typing of the tables on each call (2.8 µs; 1.6-2.1 µs of an 18-20 µs step at
@@ -25,7 +25,7 @@ from numba import njit, types
 from numba.experimental import structref
 
 from history_store.automaton import kernels as K
-from history_store.automaton.bundles import StepRows, members
+from history_store.native.bundles import StepRows, members
 from workers.budget.state import Drafted
 from workers.budget.step import MEDIUM, cut, learn, plan, price
 from workers.generator.step_book import END, HEADROOM, OUTPUT, prepare, record
@@ -40,7 +40,7 @@ class _StepTablesType(types.StructRef):
 
 class StepTables(structref.StructRefProxy):
     """Every array and setting the two step kernels read or update, as one native value (`pack_tables`): one
-    pointer to unbox per call instead of 91 arrays."""
+    pointer to unbox per call instead of 70 arrays."""
 
 
 structref.define_boxing(_StepTablesType, StepTables)
@@ -218,7 +218,7 @@ class DirectCall:
     instead of the dispatcher while the tables keep the type it last compiled for.
 
     The dispatcher types every argument on every call to pick its overload; for a StepTables value that
-    costs 2.8 µs (numba types its 91 arrays each time), about a tenth of the whole step at batch 1. numba
+    costs 2.8 µs (numba types its 70 arrays each time), about a tenth of the whole step at batch 1. numba
     interns types, so "the same tables type" is one identity test. The entry point unboxes by its signature
     without checking: `pack_tables` checks the tables' arrays once per packing, and the caller must keep every
     other argument's type (the proposer builds each array it passes with a fixed dtype, rank and layout, and

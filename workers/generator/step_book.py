@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from history_store.automaton.bundles import gather
-from history_store.automaton.dense_rows import DenseRows
 from history_store.automaton.kernels import Source
+from history_store.native.bundles import gather
+from history_store.native.dense_rows import DenseRows
 from monitoring.metrics import (
     ACCEPTED_TOKENS,
     ACCEPTED_TOKENS_BY_POSITION,

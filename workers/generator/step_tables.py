@@ -1,11 +1,11 @@
 """What the proposer's step kernels take: the step book's arrays, the reply and every owner's group
-(`StepGroups`, the source of `step.StepTables`' fields). Bundles as in `history_store.automaton.bundles`."""
+(`StepGroups`, the source of `step.StepTables`' fields). Bundles as in `history_store.native.bundles`."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from history_store.automaton.bundles import (
+from history_store.native.bundles import (
     F1,
     I1,
     I2,
