@@ -13,6 +13,7 @@
 # unchanged build takes seconds and an edit of DAS's code rebuilds only the code layers. Writes the build times
 # and image sizes as JSON to $DAS_IMAGES_REPORT (default build/docker/images.json).
 #   bash scripts/docker_images.sh [--only NAME ...]     NAME: debian cpu-stack das kafka prometheus alertmanager
+# DAS_DOCKER_BUILD_FLAGS adds flags to every docker build (--no-cache times a build from nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -112,8 +113,9 @@ build() { # build NAME IMAGE DOCKERFILE [build args...]
   local args=()
   for arg in "$@"; do args+=(--build-arg "$arg"); done
   say "$name: building $image from $file (log: $STAGE/build-$name.log)"
-  timed "$name" "$image" logged "$STAGE/build-$name.log" "$DOCKER" build --progress=plain -f "$file" "${args[@]}" \
-    -t "$image" .
+  # shellcheck disable=SC2086 - DAS_DOCKER_BUILD_FLAGS is a list of flags (e.g. --no-cache, to time a fresh build)
+  timed "$name" "$image" logged "$STAGE/build-$name.log" "$DOCKER" build --progress=plain ${DAS_DOCKER_BUILD_FLAGS:-} \
+    -f "$file" "${args[@]}" -t "$image" .
 }
 logged() { # logged LOG command...: the command's output goes to LOG; on failure its end is shown
   local log=$1

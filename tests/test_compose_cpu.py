@@ -468,3 +468,55 @@ def test_compose_itself_merges_the_files_the_same_way(tmp_path: Path) -> None:
         assert (theirs[name].get("command") or []) == command_of(service), name
         assert theirs[name].get("network_mode") == service.get("network_mode"), name
         assert {v["target"] for v in theirs[name].get("volumes", [])} == set(mounts(service)), name
+
+
+# --------------------------------------------------------------------------------------------- the step driver
+def test_the_step_driver_reports_each_rollout_as_das_agent_published_it() -> None:
+    """verl left-pads prompts and right-pads responses; the driver's records (which the drill compares with the
+    topic and the stores) must be the unpadded tokens under each row's DAS key."""
+    import numpy as np
+    import torch
+    from verl import DataProto
+
+    from workers.verl.identity import EPOCH_FIELD, PROBLEM_FIELD, SAMPLE_FIELD
+    from workers.verl.step_driver import step_records
+
+    prompts = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    responses = torch.tensor([[11, 12, 0], [13, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]])
+    output = DataProto.from_dict({"prompts": prompts, "responses": responses, "attention_mask": mask})
+    batch = DataProto.from_dict(
+        tensors={"dummy": torch.zeros(2)},
+        non_tensors={
+            PROBLEM_FIELD: np.array(["p-1", "p-2"], dtype=object),
+            EPOCH_FIELD: np.array([3, 0]),
+            SAMPLE_FIELD: np.array([8, 1]),
+        },
+    )
+    assert step_records(batch, output) == [
+        {"problem_id": "p-1", "epoch": 3, "sample": 8, "prompt_ids": [5, 6], "response_ids": [11, 12]},
+        {"problem_id": "p-2", "epoch": 0, "sample": 1, "prompt_ids": [7, 8, 9, 10], "response_ids": [13]},
+    ]
+
+
+def test_the_step_driver_retries_lost_servers_and_calls_but_not_its_own_errors() -> None:
+    import ray.exceptions as errors
+
+    from workers.verl.step_driver import _transient
+
+    # As ray.get hands over a failure inside an agent loop worker: a RayTaskError whose text carries the cause.
+    lost_call = errors.RayTaskError(
+        "generate_sequences",
+        "ray.exceptions.ActorUnavailableError: The actor is unavailable",
+        RuntimeError("x"),
+    )
+    assert _transient(lost_call) and _transient(errors.ActorDiedError())
+    try:
+        try:
+            raise errors.ActorDiedError()
+        except errors.ActorDiedError as exc:
+            raise RuntimeError("the step failed") from exc
+    except RuntimeError as chained:
+        assert _transient(chained)
+    assert not _transient(ValueError("no prompts in /data/train.parquet"))
+    assert not _transient(KeyError("das_problem_id"))

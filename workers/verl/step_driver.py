@@ -93,6 +93,21 @@ def step_records(gen_batch: Any, output: Any) -> list[dict[str, Any]]:
     return records
 
 
+def _transient(exc: BaseException) -> bool:
+    """A failure a second attempt can get past: a server, router or node that went away (Ray's actor and node
+    errors, vLLM's dead engine) or a call lost on the network (ActorUnavailableError: the node was cut off).
+    Ray hands a remote failure over as RayTaskError(<cause>), a class named after its cause, with the cause's
+    traceback in its text: both are looked at, along the exception's chain."""
+    names = ("EngineDeadError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError", "OwnerDiedError")
+    seen: BaseException | None = exc
+    while seen is not None:
+        kinds = " ".join(kind.__name__ for kind in type(seen).__mro__)
+        if any(name in kinds or name in str(seen) for name in names):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _engine_errored(server: Any) -> bool:
     """Runs inside a vLLMHttpServer actor: True when its engine has died."""
     engine = getattr(server, "engine", None)
@@ -270,9 +285,10 @@ class StepDriver:
 
     def step(self) -> dict[str, Any]:
         """One training step's rollout, as verl's trainer runs it (ray_trainer.fit, before the update). A step that
-        fails because a server, the router or their node is gone is run again once on new servers (verl's
-        trainer would fail and resume from its checkpoint instead); its first attempt's trajectories keep their
-        keys (the ledger gives the second attempt fresh sample numbers), and the answer says so."""
+        fails because a server, the router or their node went away, or a call to a server was lost on the network,
+        is run once more (on new servers if any is gone; verl's trainer would fail and resume from its checkpoint
+        instead). The first attempt's published trajectories keep their keys (the ledger gives the second attempt
+        fresh sample numbers), and the answer lists the failed attempt."""
         from workers.verl.stats import das_stats
 
         with self._lock:
@@ -305,15 +321,18 @@ class StepDriver:
                     after = das_stats(handles)
                     break
                 except Exception as exc:
-                    if failed_attempts or self.healthy():
+                    if failed_attempts or not _transient(exc):
                         raise
-                    logger.warning(
-                        "step %d failed with a server or node gone; once more on new servers: %r",
-                        self.global_step,
-                        exc,
-                    )
                     failed_attempts.append(repr(exc)[-2000:])
-                    rebuilt = self.rebuild()
+                    if self.healthy():
+                        logger.warning(
+                            "step %d lost a call to a server (%r); once more", self.global_step, exc
+                        )
+                    else:
+                        logger.warning(
+                            "step %d lost a server; once more on new ones: %r", self.global_step, exc
+                        )
+                        rebuilt = self.rebuild()
             self._save_step()
             return {
                 "step": self.global_step,
