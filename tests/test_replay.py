@@ -10,7 +10,7 @@ import pytest
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import Source
 from pipeline.schemas import TrajectoryRecord
-from workers.bench import replay
+from workers.bench import replay, replay_drafters
 from workers.cli import main
 
 
@@ -37,7 +37,7 @@ def test_ngram_baseline_matches_vllms_prompt_lookup():
     rng = np.random.default_rng(0)
     for _ in range(300):
         ctx = rng.integers(0, 4, rng.integers(1, 40)).astype(np.int32)
-        ours = replay.ngram_draft(ctx, 2, 4, 8)
+        ours = replay_drafters.ngram_draft(ctx, 2, 4, 8)
         theirs = vllm_ngram(ctx, 2, 4, 10_000, 8)
         assert ours.tolist() == theirs.tolist()
 

@@ -2,17 +2,17 @@
 
 Input: a trace the engine recorded itself (`das traces generate --strategy das|ngram --report R.json`) and the
 engine's per-epoch figures in R.json. The replay runs that trace with the recording's strategy and settings
-(K, depth, window, budget and, for the budget, the step times the engine measured, step by step, or else the
-costs it fitted in each epoch), and both sides' accepted draft tokens per request step and acceptance are
+(K, depth, window, budget and, for the budget, the cost coefficients the engine budgeted each step with, or else
+the costs it fitted in each epoch), and both sides' accepted draft tokens per request step and acceptance are
 compared, per epoch and over the whole run.
 
 Why they can agree closely: for a fixed drafter, a draft token accepted by rejection sampling is the token the
 trajectory records, and a rejected one never is (the recovered token is drawn with the draft's probability
 removed). So on the engine's own trace, exact-match replay accepts exactly what the engine accepted whenever
 both draft the same tokens at the same positions. The replay's das runs the engine's own proposer
-(`workers.bench.replay_drafters.EngineDrafter`) with the engine's measured step times, so both budgets price
-drafts alike. What still differs: the engine admits requests over a few steps (the replay starts an epoch's
-requests together), so the two step sequences, and the times matched to them by position, align only
+(`workers.bench.replay_drafters.EngineDrafter`) with the costs the engine budgeted each step with, so both
+price drafts alike. What still differs: the engine admits requests over a few steps (the replay starts an
+epoch's requests together), so the two step sequences, and the costs matched to them by position, align only
 approximately; and the engine counts drafts accepted past `max_tokens` that the output then drops.
 """
 
@@ -77,11 +77,11 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
     )
     measured = steps = None
     if strategy == "das" and proposer.budget:
-        # The engine's budget priced drafts with the step times it measured on its machine (a fit moves with
-        # the machine's load): the replay's budget learns from the same times, step by step where the report
-        # has them, else from each epoch's fitted costs.
+        # The engine's budget priced drafts with costs it fitted from its machine's step times (a fit moves with
+        # the machine's load): the replay's budgets each step with the costs the engine had at it, where the
+        # report has them, else learns from each epoch's fitted costs.
         measured = {row["epoch"]: replay.CostModel(**row["cost_model"]) for row in epochs}
-        steps = {row["epoch"]: row["step_seconds"] for row in epochs if "step_seconds" in row} or None
+        steps = {row["epoch"]: row["step_costs"] for row in epochs if "step_costs" in row} or None
         strategy_in_replay = "das"
     else:
         strategy_in_replay = "das-unbudgeted" if strategy == "das" else "ngram"
@@ -122,7 +122,7 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         "settings": settings,
         # What the replay's budget learned its step times from, per epoch (None: it does not price drafts).
         "engine_cost_models": {e: c.__dict__ for e, c in measured.items()} if measured else None,
-        # Whether the replay's budget priced steps with the engine's own measured step times.
+        # Whether the replay's budget priced each step with the costs the engine had at it.
         "engine_step_times": steps is not None,
         "per_epoch": rows,
         "overall": overall,

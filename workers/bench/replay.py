@@ -250,7 +250,13 @@ class Simulation:
 
 
 def _drafter(
-    strategy: str, config: DraftConfig, window: int, ngram_range: tuple[int, int], records: list, engines: int
+    strategy: str,
+    config: DraftConfig,
+    window: int,
+    ngram_range: tuple[int, int],
+    records: list,
+    engines: Engines | None,
+    step_costs: Mapping[int, Sequence[Sequence[float]]] | None,
 ) -> NoDrafter:
     k = config.max_spec_tokens
     if strategy == "none":
@@ -261,7 +267,8 @@ def _drafter(
         return IndexDrafter(strategy, config, window)
     if strategy == "das":
         longest = max(len(r.prompt_ids) + len(r.response_ids) for r in records)
-        return EngineDrafter(config, window, engines, trace_max_tokens(records), longest)
+        fleet = engines.engines if engines is not None else 1
+        return EngineDrafter(config, window, fleet, trace_max_tokens(records), longest, step_costs)
     raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -276,18 +283,18 @@ def simulate(
     measured_costs: Mapping[int, CostModel] | None = None,
     on_verified: Callable[[VerifiedStep], None] | None = None,
     engines: Engines | None = None,
-    measured_steps: Mapping[int, Sequence[float]] | None = None,
+    measured_steps: Mapping[int, Sequence[Sequence[float]]] | None = None,
 ) -> Simulation:
     """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online from
     step times: those of `cost`, or of `measured_costs[epoch]` where given (what an engine fitted in that
-    epoch), or, step by step, `measured_steps[epoch]` (each step's time as the engine that recorded the trace
-    measured it, where known: the budget then prices drafts as that engine did, whatever load the machine
-    was under). The projected makespan always uses the cost model. A tree strategy hands every step's verified
+    epoch); or it budgets each step with the cost coefficients a recording engine budgeted the same step with
+    (`measured_steps[epoch][j]`, where known: it then prices drafts as that engine did, whatever load its
+    machine was under). The projected makespan always uses the cost model. A tree strategy hands every step's verified
     drafts to `on_verified` (`das bench ceiling` scores the budget's predictions with it). `engines`: finite
     engines with queues (`workers.bench.engines`); None runs each epoch as one batch."""
     cost = cost or CostModel()
     k = config.max_spec_tokens
-    drafter = _drafter(strategy, config, window, ngram_range, records, engines.engines if engines else 1)
+    drafter = _drafter(strategy, config, window, ngram_range, records, engines, measured_steps)
     trees = strategy not in ("none", "ngram")
     budgeted = strategy == "das"
     fleet = Fleet(engines, trace_max_tokens(records)) if engines is not None else None
@@ -319,7 +326,6 @@ def simulate(
         schedule = fleet.epoch([r.problem_id for r in batch], lengths, prompt_lens, pos) if fleet else None
         engine, active = schedule.next_step() if schedule else (0, np.nonzero(lengths > 0)[0])
         step_log = []
-        timeline = (measured_steps or {}).get(epoch, ())
         while active.size:
             n = active.size
             remaining = lengths[active] - pos[active]
@@ -371,10 +377,7 @@ def simulate(
             pos[active] += advance
             done = active[pos[active] >= lengths[active]]
             queued = schedule.queued(engine) if schedule else np.zeros(0, np.int64)
-            seconds = step_cost.step(n, verified)
-            if len(step_log) <= len(timeline) and timeline[len(step_log) - 1] > 0:
-                seconds = timeline[len(step_log) - 1]  # what the recording engine measured for this step
-            drafter.after_step(engine, active, done, seconds, queued)
+            drafter.after_step(engine, active, done, step_cost.step(n, verified), queued)
             if schedule:
                 schedule.finish(engine, done)
                 engine, active = schedule.next_step()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -238,10 +239,18 @@ class EngineDrafter(NoDrafter):
     fleet."""
 
     def __init__(
-        self, config: DraftConfig, window: int, engines: int, max_tokens: int | None, longest: int
+        self,
+        config: DraftConfig,
+        window: int,
+        engines: int,
+        max_tokens: int | None,
+        longest: int,
+        step_costs: Mapping[int, Sequence[Sequence[float]]] | None = None,
     ) -> None:
         """`longest`: the longest prompt plus response of the trace (sizes max_model_len so that every row may
-        draft K, as the replay's other strategies do)."""
+        draft K, as the replay's other strategies do). `step_costs[epoch][j]`: the cost coefficients a
+        recording engine budgeted its j-th step of that epoch with; the j-th step here then budgets with
+        them too, and the modelled step times teach the budget nothing (`DasProposer.pin_costs`)."""
         super().__init__(config.max_spec_tokens)
         settings = ProposerSettings(budget=True, window_epochs=window)
         draft_config = dataclasses.replace(config, min_token_prob=BUDGET_MIN_TOKEN_PROB)
@@ -255,6 +264,7 @@ class EngineDrafter(NoDrafter):
         self.clocks = [_Clock() for _ in self.proposers]
         for proposer, clock in zip(self.proposers, self.clocks, strict=True):
             proposer.clock = clock
+        self.step_costs = step_costs or {}
 
     def start_epoch(self, requests: EpochRequests) -> None:
         super().start_epoch(requests)
@@ -288,6 +298,8 @@ class EngineDrafter(NoDrafter):
         ]
         self.unfinished: list[dict[str, SimpleNamespace]] = [{} for _ in self.proposers]
         self.submitted = [False for _ in self.proposers]
+        self.costs = self.step_costs.get(requests.records[0].epoch, ()) if requests.records else ()
+        self.steps = [0 for _ in self.proposers]
         k = self.k
         self.pending = Drafts(
             tokens=np.zeros((n, k), np.int32),
@@ -324,6 +336,10 @@ class EngineDrafter(NoDrafter):
             self.submitted[engine] = True
             submitted = Counter(requests.records[i].problem_id for i in (*rows.tolist(), *queued.tolist()))
             proposer.set_submitted(submitted, self.max_tokens)
+        step = self.steps[engine]
+        self.steps[engine] += 1
+        if step < len(self.costs):
+            proposer.pin_costs(tuple(self.costs[step]))
         num_tokens = (self.prompt_lens[rows] + requests.pos[rows]).astype(np.int32)
         proposer.step_flat(keys, num_tokens, self.src, self.bases[rows], unfinished, self._verified)
         self._keep(proposer, rows)

@@ -13,8 +13,9 @@ from monitoring.metrics import COST_COEFFICIENTS, COST_MODEL_COEFFICIENT
 from workers.budget.config import BudgetConfig
 from workers.budget.state import CostState
 
-# Fields of `FittedCostModel`'s int64 state: rows in the window, the next row to write, steps since the last fit.
-_C_COUNT, _C_NEXT, _C_SINCE = 0, 1, 2
+# Fields of `FittedCostModel`'s int64 state: rows in the window, the next row to write, steps since the last fit,
+# and whether the coefficients are pinned (`FittedCostModel.pin`: nothing is fitted then).
+_C_COUNT, _C_NEXT, _C_SINCE, _C_PINNED = 0, 1, 2, 3
 
 
 @njit(cache=True)
@@ -95,6 +96,8 @@ def _cost_observe(cost, active, tokens, seconds):
     refits when due into its coefficients. Returns whether they changed."""
     ring, sums, state, prior, coef = cost.ring, cost.sums, cost.state, cost.prior, cost.coefficients
     min_fit_steps, refit_every = cost.min_fit_steps, cost.refit_every
+    if state[_C_PINNED]:
+        return False
     window = ring.shape[0]
     at = state[_C_NEXT]
     if state[_C_COUNT] == window:
@@ -148,7 +151,7 @@ class FittedCostModel:
     def __init__(self, config: BudgetConfig) -> None:
         prior = np.array([config.prior_c_base, config.prior_c_seq, config.prior_c_tok])
         # The fit's arrays never change identity, so the bundle is built once.
-        ring, sums, state = np.zeros((config.cost_window, 4)), np.zeros((3, 4)), np.zeros(3, np.int64)
+        ring, sums, state = np.zeros((config.cost_window, 4)), np.zeros((3, 4)), np.zeros(4, np.int64)
         self._fit = gather(
             CostState, config, ring=ring, sums=sums, state=state, prior=prior, coefficients=prior.copy()
         )
@@ -167,6 +170,12 @@ class FittedCostModel:
             raise ValueError(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
         if _cost_observe(self.kernel_state(), int(active), int(tokens), float(seconds)):
             self.publish()
+
+    def pin(self, coefficients: tuple[float, float, float]) -> None:
+        """Fixes the coefficients (c_base, c_seq, c_tok) and stops fitting: a replay that must price steps as
+        a recorded engine priced them (`das bench fidelity`) pins each step's."""
+        self.coefficients[:] = coefficients
+        self._fit.state[_C_PINNED] = 1
 
     def publish(self) -> None:
         """Hands the coefficients to their Prometheus gauges."""

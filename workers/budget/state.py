@@ -15,7 +15,7 @@ class CostState(NamedTuple):
 
     ring: F2  # [window, 4]: (1, active, tokens, seconds) of each measured step
     sums: F2  # [3, 4]: the window's Gram matrix and its products with the step times
-    state: I1  # [3]: _C_COUNT, _C_NEXT, _C_SINCE
+    state: I1  # [4]: _C_COUNT, _C_NEXT, _C_SINCE, _C_PINNED
     prior: F1  # [3]: the prior coefficients
     coefficients: F1  # [3]: c_base, c_seq, c_tok, refitted in place
     min_fit_steps: INT

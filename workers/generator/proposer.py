@@ -89,8 +89,9 @@ MAX_PROBLEM_ID_LEN = 512
 # servers never call `collective_rpc("das_attach")`. The caller's frame is the one place the runner is named;
 # the search runs once per engine.
 _RUNNER_SEARCH_DEPTH = 8
-# Step times kept between `reset_stats` calls (`step_seconds`): a long epoch's worth, a few MB at most.
-_STEP_SECONDS_KEPT = 1 << 18
+# Steps whose cost coefficients are kept between `reset_stats` calls (`step_costs`): a long epoch's worth, a
+# few MB at most.
+_STEP_COSTS_KEPT = 1 << 18
 
 
 class LastStep(NamedTuple):
@@ -270,7 +271,9 @@ class DasProposer:
     def _warm_up(self) -> None:
         """Compiles the step's native kernels now (numba caches them on disk, but a cold cache costs seconds),
         so that vLLM's first decode step is not the one that waits: two steps of a throwaway request, typed as
-        vLLM's runner types its arrays (int32 token counts and matrix). The caller then starts afresh."""
+        vLLM's runner types its arrays (int32 token counts and matrix); and the history's (a rollout added,
+        then evicted, in a throwaway index: on a cold cache they took about 14 s inside the first step in
+        which a request finished). The caller then starts afresh."""
         key = "__das_warmup__"
         tokens = np.tile(np.arange(1, 9, dtype=np.int32), (1, 4))  # repeats: the second step has a draft
         request = SimpleNamespace(
@@ -279,6 +282,9 @@ class DasProposer:
         for end in (9, 10):
             self.step([key], np.array([end], np.int32), tokens, {key: request})
         self._finish(key)
+        scratch = ProblemIndex(window_epochs=1, config=self.draft_config)
+        for epoch in (0, 1):  # the second epoch evicts the first: a rebuild
+            scratch.add_trajectory(key, epoch, 0, tokens[0, :8], tokens[0, 8:])
 
     @classmethod
     def standalone(
@@ -321,13 +327,18 @@ class DasProposer:
         self._errors = 0
         self._malformed = 0
         self._draft_seconds = 0.0
-        self._step_seconds: list[float] = []
+        self._step_costs: list[tuple[float, float, float]] = []
 
-    def step_seconds(self) -> list[float]:
-        """The time from each step's return to the next step's call since `reset_stats` (the engine's forward
-        pass between them; -1 for the first), in order: `das traces generate` records them so that the replay
-        of its trace prices drafts with this engine's own step times (`das bench fidelity`)."""
-        return list(self._step_seconds)
+    def step_costs(self) -> list[tuple[float, float, float]]:
+        """The cost coefficients (c_base, c_seq, c_tok) each step since `reset_stats` budgeted with, in order:
+        what this engine fitted from its own step times. `das traces generate` records them so that a replay of
+        its trace prices drafts as this engine did (`das bench fidelity`, `pin_costs`)."""
+        return list(self._step_costs)
+
+    def pin_costs(self, coefficients: tuple[float, float, float]) -> None:
+        """Budgets with these cost coefficients and fits none from step times until the next call (a replay
+        pricing steps as a recorded engine did)."""
+        self.policy.cost.pin(coefficients)
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset, the live request count, and the budget policy's state."""
@@ -722,8 +733,6 @@ class DasProposer:
         tables = self._tables(n)
         queued = self._queued
         verify_seconds = -1.0 if self._last_ended_at is None else now - self._last_ended_at
-        if len(self._step_seconds) < _STEP_SECONDS_KEPT:
-            self._step_seconds.append(verify_seconds)
         m, clean, status, row, promoted, tokens = decode_step(
             tables,
             slots,
@@ -750,6 +759,9 @@ class DasProposer:
             )
         buffers = self._buffers
         policy.drafted(slots, buffers.value[:n], buffers.classes[:n], buffers.predicted[:n])
+        if len(self._step_costs) < _STEP_COSTS_KEPT:
+            c_base, c_seq, c_tok = policy.cost.coefficients.tolist()
+            self._step_costs.append((c_base, c_seq, c_tok))
         return tokens
 
     def _start(self, key: str, request: Any, src: np.ndarray, base: int) -> int:
@@ -877,9 +889,9 @@ class DasWorkerExtension:
         """The proposer's counters and budget policy state."""
         return self._das().stats()
 
-    def das_step_seconds(self) -> list[float]:
-        """`DasProposer.step_seconds` on this worker."""
-        return self._das().step_seconds()
+    def das_step_costs(self) -> list[tuple[float, float, float]]:
+        """`DasProposer.step_costs` on this worker."""
+        return self._das().step_costs()
 
     def das_pause_drafting(self, paused: bool) -> None:
         """`DasProposer.pause_drafting` on this worker."""

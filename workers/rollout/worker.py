@@ -459,7 +459,7 @@ class RolloutWorker:
         if self.strategy == "das":
             self.push_history([f.record for f in finished])
             proposer = self.llm.collective_rpc("das_stats")[0]
-            proposer["step_seconds"] = self.llm.collective_rpc("das_step_seconds")[0]
+            proposer["step_costs"] = self.llm.collective_rpc("das_step_costs")[0]
         return self.report(
             epoch, finished, wall, {k: after[k] - before[k] for k in after}, proposer
         ), finished

@@ -227,8 +227,8 @@ def _epochs(
         if proposer is not None:
             line["proposer_errors"] = proposer["errors"]
             line["cost_model"] = proposer["policy"]["cost_model"]
-            # Each step's time as the engine measured it: `das bench fidelity` replays with them.
-            line["step_seconds"] = [round(s, 6) for s in proposer["step_seconds"]]
+            # The costs each step budgeted with, as the engine fitted them: `das bench fidelity` replays with them.
+            line["step_costs"] = [list(step) for step in proposer["step_costs"]]
         reports.append(line)
         if not args.json:
             print(
