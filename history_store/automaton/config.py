@@ -13,6 +13,11 @@ from pydantic.dataclasses import dataclass
 # the next well while the policy moves slowly; the store's, the index's and the proposer's default.
 DEFAULT_WINDOW_EPOCHS = 3
 
+# K, the engine's num_speculative_tokens, by default: 8 keeps a rejected draft cheap on a CPU verifier (vLLM's
+# n-gram examples use 5-10); the budget (its cap), the rollout and demo engines and the benchmarks of the step
+# read it here. The replay drafts up to `DraftConfig.max_spec_tokens` instead, a GPU verifier's freer K.
+DEFAULT_ENGINE_K = 8
+
 # Each field's docstring is its documentation (pydantic keeps it as the field's description).
 DOCUMENTED = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from history_store.automaton.config import DEFAULT_ENGINE_K
+
 # "floor": a DAS engine whose proposer drafts nothing (`DasProposer.pause_drafting`): what vLLM's speculative
 # path costs by itself (no asynchronous scheduling for custom_class drafters, the rejection sampler every step).
 STRATEGIES = ("none", "ngram", "das", "floor")
@@ -44,7 +46,7 @@ class E2eConfig:
     samples: int = 4
     temperature: float = 1.0
     max_tokens: int = 128
-    k: int = 8
+    k: int = DEFAULT_ENGINE_K
     max_model_len: int = 1024
     budget: str = "on"
     model_dir: Path | None = None

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from history_store.automaton.config import DEFAULT_ENGINE_K
 from workers.bench.replay import CostModel, load_traces, trace_max_tokens
 from workers.generator import proposer as proposer_module
 from workers.generator.proposer import DasProposer
@@ -358,7 +359,12 @@ def _best_of(records: list[Any], batch: int, k: int, steps: int, warmup: int, re
 
 
 def run(
-    trace: str | Path, k: int = 8, steps: int = 400, warmup: int = 50, batches=BATCHES, repeats: int = 3
+    trace: str | Path,
+    k: int = DEFAULT_ENGINE_K,
+    steps: int = 400,
+    warmup: int = 50,
+    batches=BATCHES,
+    repeats: int = 3,
 ) -> dict:
     """The JSON `das bench proposer` prints."""
     records = load_traces(trace)

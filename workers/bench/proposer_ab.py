@@ -25,6 +25,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from history_store.automaton.config import DEFAULT_ENGINE_K
+
 REPO = Path(__file__).resolve().parents[2]
 # The figures compared per batch size: the steady step (the scope of the targets) and the whole step.
 FIGURES = ("steady_step_median_us_per_request", "step_median_us_per_request")
@@ -103,7 +105,7 @@ def run(
     trace: str | Path,
     against: str,
     rounds: int = 5,
-    k: int = 8,
+    k: int = DEFAULT_ENGINE_K,
     steps: int = 400,
     warmup: int = 50,
     batches: tuple[int, ...] = (1, 64, 256),

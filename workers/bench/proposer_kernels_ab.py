@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from history_store.automaton.config import DEFAULT_ENGINE_K
 from workers.bench.proposer import decoding
 from workers.bench.proposer_ab import REPO, existing_trace, resolve_revision
 from workers.bench.replay import load_traces
@@ -163,7 +164,7 @@ def _paired_batch(
 def run(
     trace: str | Path,
     against: str,
-    k: int = 8,
+    k: int = DEFAULT_ENGINE_K,
     steps: int = 400,
     warmup: int = 50,
     batches: tuple[int, ...] = (1, 64, 256),

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from history_store.automaton.config import DOCUMENTED
+from history_store.automaton.config import DEFAULT_ENGINE_K, DOCUMENTED
 
 # The tree's probability floor for drafts the budget cuts: none. With the budget on, its calibrated pay-off rule
 # decides where a draft ends, and a fixed floor on the tree's raw probabilities would cut first (one trajectory
@@ -21,7 +21,7 @@ _Decay = Annotated[float, Field(gt=0.0, le=1.0)]
 class BudgetConfig:
     """Tunables of the policy. None is per model or per trace: costs and acceptance are fitted online."""
 
-    max_tokens: Annotated[int, Field(ge=1)] = 8
+    max_tokens: Annotated[int, Field(ge=1)] = DEFAULT_ENGINE_K
     """K: vLLM's num_speculative_tokens; no budget exceeds it (vLLM asserts accepted <= K)."""
 
     lengths_per_problem: Annotated[int, Field(ge=1)] = 48

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS
+from history_store.automaton.config import DEFAULT_ENGINE_K, DEFAULT_WINDOW_EPOCHS
 from history_store.automaton.problem_index import eviction_bounds
 from pipeline.schemas import TrajectoryRecord
 from workers.demo.projection import RECORDED_TRACE
@@ -72,7 +72,7 @@ class DemoConfig:
     # The greedy identical-output check: the first `check_problems` problems, `check_tokens` tokens each.
     check_problems: int = 2
     check_tokens: int = 48
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int = DEFAULT_ENGINE_K
     # History epochs kept per problem (DAS drafts from the last few epochs; the paper uses a small window).
     window_epochs: int = DEFAULT_WINDOW_EPOCHS
     seed: int = 0

@@ -41,6 +41,7 @@ from history_store.durable.store import (
     ApplyResult,
     FolderLock,
     HistoryStore,
+    TrajectoryKey,
     TrajectoryLike,
     UndeliveredMessage,
     VerifyReport,
@@ -89,7 +90,6 @@ from pipeline.wire import (
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, int, int]
 # Large enough to amortise one RocksDB write and one Kafka fetch over many records, small enough that a batch
 # of 10 KB trajectories (~5 MB) is applied well within the one-second freshness target.
 DEFAULT_BATCH_RECORDS = 500
@@ -262,7 +262,7 @@ class ReplicaListener(Protocol):
     def on_applied(self, records: Sequence[TrajectoryLike]) -> None:
         """Records now durable and draftable (records of the model, or decoded ones with token arrays)."""
 
-    def on_evicted(self, keys: Sequence[Key]) -> None:
+    def on_evicted(self, keys: Sequence[TrajectoryKey]) -> None:
         """Keys the store evicted because their epoch left the window."""
 
 
@@ -278,7 +278,7 @@ class ProblemIndexListener:
                 r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids, r.response_logprobs
             )
 
-    def on_evicted(self, keys: Sequence[Key]) -> None:
+    def on_evicted(self, keys: Sequence[TrajectoryKey]) -> None:
         self.index.evict_keys(keys)
 
 
@@ -353,7 +353,7 @@ class Indexer:
         self.max_epoch = max_epoch
         self.epochs = epochs
         self.confirm_samples = confirm_samples
-        self._restores: Tally[Key] = Tally()
+        self._restores: Tally[TrajectoryKey] = Tally()
         self._next_lag = 0.0
 
     def start(self) -> None:
@@ -384,14 +384,14 @@ class Indexer:
             return report
         report.messages = len(messages)
         records: list[TrajectoryLike] = []
-        published_ms: dict[Key, int] = {}
+        published_ms: dict[TrajectoryKey, int] = {}
         offsets: dict[tuple[str, int], int] = {}
         advances: dict[str, int] = {}
-        tombstoned: list[Key] = []
+        tombstoned: list[TrajectoryKey] = []
         control_topic = getattr(self.source, "epochs_topic", None)
         partitions = self.source.partition_count()
         rejected: list[tuple[BusMessage, WireError]] = []
-        by_key: dict[Key, list[tuple[BusMessage, TrajectoryLike]]] = {}
+        by_key: dict[TrajectoryKey, list[tuple[BusMessage, TrajectoryLike]]] = {}
         for message in messages:
             if message.topic != EMBEDDED_TOPIC:
                 offsets[(message.topic, message.partition)] = message.offset + 1
@@ -592,7 +592,7 @@ class Indexer:
                 f"problem {problem_id!r:.80} belongs in partition {want} of {message.topic}, not {message.partition}",
             )
 
-    def _stale_error(self, key: Key) -> WireError:
+    def _stale_error(self, key: TrajectoryKey) -> WireError:
         reference = self.store.reference(key[0])
         window = self.store.window_epochs
         return WireError(
@@ -601,7 +601,7 @@ class Indexer:
             "kept): a late or reordered record",
         )
 
-    def _restore(self, keys: Sequence[Key], partitions: int) -> int:
+    def _restore(self, keys: Sequence[TrajectoryKey], partitions: int) -> int:
         """Sends again each record in `keys` that this replica holds (in a window, or held back) and that no epoch
         advance retired, after a message that compaction would let replace it. At most twice per key per run:
         two replicas that disagree on a record (one rebuilt while compaction had already dropped the first copy)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from history_store.automaton.config import DEFAULT_ENGINE_K
 from monitoring.metrics import EPOCH, EPOCH_MAKESPAN, REQUEST_DURATION, REQUEST_DURATION_MAX
 from pipeline.schemas import TrajectoryRecord
 from pipeline.trace_files import numbered_lines
@@ -54,8 +55,7 @@ class EngineOptions:
 
     strategy: str = "das"
     model_dir: Path | None = None
-    # K. 8 keeps a rejected draft cheap on the CPU verifier (vLLM's ngram examples use 5-10).
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int = DEFAULT_ENGINE_K
     max_model_len: int = 2048
     # CPU 16; GPU 256, vLLM's own default for serving.
     max_num_seqs: int | None = None

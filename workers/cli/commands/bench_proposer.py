@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from history_store.automaton.config import DEFAULT_ENGINE_K
 from workers.cli.types import POSITIVE, add_json_flag, integer, print_result, size_list
 
 
@@ -17,7 +18,7 @@ def register(cli) -> None:
     )
     parser.add_argument("trace", help="JSON Lines of trajectory records; the last epoch is decoded")
     add_json_flag(parser)
-    parser.add_argument("--k", type=integer(1, 64), default=8, help="num_speculative_tokens")
+    parser.add_argument("--k", type=integer(1, 64), default=DEFAULT_ENGINE_K, help="num_speculative_tokens")
     parser.add_argument("--steps", type=POSITIVE, default=400, help="timed steps per batch size")
     parser.add_argument("--warmup", type=integer(0), default=50, help="untimed steps first")
     parser.add_argument(

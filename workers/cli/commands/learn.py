@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from workers.cli.commands.rollout import _problems, shard
 from workers.cli.types import (
     NON_NEGATIVE,
     POSITIVE,
+    UsageError,
     add_json_flag,
     add_model_dir_argument,
     integer,
@@ -52,11 +52,10 @@ def _learn(args: argparse.Namespace) -> int:
 
     try:
         settings = _settings(args)
-        if args.problems is not None and not args.problems.is_file():
-            raise ValueError(f"--problems {args.problems}: no such file")
-    except ValueError as exc:
-        print(f"das traces learn: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # the settings' own checks, on what the flags combine to
+        raise UsageError(str(exc)) from None
+    if args.problems is not None and not args.problems.is_file():
+        raise UsageError(f"--problems {args.problems}: no such file")
     problems = _problems(args)
     model_dir = require_model(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from history_store.automaton.config import DEFAULT_ENGINE_K
 from pipeline.trace_files import trace_line, trace_writer
 from workers.cli.types import (
     NON_NEGATIVE,
@@ -49,7 +50,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=NON_NEGATIVE, default=0, help="engine-wide sampling seed")
     parser.add_argument("--max-tokens", type=POSITIVE, default=256, help="response length cap")
-    parser.add_argument("--k", type=POSITIVE, default=8, help="num_speculative_tokens")
+    parser.add_argument("--k", type=POSITIVE, default=DEFAULT_ENGINE_K, help="num_speculative_tokens")
     parser.add_argument(
         "--max-model-len", type=integer(16), default=2048, help="prompt plus response, in tokens"
     )
