@@ -233,9 +233,24 @@ while any(consumer.position(p) < end[p] for p in parts) and time.monotonic() < d
         if all(consumer.position(p) >= end[p] for p in parts):
             break
 complete = all(consumer.position(p) >= end[p] for p in parts)
+# The trainer's epoch advances (pipeline/epochs.py), which alone move the replicas' windows: each problem's newest.
+advances = {}
+control = [TopicPartition(topic + ".epochs", p) for p in sorted(consumer.partitions_for_topic(topic + ".epochs") or [])]
+if control:
+    from pipeline.epochs import decode_advance
+    consumer.assign(control)
+    consumer.seek_to_beginning(*control)
+    control_end = consumer.end_offsets(control)
+    deadline = time.monotonic() + 60
+    while any(consumer.position(p) < control_end[p] for p in control) and time.monotonic() < deadline:
+        for message in consumer:
+            advance = decode_advance(message.key, message.value)
+            advances[advance.problem_id] = max(advances.get(advance.problem_id, -1), advance.epoch)
+            if all(consumer.position(p) >= control_end[p] for p in control):
+                break
 consumer.close()
 print(json.dumps({"messages": messages, "view": view, "seen": seen, "complete": complete,
-                  "end_offsets": sum(end.values())}))
+                  "end_offsets": sum(end.values()), "advances": advances}))
 """
 )
 
@@ -396,9 +411,11 @@ class Drill:
         return check
 
     # ------------------------------------------------------------------ the exact check
-    def in_window(self) -> dict[str, str]:
-        """Published records inside each problem's epoch window (the replicas evict older epochs)."""
-        newest: dict[str, int] = {}
+    def in_window(self, advances: dict[str, int] | None = None) -> dict[str, str]:
+        """Published records inside each problem's epoch window: the replicas evict epochs below the newest the
+        trainer advanced the problem to (its epoch advances; a step that failed half-way advanced its problems too)
+        minus the window."""
+        newest: dict[str, int] = dict(advances or {})
         for key in self.published:
             problem, epoch, _ = key.rsplit("|", 2)
             newest[problem] = max(newest.get(problem, -1), int(epoch))
@@ -433,7 +450,7 @@ class Drill:
         acknowledged = sum(
             1 for key, digest in self.published.items() if digest in (topic["seen"].get(key) or [])
         )
-        window = self.in_window()
+        window = self.in_window(topic.get("advances"))
         window_missing = sorted(key for key, digest in window.items() if view.get(key) != digest)
         per_node = {}
         for node, records in stores.items():
@@ -453,6 +470,8 @@ class Drill:
             "topic_digest": set_digest(view),
             "published_in_window": len(window),
             "published_in_window_missing": len(window_missing),
+            "missing_examples": window_missing[:5],
+            "epoch_advances": len(topic.get("advances") or {}),
             "replicas": per_node,
             "converged_s": round(waited, 1),
         }
