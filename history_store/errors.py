@@ -7,6 +7,11 @@ class StoreError(Exception):
     """Base class of every history store error."""
 
 
+class InvalidInput(ValueError):
+    """A value handed to the history store or its trees is invalid: a record's fields, a key, a setting. `das`
+    prints it as one line (a plain ValueError is a bug and keeps its traceback)."""
+
+
 class StoreLockedError(StoreError):
     """Another process (or another open store in this process) holds the folder's write lock."""
 

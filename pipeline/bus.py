@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from monitoring.metrics import PRODUCER_QUEUE_DEPTH, RECORDS_PUBLISHED
-from pipeline.errors import DEFAULT_QUEUE_RECORDS, BusBackpressureError, BusError
+from pipeline.errors import DEFAULT_QUEUE_RECORDS, BusBackpressureError, BusError, InvalidInput
 from pipeline.kafka_config import KAFKA_SCHEME, parse_bus_url
 from pipeline.schemas import TrajectoryRecord
 
@@ -104,7 +104,7 @@ class EmbeddedBus:
 
     def __init__(self, max_queue_records: int = DEFAULT_QUEUE_RECORDS) -> None:
         if max_queue_records < 1:
-            raise ValueError(f"max_queue_records must be >= 1, got {max_queue_records}")
+            raise InvalidInput(f"max_queue_records must be >= 1, got {max_queue_records}")
         self.max_queue_records = max_queue_records
         self._cond = threading.Condition()
         self._subscribers: list[EmbeddedSubscription] = []
@@ -225,11 +225,11 @@ def open_bus(url: str = EMBEDDED_URL, **settings: object) -> Bus:
     """
     if url == EMBEDDED_URL:
         if settings:
-            raise ValueError(f"the embedded bus takes no settings, got {sorted(settings)}")
+            raise InvalidInput(f"the embedded bus takes no settings, got {sorted(settings)}")
         return embedded_bus()
     if url.startswith(KAFKA_SCHEME):
         from pipeline.producer import KafkaBus
 
         servers, url_settings = parse_bus_url(url)
         return KafkaBus(servers, **{**url_settings, **settings})
-    raise ValueError(f"unknown bus {url!r}: use 'embedded' or 'kafka://host:port[,host:port]'")
+    raise InvalidInput(f"unknown bus {url!r}: use 'embedded' or 'kafka://host:port[,host:port]'")

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.errors import BusError
+from pipeline.errors import BusError, InvalidInput
 from pipeline.kafka_config import UNREACHABLE, client_settings, control_settings, parse_bus_url
 from pipeline.schemas import MAX_EPOCH
 from pipeline.topics import epochs_topic, shared_settings
@@ -51,22 +51,22 @@ def encode_advance(advance: EpochAdvance) -> tuple[bytes, bytes]:
 def decode_advance(key: bytes | None, value: bytes | None) -> EpochAdvance:
     """The advance in a control-topic message. Raises ValueError (with what is wrong) for anything else."""
     if value is None or key is None:
-        raise ValueError("a control record needs a key and a value (tombstones are not advances)")
+        raise InvalidInput("a control record needs a key and a value (tombstones are not advances)")
     if len(value) > MAX_ADVANCE_BYTES:
-        raise ValueError(f"{len(value)} bytes: not an epoch advance (at most {MAX_ADVANCE_BYTES})")
+        raise InvalidInput(f"{len(value)} bytes: not an epoch advance (at most {MAX_ADVANCE_BYTES})")
     try:
         body = json.loads(value.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not UTF-8 JSON: {exc}") from exc
+        raise InvalidInput(f"not UTF-8 JSON: {exc}") from exc
     if not isinstance(body, dict) or set(body) != {"problem_id", "epoch"}:
-        raise ValueError("expected a JSON object with exactly problem_id and epoch")
+        raise InvalidInput("expected a JSON object with exactly problem_id and epoch")
     problem, epoch = body["problem_id"], body["epoch"]
     if not isinstance(problem, str) or not problem:
-        raise ValueError(f"problem_id must be a non-empty string, got {problem!r:.80}")
+        raise InvalidInput(f"problem_id must be a non-empty string, got {problem!r:.80}")
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
-        raise ValueError(f"epoch must be an integer in 0..{MAX_EPOCH}, got {epoch!r:.40}")
+        raise InvalidInput(f"epoch must be an integer in 0..{MAX_EPOCH}, got {epoch!r:.40}")
     if key != problem.encode():
-        raise ValueError(f"key {key!r:.80} is not the problem id {problem!r:.80}")
+        raise InvalidInput(f"key {key!r:.80} is not the problem id {problem!r:.80}")
     return EpochAdvance(problem, epoch)
 
 

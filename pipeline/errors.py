@@ -18,6 +18,11 @@ class BusError(RuntimeError):
     """The bus cannot take or deliver records (broker unreachable, records refused, bus closed)."""
 
 
+class InvalidInput(ValueError):
+    """A value handed to the pipeline is invalid: a bus URL, a Kafka setting, a topic setting, a control record.
+    `das` prints it as one line (a plain ValueError is a bug and keeps its traceback)."""
+
+
 class BusBackpressureError(BusError):
     """The publish queue stayed full for the bus's bounded wait: the consumer side or the brokers do not keep
     up. The record was not taken."""

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import parse_qsl
 
+from pipeline.errors import InvalidInput
+
 KAFKA_SCHEME = "kafka://"
 ENV_SETTINGS = {
     "DAS_KAFKA_SECURITY_PROTOCOL": "security_protocol",
@@ -103,19 +105,19 @@ def parse_bus_url(url: str) -> tuple[list[str], dict[str, object]]:
     Raises ValueError on a malformed URL or an unknown parameter.
     """
     if not url.startswith(KAFKA_SCHEME):
-        raise ValueError(f"not a Kafka bus URL (expected kafka://host:port[,host:port]): {url!r}")
+        raise InvalidInput(f"not a Kafka bus URL (expected kafka://host:port[,host:port]): {url!r}")
     hosts, _, query = url[len(KAFKA_SCHEME) :].partition("?")
     servers = [s.strip() for s in hosts.split(",") if s.strip()]
     for server in servers:
         host, sep, port = server.rpartition(":")
         if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(f"bad broker address {server!r} in bus URL: expected host:port (port 1-65535)")
+            raise InvalidInput(f"bad broker address {server!r} in bus URL: expected host:port (port 1-65535)")
     if not servers:
-        raise ValueError("no broker in the bus URL: expected kafka://host:port[,host:port]")
+        raise InvalidInput("no broker in the bus URL: expected kafka://host:port[,host:port]")
     settings: dict[str, object] = {}
     for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
         if key not in URL_SETTINGS:
-            raise ValueError(f"unknown bus URL parameter {key!r}; known: {', '.join(sorted(URL_SETTINGS))}")
+            raise InvalidInput(f"unknown bus URL parameter {key!r}; known: {', '.join(sorted(URL_SETTINGS))}")
         settings[key] = _typed(value)
     return servers, settings
 
@@ -171,23 +173,23 @@ def client_settings(settings: Mapping[str, object]) -> dict[str, object]:
     known, whole, flags = _known_settings()
     for key, value in merged.items():
         if key in RESERVED_SETTINGS:
-            raise ValueError(f"Kafka setting {key} is not yours to set: {RESERVED_SETTINGS[key]}")
+            raise InvalidInput(f"Kafka setting {key} is not yours to set: {RESERVED_SETTINGS[key]}")
         if key not in known:
-            raise ValueError(
+            raise InvalidInput(
                 f"unknown Kafka client setting {key!r} (kafka-python names, e.g. request_timeout_ms)"
             )
         low = 1 if _positive(key) else 0
         if key in whole and (
             isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SETTING
         ):
-            raise ValueError(
+            raise InvalidInput(
                 f"Kafka setting {key} must be a whole number from {low} to {MAX_SETTING}, got {value!r}"
             )
         if key in flags and not isinstance(value, bool):
-            raise ValueError(f"Kafka setting {key} must be true or false, got {value!r}")
+            raise InvalidInput(f"Kafka setting {key} must be true or false, got {value!r}")
     protocol = str(merged.get("security_protocol", "PLAINTEXT")).upper()
     if protocol not in SECURITY_PROTOCOLS:
-        raise ValueError(
+        raise InvalidInput(
             f"unknown Kafka security protocol {protocol!r}; use one of {', '.join(SECURITY_PROTOCOLS)}"
         )
     if "security_protocol" in merged:
@@ -195,16 +197,18 @@ def client_settings(settings: Mapping[str, object]) -> dict[str, object]:
     if protocol.startswith("SASL_"):
         mechanism = str(merged.get("sasl_mechanism", "PLAIN")).upper()
         if mechanism not in SASL_MECHANISMS:
-            raise ValueError(f"unknown SASL mechanism {mechanism!r}; use one of {', '.join(SASL_MECHANISMS)}")
+            raise InvalidInput(
+                f"unknown SASL mechanism {mechanism!r}; use one of {', '.join(SASL_MECHANISMS)}"
+            )
         merged["sasl_mechanism"] = mechanism
         missing = [s for s in ("sasl_plain_username", "sasl_plain_password") if not merged.get(s)]
         if missing:
-            raise ValueError(
+            raise InvalidInput(
                 f"security protocol {protocol} needs a user name and password: set DAS_KAFKA_SASL_USERNAME "
                 f"and DAS_KAFKA_SASL_PASSWORD (missing: {', '.join(missing)})"
             )
     for setting in _FILE_SETTINGS:
         path = merged.get(setting)
         if path is not None and not Path(str(path)).is_file():
-            raise ValueError(f"Kafka {setting} {path!r} is not a readable file")
+            raise InvalidInput(f"Kafka {setting} {path!r} is not a readable file")
     return merged

@@ -45,6 +45,7 @@ from pipeline.errors import (
     BusDeliveryError,
     BusError,
     DeliveryReport,
+    InvalidInput,
 )
 from pipeline.kafka_config import UNREACHABLE, client_settings
 from pipeline.schemas import TrajectoryRecord
@@ -120,13 +121,13 @@ class KafkaBus:
         **settings: object,
     ) -> None:
         if max_queue_records < 1:
-            raise ValueError(f"max_queue_records must be >= 1, got {max_queue_records}")
+            raise InvalidInput(f"max_queue_records must be >= 1, got {max_queue_records}")
         if not publish_timeout_s >= 0:
-            raise ValueError(f"publish_timeout_s must be >= 0, got {publish_timeout_s}")
+            raise InvalidInput(f"publish_timeout_s must be >= 0, got {publish_timeout_s}")
         settings = client_settings(settings)
         for key, required in _DURABILITY.items():
             if key in settings and settings[key] != required:
-                raise ValueError(
+                raise InvalidInput(
                     f"{key}={settings[key]!r} would give up durability; the bus needs {required!r}"
                 )
         self.servers = list(servers)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.errors import InvalidInput
 from pipeline.schemas import TrajectoryRecord
 
 SAMPLES_PER_WORKER = 10**6
@@ -69,6 +70,6 @@ def synthetic_records(
 ) -> Iterator[TrajectoryRecord]:
     """`count` records of one worker, in publication order."""
     if not 0 <= worker < 1000 or count > SAMPLES_PER_WORKER:
-        raise ValueError(f"worker must be in 0..999 and count at most {SAMPLES_PER_WORKER}")
+        raise InvalidInput(f"worker must be in 0..999 and count at most {SAMPLES_PER_WORKER}")
     for index in range(count):
         yield synthetic_record(worker, index, count, shape, seed)

@@ -24,7 +24,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
 
-from pipeline.errors import BusError
+from pipeline.errors import BusError, InvalidInput
 from pipeline.kafka_config import UNREACHABLE, client_settings
 
 
@@ -56,7 +56,7 @@ def max_message_bytes() -> int:
     if raw is None:
         return DEFAULT_MAX_MESSAGE_BYTES
     if not raw.strip().isdigit() or int(raw) < MIN_MESSAGE_BYTES:
-        raise ValueError(
+        raise InvalidInput(
             f"{MAX_MESSAGE_BYTES_ENV}={raw!r}: expected a whole number of bytes >= {MIN_MESSAGE_BYTES}"
         )
     return int(raw)
@@ -110,10 +110,10 @@ def plan_for(
     """RF 3 with min.insync.replicas 2 on three or more brokers, RF 1 on a single broker; an explicit
     `replication_factor` overrides. Raises ValueError if the cluster is too small for it."""
     if partitions < 1:
-        raise ValueError(f"partitions must be >= 1, got {partitions}")
+        raise InvalidInput(f"partitions must be >= 1, got {partitions}")
     rf = replication_factor if replication_factor is not None else (3 if brokers >= 3 else 1)
     if not 1 <= rf <= brokers:
-        raise ValueError(f"replication factor {rf} needs at least {rf} brokers; the cluster has {brokers}")
+        raise InvalidInput(f"replication factor {rf} needs at least {rf} brokers; the cluster has {brokers}")
     return TopicPlan(partitions, rf, 2 if rf >= 3 else 1)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from kafka.partitioner.default import murmur2
 from pydantic import ValidationError
 
+from pipeline.errors import InvalidInput
 from pipeline.schemas import MAX_EPOCH, MAX_TOKEN_ID, SCHEMA_VERSION, TrajectoryRecord
 
 MAGIC = b"DR"
@@ -294,7 +295,7 @@ def partition_for(problem_id: str, partitions: int) -> int:
     """The partition of a problem: Kafka's default partitioner applied to the problem id, so a Java or Kafka
     Streams client keyed by problem id agrees, and all of a problem's records stay in order in one partition."""
     if partitions < 1:
-        raise ValueError(f"a topic has at least one partition, got {partitions}")
+        raise InvalidInput(f"a topic has at least one partition, got {partitions}")
     return (murmur2(problem_id.encode()) & 0x7FFFFFFF) % partitions
 
 

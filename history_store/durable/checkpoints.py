@@ -28,7 +28,7 @@ from typing import Any
 
 from history_store.durable import layout
 from history_store.durable.store import HistoryStore, verify_store
-from history_store.errors import StoreCorruptionError, StoreError, StoreOpenError
+from history_store.errors import InvalidInput, StoreCorruptionError, StoreError, StoreOpenError
 from monitoring.metrics import CHECKPOINT_DURATION, LAST_CHECKPOINT
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def create_checkpoint(store: HistoryStore, root: str | Path, keep: int = 3) -> C
     Raises ValueError if keep < 1, CheckpointError (or StoreError) if RocksDB cannot write the checkpoint.
     """
     if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
+        raise InvalidInput(f"keep must be >= 1, got {keep}")
     started = time.perf_counter()
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -229,7 +229,7 @@ def create_backup(source: HistoryStore | str | Path, root: str | Path, keep: int
     if the copy fails (no partial backup is left looking finished).
     """
     if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
+        raise InvalidInput(f"keep must be >= 1, got {keep}")
     started = time.perf_counter()
     scratch: Path | None = None
     if isinstance(source, HistoryStore):
@@ -334,9 +334,9 @@ class Checkpointer:
         at_epoch_boundary: bool = True,
     ) -> None:
         if every_seconds <= 0:
-            raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+            raise InvalidInput(f"every_seconds must be > 0, got {every_seconds}")
         if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+            raise InvalidInput(f"keep must be >= 1, got {keep}")
         self.store = store
         self.root = Path(root)
         self.every_seconds = every_seconds

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import struct
 
+from history_store.errors import InvalidInput
+
 # Bumped whenever a key or value encoding changes; a store with another version refuses to open.
 LAYOUT_VERSION = 1
 
@@ -58,10 +60,10 @@ OP_NAMES = {OP_ADDED: "added", OP_REMOVED: "removed", OP_QUARANTINED: "quarantin
 def problem_prefix(problem_id: str) -> bytes:
     """Key prefix of all of a problem's records. Raises ValueError for an empty or too long id."""
     if not isinstance(problem_id, str) or not problem_id:
-        raise ValueError(f"problem_id must be a non-empty string, got {problem_id!r}")
+        raise InvalidInput(f"problem_id must be a non-empty string, got {problem_id!r}")
     raw = problem_id.encode("utf-8")
     if len(raw) > _MAX_PROBLEM_ID_BYTES:
-        raise ValueError(f"problem_id is {len(raw)} bytes in UTF-8; at most {_MAX_PROBLEM_ID_BYTES}")
+        raise InvalidInput(f"problem_id is {len(raw)} bytes in UTF-8; at most {_MAX_PROBLEM_ID_BYTES}")
     return _U16.pack(len(raw)) + raw
 
 
@@ -69,7 +71,7 @@ def check_epoch_sample(epoch: int, sample: int) -> None:
     """Raises ValueError unless epoch and sample are integers in 0..2**32-1."""
     for name, value in (("epoch", epoch), ("sample", sample)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_EPOCH:
-            raise ValueError(f"{name} must be an integer in 0..{MAX_EPOCH}, got {value!r}")
+            raise InvalidInput(f"{name} must be an integer in 0..{MAX_EPOCH}, got {value!r}")
 
 
 def trajectory_key(problem_id: str, epoch: int, sample: int) -> bytes:
@@ -96,10 +98,10 @@ def problem_end(prefix: bytes) -> bytes:
 def decode_trajectory_key(key: bytes) -> tuple[str, int, int]:
     """(problem_id, epoch, sample) of a trajectories key. Raises ValueError on a malformed key."""
     if len(key) < 2 + _EPOCH_SAMPLE.size:
-        raise ValueError(f"trajectory key too short: {key!r}")
+        raise InvalidInput(f"trajectory key too short: {key!r}")
     (n,) = _U16.unpack_from(key, 0)
     if len(key) != 2 + n + _EPOCH_SAMPLE.size:
-        raise ValueError(f"trajectory key length mismatch: {key!r}")
+        raise InvalidInput(f"trajectory key length mismatch: {key!r}")
     epoch, sample = _EPOCH_SAMPLE.unpack_from(key, 2 + n)
     return key[2 : 2 + n].decode("utf-8"), epoch, sample
 
@@ -108,16 +110,16 @@ def decode_problem_prefix(key: bytes) -> str:
     """The problem id of a windows-family key (a bare problem prefix)."""
     (n,) = _U16.unpack_from(key, 0)
     if len(key) != 2 + n:
-        raise ValueError(f"problem key length mismatch: {key!r}")
+        raise InvalidInput(f"problem key length mismatch: {key!r}")
     return key[2:].decode("utf-8")
 
 
 def offset_key(topic: str, partition: int) -> bytes:
     """Key of a bus offset. Raises ValueError for an empty topic, one with NUL, or a bad partition."""
     if not isinstance(topic, str) or not topic or "\x00" in topic:
-        raise ValueError(f"topic must be a non-empty string without NUL, got {topic!r}")
+        raise InvalidInput(f"topic must be a non-empty string without NUL, got {topic!r}")
     if isinstance(partition, bool) or not isinstance(partition, int) or not 0 <= partition < 2**32:
-        raise ValueError(f"partition must be an integer in 0..2**32-1, got {partition!r}")
+        raise InvalidInput(f"partition must be an integer in 0..2**32-1, got {partition!r}")
     return topic.encode("utf-8") + b"\x00" + _U32.pack(partition)
 
 

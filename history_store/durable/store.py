@@ -57,6 +57,7 @@ from history_store.durable.codec import (
 from history_store.durable.length_stats import LengthStats
 from history_store.errors import (
     CorruptRecordError,
+    InvalidInput,
     StoreCorruptionError,
     StoreError,
     StoreLockedError,
@@ -985,9 +986,9 @@ class HistoryStore(_StoreReader):
         if window_epochs is not None and (
             isinstance(window_epochs, bool) or not isinstance(window_epochs, int) or window_epochs < 1
         ):
-            raise ValueError(f"window_epochs must be an integer >= 1, got {window_epochs!r}")
+            raise InvalidInput(f"window_epochs must be an integer >= 1, got {window_epochs!r}")
         if sequence_retention < 1:
-            raise ValueError(f"sequence_retention must be >= 1, got {sequence_retention}")
+            raise InvalidInput(f"sequence_retention must be >= 1, got {sequence_retention}")
         self.path = Path(path)
         self._db = None
         self._hint_fd = -1
@@ -999,7 +1000,7 @@ class HistoryStore(_StoreReader):
         if lock is None:
             self._own_lock = FolderLock(self.path)
         elif not lock.holds(self.path):
-            raise ValueError(f"the lock given for {self.path} is the lock of another folder")
+            raise InvalidInput(f"the lock given for {self.path} is the lock of another folder")
         db_opts, families = _options(create)
         try:
             self._db = Rdict(str(self.path), db_opts, column_families=families)
@@ -1163,7 +1164,7 @@ class HistoryStore(_StoreReader):
         h_off = self._handles[layout.CF_OFFSETS]
         for (topic, partition), offset in (offsets or {}).items():
             if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**64:
-                raise ValueError(
+                raise InvalidInput(
                     f"offset of {topic}/{partition} must be an integer in 0..2**64-1, got {offset!r}"
                 )
             batch.put(layout.offset_key(topic, partition), layout.encode_u64(offset), h_off)
@@ -1215,7 +1216,7 @@ class HistoryStore(_StoreReader):
         fails to write (nothing written).
         """
         if confirm_samples is not None and confirm_samples < 1:
-            raise ValueError(f"confirm_samples must be >= 1, got {confirm_samples}")
+            raise InvalidInput(f"confirm_samples must be >= 1, got {confirm_samples}")
         started = time.perf_counter()
         window = self.window_epochs
         result = ApplyResult()
@@ -1342,7 +1343,7 @@ class HistoryStore(_StoreReader):
         h_off = self._handles[layout.CF_OFFSETS]
         for (topic, partition), offset in (offsets or {}).items():
             if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**64:
-                raise ValueError(
+                raise InvalidInput(
                     f"offset of {topic}/{partition} must be an integer in 0..2**64-1, got {offset!r}"
                 )
             batch.put(layout.offset_key(topic, partition), layout.encode_u64(offset), h_off)

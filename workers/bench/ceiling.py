@@ -36,6 +36,7 @@ from history_store.automaton.kernels import Source
 from pipeline.schemas import TrajectoryRecord
 from workers.bench import replay
 from workers.bench.cost_model import CostModel
+from workers.errors import InvalidInput
 from workers.generator.teacher_forcing import TeacherForcedModel
 
 _CLIP = 1e-3  # conditional probabilities are clipped into [_CLIP, 1 - _CLIP] before their log odds
@@ -233,12 +234,12 @@ def ceiling(
     """
     missing = sorted({r.epoch for r in records} - temperatures.keys())
     if missing:
-        raise ValueError(
+        raise InvalidInput(
             f"no sampling temperature for epoch(s) {missing}: pass --temperature or --temperatures"
         )
     found, makespan = verified_tokens(records, k)
     if not found.keys:
-        raise ValueError("the replay verified no draft token: nothing to score")
+        raise InvalidInput("the replay verified no draft token: nothing to score")
     target, last_logprob, last_entropy = target_probabilities(records, found, model_dir, temperatures)
     y = np.asarray(found.accepted, np.float64)
     predicted = np.asarray(found.predicted)
@@ -287,7 +288,7 @@ def remembered_only(records: list[TrajectoryRecord], k: int = 16) -> dict[str, A
     """
     section = remembered_report(records, k)
     if section is None:
-        raise ValueError(
+        raise InvalidInput(
             "no record carries response_logprobs: annotate the trace first (das traces annotate)"
         )
     return {"remembered": section}

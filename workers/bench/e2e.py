@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from history_store.automaton.config import DEFAULT_ENGINE_K
+from workers.errors import InvalidInput
 
 # "floor": a DAS engine whose proposer drafts nothing (`DasProposer.pause_drafting`): what vLLM's speculative
 # path costs by itself (no asynchronous scheduling for custom_class drafters, the rejection sampler every step).
@@ -53,13 +54,13 @@ class E2eConfig:
 
     def __post_init__(self) -> None:
         if not self.strategies or any(s not in STRATEGIES for s in self.strategies):
-            raise ValueError(f"strategies must be a non-empty subset of {STRATEGIES}")
+            raise InvalidInput(f"strategies must be a non-empty subset of {STRATEGIES}")
         if not self.batches or any(b < 1 for b in self.batches) or self.repeats < 1:
-            raise ValueError("batches and repeats must be >= 1")
+            raise InvalidInput("batches and repeats must be >= 1")
         if self.history_epochs < 0 or self.samples < 1 or self.max_tokens < 1 or self.k < 1:
-            raise ValueError("history_epochs >= 0, samples, max_tokens and k >= 1 are required")
+            raise InvalidInput("history_epochs >= 0, samples, max_tokens and k >= 1 are required")
         if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise InvalidInput("temperature must be >= 0")
 
     def shape(self, batch: int) -> tuple[int, int]:
         """(problems, samples per problem) of an epoch at `batch`."""

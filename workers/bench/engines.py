@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workers.errors import InvalidInput
 from workers.rollout.priority import LengthPredictor
 
 ORDERS = ("fcfs", "random", "predicted", "group-oracle", "oracle")
@@ -56,14 +57,14 @@ def parse_slots(text: str) -> int | float:
         if "/" in text:
             num, den = (int(part) for part in text.split("/"))
             if num < 1 or den < num:
-                raise ValueError
+                raise InvalidInput
             return num / den
         value = int(text)
         if value < 1:
-            raise ValueError
+            raise InvalidInput
         return value
     except ValueError:
-        raise ValueError(
+        raise InvalidInput(
             f"max-num-seqs must be a positive integer or a share like 1/4, got {text!r}"
         ) from None
 
@@ -86,16 +87,16 @@ class Engines:
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
-            raise ValueError(f"unknown order {self.order!r}; choose from {', '.join(ORDERS)}")
+            raise InvalidInput(f"unknown order {self.order!r}; choose from {', '.join(ORDERS)}")
         if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
+            raise InvalidInput(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
         if self.engines < 1:
-            raise ValueError(f"engines must be >= 1, got {self.engines}")
+            raise InvalidInput(f"engines must be >= 1, got {self.engines}")
         share = isinstance(self.max_num_seqs, float)
         if (share and not 0 < self.max_num_seqs <= 1) or (not share and self.max_num_seqs < 1):
-            raise ValueError(f"max_num_seqs must be >= 1 or a share in (0, 1], got {self.max_num_seqs}")
+            raise InvalidInput(f"max_num_seqs must be >= 1 or a share in (0, 1], got {self.max_num_seqs}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
-            raise ValueError(f"kv_tokens must be >= 1, got {self.kv_tokens}")
+            raise InvalidInput(f"kv_tokens must be >= 1, got {self.kv_tokens}")
 
     def slots(self, requests: int) -> int:
         """Slots per engine for an epoch of `requests`."""
@@ -148,7 +149,7 @@ class EpochSchedule:
             # vLLM refuses an engine whose KV cache cannot hold one request of max_model_len.
             longest = int((prompts + lengths).max()) + 1
             if longest > spec.kv_tokens:
-                raise ValueError(f"kv_tokens {spec.kv_tokens} cannot hold a request of {longest} tokens")
+                raise InvalidInput(f"kv_tokens {spec.kv_tokens} cannot hold a request of {longest} tokens")
         # Rows preempted and not yet recomputed: their next step is a prefill of their prefix.
         self._recompute = np.zeros(len(problems), bool)
         self._prefill = np.zeros(len(problems), bool)

@@ -24,6 +24,7 @@ from typing import Any
 
 from history_store.automaton.config import DraftConfig
 from workers.bench import replay
+from workers.errors import InvalidInput
 from workers.generator.settings import ProposerSettings
 
 TOLERANCE = 0.10
@@ -64,9 +65,11 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
             engine_report["epochs"],
         )
     except KeyError as exc:
-        raise ValueError(f"not an engine report of `das traces generate --report` (missing {exc})") from None
+        raise InvalidInput(
+            f"not an engine report of `das traces generate --report` (missing {exc})"
+        ) from None
     if strategy not in ("ngram", "das"):
-        raise ValueError(f"the engine ran {strategy!r}: only ngram and das draft")
+        raise InvalidInput(f"the engine ran {strategy!r}: only ngram and das draft")
     proposer = ProposerSettings(budget=settings["budget"] == "on")
     config = DraftConfig(
         max_depth=proposer.max_depth,

@@ -26,6 +26,7 @@ from statistics import median
 from typing import Any
 
 from history_store.automaton.config import DEFAULT_ENGINE_K
+from workers.errors import InvalidInput
 
 REPO = Path(__file__).resolve().parents[2]
 # The figures compared per batch size: the steady step (the scope of the targets) and the whole step.
@@ -43,7 +44,7 @@ def resolve_revision(revision: str) -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise ValueError(f"{revision!r}: not a revision of the git checkout at {REPO}") from exc
+        raise InvalidInput(f"{revision!r}: not a revision of the git checkout at {REPO}") from exc
 
 
 def export_revision(revision: str, into: Path) -> str:
@@ -71,7 +72,7 @@ def _run_side(tree: Path, args: list[str]) -> dict[str, Any]:
     )
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        raise ValueError(f"the bench under {tree} failed (exit {done.returncode}): {tail}")
+        raise InvalidInput(f"the bench under {tree} failed (exit {done.returncode}): {tail}")
     return json.loads(done.stdout)
 
 
@@ -79,7 +80,7 @@ def existing_trace(trace: str | Path) -> Path:
     """The trace's absolute path (the sides may run in other folders). Raises ValueError when it is missing."""
     path = Path(trace).resolve()
     if not path.is_file():
-        raise ValueError(f"no trace file at {path}")
+        raise InvalidInput(f"no trace file at {path}")
     return path
 
 

@@ -36,6 +36,7 @@ from history_store.automaton.config import DEFAULT_ENGINE_K
 from workers.bench.proposer import decoding
 from workers.bench.proposer_ab import REPO, existing_trace, resolve_revision
 from workers.bench.replay import load_traces
+from workers.errors import InvalidInput
 from workers.generator import proposer as proposer_module
 
 PACKAGE = "das_rev_kernels"
@@ -97,7 +98,7 @@ def _check_errors(sides: dict[str, tuple[Any, Any, Any]]) -> None:
     """Stops the run when a side's step failed (the proposer logs the error and drafts nothing): REV's
     kernels that do not fit this checkout's proposer fail at the first step."""
     if sides["theirs"][0].stats()["errors"]:
-        raise ValueError(
+        raise InvalidInput(
             "the revision's step kernels fail in this checkout's proposer (the log above says how): "
             "--kernels-against needs a revision whose kernels take the same tables and arguments"
         )

@@ -50,6 +50,7 @@ from workers.bench.replay_drafters import (
     NgramDrafter,
     NoDrafter,
 )
+from workers.errors import InvalidInput
 
 STRATEGIES = ("none", "ngram", "suffix-global", "suffix-problem", "das-unbudgeted", "das", "oracle")
 # Strategies whose steps do not depend on the cost model.
@@ -67,11 +68,11 @@ def load_traces(path: str | Path) -> list[TrajectoryRecord]:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(
+            raise InvalidInput(
                 f"{path}:{lineno}: invalid trajectory record ({where}: {first['msg']})"
             ) from None
     if not records:
-        raise ValueError(f"{path}: no trajectory records")
+        raise InvalidInput(f"{path}: no trajectory records")
     return records
 
 
@@ -269,7 +270,7 @@ def _drafter(
         longest = max(len(r.prompt_ids) + len(r.response_ids) for r in records)
         fleet = engines.engines if engines is not None else 1
         return EngineDrafter(config, window, fleet, trace_max_tokens(records), longest, step_costs)
-    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    raise InvalidInput(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
 def simulate(
@@ -531,7 +532,7 @@ def run(
     strategies = list(strategies)
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
-        raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+        raise InvalidInput(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
     records = load_traces(path)
     shared = {
         s: simulate(records, s, config, window, progress=progress, engines=engines)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from workers.errors import InvalidInput
+
 # Shapes by name; any other name is a path to a transformers config.json (a model folder's).
 SHAPES: dict[str, dict] = {
     # For tests on the CPU: seconds for the whole grid.
@@ -64,7 +66,7 @@ def load_config(shape: str):
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     path = Path(shape)
     if not path.exists():
-        raise ValueError(f"unknown shape {shape!r}: name one of {', '.join(SHAPES)} or a config.json path")
+        raise InvalidInput(f"unknown shape {shape!r}: name one of {', '.join(SHAPES)} or a config.json path")
     return AutoConfig.from_pretrained(path.parent if path.is_file() else path)
 
 

@@ -2,8 +2,10 @@
 
 Errors reach the user in one place, `main`, always as one line `das <command>: <message>`: a bad flag or
 variable is refused by the parser, and a command raises `UsageError` for arguments only it can check (exit 2);
-a StoreError, BusError, ValueError or OSError raised by a command is a failure (exit 1). Commands never print
-their own errors. `--debug` shows the traceback instead.
+the parts' own errors (StoreError, BusError, each part's InvalidInput for settings, files and data that do not
+hold, a pydantic ValidationError of a schema or a config) and OSError are failures (exit 1). Anything else, a
+plain ValueError included, is a bug and keeps its traceback. Commands never print their own errors. `--debug`
+shows the traceback of any.
 """
 
 from __future__ import annotations
@@ -15,13 +17,26 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from pydantic import ValidationError
+
+from history_store.errors import InvalidInput as InvalidHistoryInput
 from history_store.errors import StoreError
 from pipeline.errors import BusError
+from pipeline.errors import InvalidInput as InvalidPipelineInput
 from workers.cli import commands
 from workers.cli.types import UsageError
+from workers.errors import InvalidInput
 
 # What a command may raise for a user to read; anything else is a bug and keeps its traceback.
-USER_ERRORS = (StoreError, BusError, ValueError, OSError)
+USER_ERRORS = (
+    StoreError,
+    BusError,
+    InvalidInput,
+    InvalidHistoryInput,
+    InvalidPipelineInput,
+    ValidationError,
+    OSError,
+)
 
 
 class DasArgumentParser(argparse.ArgumentParser):

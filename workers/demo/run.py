@@ -39,6 +39,7 @@ from history_store.automaton.config import DEFAULT_ENGINE_K, DEFAULT_WINDOW_EPOC
 from history_store.automaton.problem_index import eviction_bounds
 from pipeline.schemas import TrajectoryRecord
 from workers.demo.projection import RECORDED_TRACE
+from workers.errors import InvalidInput
 from workers.rollout.priority import LengthPredictor
 from workers.rollout.worker import STRATEGIES, EngineOptions, Problem
 
@@ -83,9 +84,11 @@ class DemoConfig:
     def __post_init__(self) -> None:
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown or not self.strategies:
-            raise ValueError(f"strategies must be a non-empty subset of {STRATEGIES}, got {self.strategies}")
+            raise InvalidInput(
+                f"strategies must be a non-empty subset of {STRATEGIES}, got {self.strategies}"
+            )
         if len(set(self.strategies)) != len(self.strategies):
-            raise ValueError(f"strategies repeat: {self.strategies}")
+            raise InvalidInput(f"strategies repeat: {self.strategies}")
         for name in (
             "problems",
             "epochs",
@@ -95,11 +98,11 @@ class DemoConfig:
             "num_speculative_tokens",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InvalidInput(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidInput(f"temperature must be >= 0, got {self.temperature}")
         if self.check_problems < 0 or self.check_tokens < 1:
-            raise ValueError("check_problems must be >= 0 and check_tokens >= 1")
+            raise InvalidInput("check_problems must be >= 0 and check_tokens >= 1")
 
 
 @dataclass

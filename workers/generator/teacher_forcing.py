@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.schemas import TrajectoryRecord
+from workers.errors import InvalidInput
 
 # Sequences per forward: long enough batches keep the matrix products efficient, short enough that a batch of
 # 2k-token sequences stays a few hundred MB of activations.
@@ -73,7 +74,7 @@ class TeacherForcedModel:
         torch = self._torch
         for record in records:
             if record.response_ids and not record.prompt_ids:
-                raise ValueError(f"{record.key}: an empty prompt leaves the first response token unscored")
+                raise InvalidInput(f"{record.key}: an empty prompt leaves the first response token unscored")
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(records)
 
         def positions(record: TrajectoryRecord) -> range:

@@ -87,6 +87,7 @@ from pipeline.wire import (
     parse_record_key,
     partition_for,
 )
+from workers.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class StoreVerifier:
 
     def __init__(self, path: Path, every_s: float) -> None:
         if every_s <= 0:
-            raise ValueError(f"every_s must be > 0, got {every_s}")
+            raise InvalidInput(f"every_s must be > 0, got {every_s}")
         self.path = path
         self.every_s = every_s
         self.damaged: VerifyReport | None = None
@@ -333,13 +334,13 @@ class Indexer:
         confirm_samples: int = DEFAULT_CONFIRM_SAMPLES,
     ) -> None:
         if batch_records < 1:
-            raise ValueError(f"batch_records must be >= 1, got {batch_records}")
+            raise InvalidInput(f"batch_records must be >= 1, got {batch_records}")
         if min(max_sample, max_epoch) < 0:
-            raise ValueError(f"max_sample and max_epoch must be >= 0, got {max_sample}, {max_epoch}")
+            raise InvalidInput(f"max_sample and max_epoch must be >= 0, got {max_sample}, {max_epoch}")
         if epochs not in EPOCH_MODES:
-            raise ValueError(f"epochs must be one of {', '.join(EPOCH_MODES)}, got {epochs!r}")
+            raise InvalidInput(f"epochs must be one of {', '.join(EPOCH_MODES)}, got {epochs!r}")
         if confirm_samples < 1:
-            raise ValueError(f"confirm_samples must be >= 1, got {confirm_samples}")
+            raise InvalidInput(f"confirm_samples must be >= 1, got {confirm_samples}")
         self.source = source
         self.store = store
         self.publisher = publisher

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.schemas import TrajectoryRecord
+from workers.errors import InvalidInput
 
 REWARDS = ("overlong", "format")
 # A numbered step at the start of a line: "1.", "2)", "Step 3:".
@@ -94,7 +95,7 @@ class Learner:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         layers = self.model.model.layers
         if not 1 <= train_layers <= len(layers):
-            raise ValueError(f"--train-layers must be in 1..{len(layers)}, got {train_layers}")
+            raise InvalidInput(f"--train-layers must be in 1..{len(layers)}, got {train_layers}")
         self.boundary = len(layers) - train_layers
         self.top = torch.nn.ModuleList(list(layers)[self.boundary :])
         for parameter in self.model.parameters():
@@ -220,13 +221,13 @@ class LearnSettings:
 
     def __post_init__(self) -> None:
         if self.reward not in REWARDS:
-            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+            raise InvalidInput(f"reward must be one of {REWARDS}, got {self.reward!r}")
         if self.samples < 2:
-            raise ValueError("--samples must be >= 2: group-normalised advantages need a group")
+            raise InvalidInput("--samples must be >= 2: group-normalised advantages need a group")
         if not 1 <= self.overlong_buffer <= self.max_tokens:
-            raise ValueError(f"--overlong-buffer must be in 1..--max-tokens ({self.max_tokens})")
+            raise InvalidInput(f"--overlong-buffer must be in 1..--max-tokens ({self.max_tokens})")
         if self.lr <= 0:
-            raise ValueError("--lr must be > 0")
+            raise InvalidInput("--lr must be > 0")
 
 
 def score(records: Sequence[TrajectoryRecord], settings: LearnSettings, tokenizer: Any) -> list[float]:

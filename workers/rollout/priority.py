@@ -34,6 +34,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from workers.errors import InvalidInput
+
 # Recent lengths kept per problem: the budget's window (`BudgetConfig.lengths_per_problem`), about three
 # epochs of 16 samples.
 LENGTHS_PER_PROBLEM = 48
@@ -54,7 +56,7 @@ class LengthPredictor:
 
     def __init__(self, max_tokens: int | None = None, per_problem: int = LENGTHS_PER_PROBLEM) -> None:
         if per_problem < 1:
-            raise ValueError(f"per_problem must be >= 1, got {per_problem}")
+            raise InvalidInput(f"per_problem must be >= 1, got {per_problem}")
         self.max_tokens = max_tokens
         self._per_problem = per_problem
         self._lengths: dict[str, deque[int]] = {}

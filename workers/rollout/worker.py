@@ -28,6 +28,7 @@ from history_store.automaton.config import DEFAULT_ENGINE_K
 from monitoring.metrics import EPOCH, EPOCH_MAKESPAN, REQUEST_DURATION, REQUEST_DURATION_MAX
 from pipeline.schemas import TrajectoryRecord
 from pipeline.trace_files import numbered_lines
+from workers.errors import InvalidInput
 from workers.generator.model import require_model
 from workers.rollout.priority import LengthPredictor
 
@@ -84,27 +85,29 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+            raise InvalidInput(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if self.num_speculative_tokens < 1 or self.max_model_len < 16 or self.tensor_parallel_size < 1:
-            raise ValueError(
+            raise InvalidInput(
                 "num_speculative_tokens >= 1, max_model_len >= 16 and tensor_parallel_size >= 1 are required"
             )
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise InvalidInput(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise InvalidInput(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
+            raise InvalidInput(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
         if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise InvalidInput(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+            raise InvalidInput(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise InvalidInput(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+            raise InvalidInput(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
 
 
 def engine_kwargs(options: EngineOptions, on_cpu: bool) -> dict[str, Any]:
@@ -210,7 +213,7 @@ def builtin_problems(tokenizer: Any, count: int = len(BUILTIN_PROMPTS)) -> list[
         ValueError: count is outside 1..len(BUILTIN_PROMPTS).
     """
     if not 1 <= count <= len(BUILTIN_PROMPTS):
-        raise ValueError(f"count must be in 1..{len(BUILTIN_PROMPTS)}, got {count}")
+        raise InvalidInput(f"count must be in 1..{len(BUILTIN_PROMPTS)}, got {count}")
     return [
         Problem(f"builtin-{i}", chat_prompt_ids(tokenizer, text))
         for i, text in enumerate(BUILTIN_PROMPTS[:count])
@@ -231,21 +234,21 @@ def load_problems(path: Path, tokenizer: Any) -> list[Problem]:
             item = json.loads(line)
             problem_id = item["problem_id"]
             if not isinstance(problem_id, str) or not problem_id:
-                raise ValueError("problem_id must be a non-empty string")
+                raise InvalidInput("problem_id must be a non-empty string")
             if "prompt_ids" in item:
                 ids = tuple(int(t) for t in item["prompt_ids"])
             else:
                 ids = chat_prompt_ids(tokenizer, str(item["prompt"]))
             if not ids:
-                raise ValueError("empty prompt")
+                raise InvalidInput("empty prompt")
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{number}: not a problem ({exc})") from exc
+            raise InvalidInput(f"{path}:{number}: not a problem ({exc})") from exc
         if problem_id in seen:
-            raise ValueError(f"{path}:{number}: problem_id {problem_id!r} repeats")
+            raise InvalidInput(f"{path}:{number}: problem_id {problem_id!r} repeats")
         seen.add(problem_id)
         problems.append(Problem(problem_id, ids))
     if not problems:
-        raise ValueError(f"{path}: no problems")
+        raise InvalidInput(f"{path}: no problems")
     return problems
 
 
@@ -344,7 +347,7 @@ class RolloutWorker:
         """`logprobs`: ask vLLM for each sampled token's log probability (`logprobs=0`) and keep them in the
         records' `response_logprobs`."""
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+            raise InvalidInput(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.llm = llm
         self.strategy = strategy
         self.sink = sink
@@ -444,7 +447,7 @@ class RolloutWorker:
         what the proposer already added itself), so the next epoch drafts from them.
         """
         if samples < 1:
-            raise ValueError(f"samples must be >= 1, got {samples}")
+            raise InvalidInput(f"samples must be >= 1, got {samples}")
         before = self.spec_counters()
         if self.strategy == "das":
             self.llm.collective_rpc("das_reset_stats")

@@ -24,6 +24,7 @@ from typing import Any
 
 from pipeline.schemas import TrajectoryRecord
 from pipeline.trace_files import numbered_lines
+from workers.errors import InvalidInput
 from workers.verl.identity import PassLedger, prompt_digest
 
 
@@ -44,10 +45,10 @@ def step_files(folder: Path) -> list[tuple[int, Path]]:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"{folder} is not a folder")
+        raise InvalidInput(f"{folder} is not a folder")
     files = sorted((int(p.stem), p) for p in folder.glob("*.jsonl") if p.stem.isdigit())
     if not files:
-        raise ValueError(
+        raise InvalidInput(
             f"{folder} holds no verl rollout dump ({{step}}.jsonl files: set trainer.rollout_data_dir)"
         )
     return files
@@ -71,7 +72,7 @@ def read_rows(folder: Path) -> Iterator[DumpRow]:
                 if isinstance(row_step, bool) or not isinstance(row_step, int) or row_step < 0:
                     raise TypeError(f"step must be a whole number >= 0, got {row_step!r:.40}")
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not a verl rollout dump line ({exc})") from exc
+                raise InvalidInput(f"{path}:{number}: not a verl rollout dump line ({exc})") from exc
             yield DumpRow(row_step, prompt, response)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from history_store.automaton.config import DEFAULT_ENGINE_K
 from workers.cli.types import POSITIVE, add_json_flag, integer, print_result, size_list
+from workers.errors import InvalidInput
 
 
 def register(cli) -> None:
@@ -50,7 +51,7 @@ def register(cli) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.against is not None and args.kernels_against is not None:
-        raise ValueError("--against and --kernels-against are two ways to compare: pass one")
+        raise InvalidInput("--against and --kernels-against are two ways to compare: pass one")
     if args.against is not None:
         return _run_against(args)
     if args.kernels_against is not None:

@@ -9,6 +9,7 @@ from history_store.automaton.config import DraftConfig
 from workers.bench.cost_model import CostModel
 from workers.bench.engines import ORDERS
 from workers.cli.types import NON_NEGATIVE, POSITIVE, UsageError, add_json_flag, number
+from workers.errors import InvalidInput
 from workers.generator.settings import ProposerSettings
 
 # The flags' defaults are the configs' (one home per default).
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     names = [s.strip() for s in args.cost_models.split(",") if s.strip()]
     unknown = [n for n in names if n not in presets]
     if unknown or not names:
-        raise ValueError(f"unknown cost models {unknown}; choose from {', '.join(presets)}")
+        raise InvalidInput(f"unknown cost models {unknown}; choose from {', '.join(presets)}")
     config = DraftConfig(
         max_depth=args.depth,
         max_spec_tokens=args.max_draft,
@@ -187,7 +188,7 @@ def _run_slots(args: argparse.Namespace, strategies: list[str], config, costs: d
     orders = [o.strip() for o in args.order.split(",") if o.strip()]
     unknown = [o for o in orders if o not in engines.ORDERS]
     if unknown or not orders or not settings:
-        raise ValueError(f"unknown orders {unknown}; choose from {', '.join(engines.ORDERS)}")
+        raise InvalidInput(f"unknown orders {unknown}; choose from {', '.join(engines.ORDERS)}")
     fleet = engines.Engines(1, args.engines, orders[0], args.router, args.order_seed, args.kv_tokens)
     result = replay_slots.run_slots(
         args.traces,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.cli.types import POSITIVE, add_json_flag
+from workers.errors import InvalidInput
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
@@ -87,7 +88,7 @@ def _guarded(
     fn: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace, needs_data: bool = True
 ) -> int:
     if needs_data and hasattr(args, "data") and not args.data:
-        raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
+        raise InvalidInput(f"no store folder: pass --data or set {DATA_ENV}")
     result = fn(args)
     if args.json:
         print(json.dumps(result, sort_keys=True))
@@ -159,7 +160,7 @@ def inspect(args: argparse.Namespace) -> int:
 
         window = reader.window(args.problem_id)
         if len(window) == 0:
-            raise ValueError(f"no records of problem {args.problem_id!r} in {args.data}")
+            raise InvalidInput(f"no records of problem {args.problem_id!r} in {args.data}")
         # The problem's tree alone (no global tree): the size its history adds to a replica.
         index = ProblemIndex(window_epochs=reader.window_epochs, global_tokens=0)
         for record in reader.iter_trajectories(args.problem_id):
@@ -192,7 +193,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 def verify(args: argparse.Namespace) -> int:
     if not args.data:
-        raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
+        raise InvalidInput(f"no store folder: pass --data or set {DATA_ENV}")
     from history_store.durable.store import verify_store
 
     report = verify_store(args.data)

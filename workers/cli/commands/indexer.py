@@ -21,6 +21,7 @@ from typing import Any
 
 from workers.cli.commands.kafka import add_bus_arguments, kafka_client
 from workers.cli.types import NON_NEGATIVE, POSITIVE, SECONDS, add_metrics_arguments, integer
+from workers.errors import InvalidInput
 
 DATA_ENV = "DAS_HISTORY_DIR"
 
@@ -132,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(_one_line_for_kafka_client_errors)
     if not args.data:
-        raise ValueError(f"no store folder: pass --data or set {DATA_ENV}")
+        raise InvalidInput(f"no store folder: pass --data or set {DATA_ENV}")
     if args.bus == "embedded":
-        raise ValueError(
+        raise InvalidInput(
             "the embedded bus lives inside the rollout process; its indexer runs there "
             "(workers.replica.service.Indexer over pipeline.bus.embedded_bus().subscribe()). Pass --bus kafka://..."
         )

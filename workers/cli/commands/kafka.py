@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline.schemas import MAX_EPOCH
 from workers.cli.types import NON_NEGATIVE, POSITIVE, RATE, SECONDS, TIMEOUT, add_json_flag, integer
+from workers.errors import InvalidInput
 
 BUS_ENV = "DAS_BUS"
 # Kafka's own ceiling on a topic's partitions is far lower in practice; this one keeps the request's 32-bit field
@@ -61,7 +62,7 @@ def kafka_settings(pairs: list[str]) -> dict[str, object]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--kafka-setting takes key=value, got {pair!r}")
+            raise InvalidInput(f"--kafka-setting takes key=value, got {pair!r}")
         value: object = raw
         if raw.lower() in ("true", "false"):
             value = raw.lower() == "true"
@@ -81,7 +82,7 @@ def kafka_client(args: argparse.Namespace, one_shot: bool = False) -> tuple[list
     from pipeline.kafka_config import client_settings, parse_bus_url
 
     if not args.bus:
-        raise ValueError(f"no bus given: pass --bus kafka://host:port or set {BUS_ENV}")
+        raise InvalidInput(f"no bus given: pass --bus kafka://host:port or set {BUS_ENV}")
     servers, settings = parse_bus_url(args.bus)
     settings = {**settings, **kafka_settings(args.kafka_setting)}
     if one_shot:

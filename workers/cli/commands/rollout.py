@@ -24,6 +24,7 @@ from workers.cli.types import (
     number,
     print_result,
 )
+from workers.errors import InvalidInput
 from workers.rollout.worker import DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
 
@@ -164,7 +165,7 @@ def _problems(args: argparse.Namespace) -> list[Any]:
     index, count = args.shard
     problems = problems[index::count]
     if not problems:
-        raise ValueError(f"--shard {index}/{count} selects no problem")
+        raise InvalidInput(f"--shard {index}/{count} selects no problem")
     return problems
 
 

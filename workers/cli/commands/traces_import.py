@@ -9,13 +9,14 @@ from pathlib import Path
 
 from pipeline.trace_files import check_writable, trace_line, trace_writer
 from workers.cli.types import add_json_flag, add_trace_out_argument, print_result
+from workers.errors import InvalidInput
 
 
 def _import(args: argparse.Namespace) -> int:
     from workers.verl.dumps import import_dumps
 
     if not args.model.is_dir():
-        raise ValueError(f"--model {args.model} is not a folder (the run's model or tokenizer folder)")
+        raise InvalidInput(f"--model {args.model} is not a folder (the run's model or tokenizer folder)")
     check_writable(args.out)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
