@@ -33,7 +33,13 @@ class _Local:
         self._target = target
 
     def __getattr__(self, name: str) -> Any:
-        method = getattr(self._target, name)
+        if name == "__ray_call__":  # Ray runs fn(actor, *args) inside the actor
+            target = self._target
+
+            def method(fn: Any, *args: Any, **kwargs: Any) -> Any:
+                return fn(target, *args, **kwargs)
+        else:
+            method = getattr(self._target, name)
 
         class _Remote:
             @staticmethod

@@ -253,16 +253,8 @@ def _engine_from_verl_args(config: Any) -> Any:
 
 
 @pytest.mark.vllm
-def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_trajectories(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_trajectories() -> None:
     import time
-
-    from workers.rollout.priority import LengthPredictor
-    from workers.verl import agent_loop
-
-    # The agent loop's lengths live for its worker process: start this test's from none, whatever ran before.
-    monkeypatch.setattr(agent_loop, "_lengths", LengthPredictor())
 
     import hydra
     from transformers import AutoTokenizer
@@ -365,9 +357,8 @@ def test_das_agent_runs_verls_single_turn_loop_on_a_real_engine_and_publishes_tr
     assert all(o.response_logprobs is None for o in second)
     # Greedy outputs do not change when step 2 drafts from step 1's history: drafting is lossless.
     assert [list(o.response_ids) for o in second] == [list(o.response_ids) for o in first]
-    # The tail first: step 1 knew no length, step 2 knew one problem, a single block (0): every request kept
-    # verl's position (absent from this batch, so 0) on its way to vLLM's priority queue through verl's
-    # single-turn loop. Which blocks separated problems get: tests/test_replay_engines.py.
+    # das_agent hands verl's priority (absent from this batch, so 0) on to vLLM unchanged; DAS's managers set it
+    # for the whole batch (tests/test_verl_priority.py).
     assert priorities[:4] == [(pid, 0)] * 4
     # Step 2 drafted from the problem's history tree and the verifier accepted it: the identity in extra_args
     # reached the proposer through verl's sampling parameters and vLLM's SamplingParams, and the proposer's

@@ -18,12 +18,12 @@ weight update) or a response verl cut to `response_length` would store a truncat
 verl's fully-async client resumes an aborted request itself and hands back the whole response, with
 `stop_reason="length"` when it reached its cap: such a response is complete.
 
-The tail first: verl hands each row's `priority` (its position, 0..n-1, from `AgentLoopManager`) through the
-agent loop to the server's `generate(..., priority=...)` and vLLM, which admits lower values first under
-`actor_rollout_ref.rollout.scheduling_policy=priority`. `das_agent` puts its problem's block in front of it
-(`workers.rollout.priority`: problems whose expected lengths the evidence separates, longest first, from the
-lengths of every response this worker process saw finish): block x BLOCK_STRIDE + verl's position, so the
-requests of separated long problems start first on every server and verl's order stands within a block.
+The tail first: verl hands each row's `priority` through the agent loop to the server's
+`generate(..., priority=...)` and vLLM, which admits lower values first under
+`actor_rollout_ref.rollout.scheduling_policy=priority`. DAS's managers set it for the whole batch before it fans
+out to the agent loop workers, on one scale (`workers.verl.priority`: the problem's length block, from the
+lengths the router actor keeps, ahead of the row's position); `das_agent` passes it on unchanged and reports the
+length of every complete response to that actor.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from workers.rollout.priority import LengthPredictor
 from workers.verl.identity import RequestIdentity, with_extra_args, with_prompt_tokens
+from workers.verl.priority import report_length
 from workers.verl.publisher import BackgroundPublisher
 
 logger = logging.getLogger(__name__)
@@ -51,11 +51,6 @@ COMPLETED = frozenset({"completed", "length"})
 # Agent loops are built per trajectory; the publisher is opened once per worker process and shared.
 _publishers: dict[str, BackgroundPublisher] = {}
 _publishers_lock = threading.Lock()
-# Lengths of every response this process's agent loops saw finish; agent loops run as asyncio tasks of one
-# event loop per worker process, so no lock.
-_lengths = LengthPredictor()
-# Larger than any batch's verl positions: a block outranks every position.
-BLOCK_STRIDE = 1 << 24
 
 
 def trajectory_publisher(das_config: Any) -> BackgroundPublisher | None:
@@ -113,22 +108,16 @@ class DasAgentLoop(SingleTurnAgentLoop):
         """Runs verl's single-turn loop with the DAS identity in `extra_args`, then publishes the trajectory
         if it is complete."""
         identity = RequestIdentity.from_kwargs(kwargs)
-        kwargs["priority"] = self.priority(identity, int(kwargs.get("priority", 0)))
         output = await super().run(with_extra_args(sampling_params, identity), **kwargs)
-        if identity.problem_id is not None and self.complete(output):
-            _lengths.observe(identity.problem_id, len(output.response_ids))
+        if self.complete(output):
+            # The lengths behind every worker's priorities (workers.verl.priority), in the router actor.
+            report_length(self.server_manager, identity.problem_id, len(output.response_ids))
         if self.publisher is not None and identity.in_history and self.complete(output):
             record = identity.record(
                 output.prompt_ids, output.response_ids, self.worker, output.response_logprobs
             )
             self.publisher.publish(record)
         return output
-
-    def priority(self, identity: RequestIdentity, position: int) -> int:
-        """verl's `priority` for the request at verl's `position`: its problem's block (0, the longest, while
-        nothing has finished) ahead of the position."""
-        _lengths.max_tokens = self.response_length
-        return int(_lengths.blocks([identity.problem_id])[0]) * BLOCK_STRIDE + position
 
     def complete(self, output: AgentLoopOutput) -> bool:
         """True when the request ran to its end and verl kept all of its tokens."""

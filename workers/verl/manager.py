@@ -2,9 +2,10 @@
 
 verl keeps the training step in the batch's `meta_info`, which agent loops never see, and repeats each prompt n
 times without numbering the copies. Before the batch is split across agent loop workers, this manager adds
-`das_problem_id`, `das_epoch` and `das_sample` columns (as verl itself adds `priority`); `DasAgentLoop` reads
-them. Its agent loop workers import `workers.verl.agent_loop`, so `das_agent` is registered in every worker
-process without an `agent_loop_config_path` (no file that must exist at the same path on every node).
+`das_problem_id`, `das_epoch` and `das_sample` columns, and `priority` on DAS's one scale
+(`workers.verl.priority`; verl keeps a `priority` column it finds); `DasAgentLoop` reads them. Its agent loop
+workers import `workers.verl.agent_loop`, so `das_agent` is registered in every worker process without an
+`agent_loop_config_path` (no file that must exist at the same path on every node).
 
 This is for verl's legacy trainer (`trainer.use_v1=false`); the default V1 trainer takes
 `workers.verl.manager_v1.DasAgentLoopManagerTQ`.
@@ -31,6 +32,7 @@ from workers.verl.identity import (
     BatchAnnotator,
     ledger_from_config,
 )
+from workers.verl.priority import batch_priorities
 from workers.verl.router import prefetch_placed
 from workers.verl.stats import das_stats, router_servers
 
@@ -71,6 +73,15 @@ class DasAgentLoopManager(AgentLoopManager):
     async def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Annotates the batch, then runs verl's dispatch to the agent loop workers."""
         annotate(prompts, self.das)
+        # One priority scale for every agent loop worker (verl keeps a `priority` column it finds).
+        prompts.non_tensor_batch["priority"] = np.asarray(
+            batch_priorities(
+                self.llm_client._load_balancer,
+                prompts.non_tensor_batch[PROBLEM_FIELD],
+                self.rollout_config.response_length,
+            ),
+            dtype=np.int64,
+        )
         advance_rows(
             self.das_epochs, prompts.non_tensor_batch[PROBLEM_FIELD], prompts.non_tensor_batch[EPOCH_FIELD]
         )

@@ -12,7 +12,9 @@ agent loop adds the session) per row. Its workers import `workers.verl.agent_loo
 from __future__ import annotations
 
 import ray
+import transfer_queue as tq
 from tensordict import TensorDict
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 from verl.utils import tensordict_utils as tu
 
@@ -27,6 +29,7 @@ from workers.verl.identity import (
     BatchAnnotator,
     ledger_from_config,
 )
+from workers.verl.priority import batch_priorities
 from workers.verl.router import prefetch_placed
 from workers.verl.stats import das_stats, router_servers
 
@@ -56,6 +59,14 @@ def annotate_tq(prompts: TensorDict, annotator: BatchAnnotator, n: int) -> None:
 class DasAgentLoopWorkerTQ(AgentLoopWorkerTQ.__ray_actor_class__):
     """verl's V1 agent loop worker, defined here so its processes import (and register) `das_agent`."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        # verl's AgentLoopWorkerTQ.__init__ (verl decorates that class with @ray.remote), whose zero-argument
+        # super() fails in a Ray actor built from this subclass: "super(type, obj): obj must be an instance or
+        # subtype of type" (Ray 2.60; tests/test_verl_priority.py builds the workers through verl's manager).
+        AgentLoopWorker.__init__(self, *args, **kwargs)
+        tq.init()
+        self.background_tasks = set()
+
 
 class DasAgentLoopManagerTQ(AgentLoopManagerTQ):
     """verl's AgentLoopManagerTQ plus the DAS identity."""
@@ -70,6 +81,16 @@ class DasAgentLoopManagerTQ(AgentLoopManagerTQ):
     def generate_sequences(self, prompts: TensorDict) -> None:
         """Annotates the batch, then dispatches it to verl's agent loop workers."""
         annotate_tq(prompts, self.das, int(self.rollout_config.n))
+        # One priority scale for every agent loop worker: the rows' blocks from the router actor's lengths.
+        tu.assign_non_tensor_stack(
+            prompts,
+            "priority",
+            batch_priorities(
+                self.llm_client._load_balancer,
+                tu.get(prompts, PROBLEM_FIELD),
+                self.rollout_config.response_length,
+            ),
+        )
         advance_rows(self.das_epochs, tu.get(prompts, PROBLEM_FIELD), tu.get(prompts, EPOCH_FIELD))
         prefetch_placed(
             self.llm_client._load_balancer,
