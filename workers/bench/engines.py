@@ -27,8 +27,9 @@ running rows (`next_step`) and tells it which finished (`finish`).
   A drafted token's KV is transient and not counted.
 - Engines step in lockstep (one step each in turn), so a finished trajectory reaches history at about the
   time it would on a real fleet whatever the cost model; an epoch's makespan is its slowest engine's.
-- All engines share one drafter: history as every node's replica holds it, and live siblings wherever they
-  run. So the router changes load balance here, not what siblings can draft from.
+- das runs one engine proposer per engine (`replay_drafters.EngineDrafter`): history as every node's replica
+  holds it, live siblings per engine. The tree strategies share one index: history, and live siblings wherever
+  they run, so for them the router changes load balance, not what siblings can draft from.
 """
 
 from __future__ import annotations
