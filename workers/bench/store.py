@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import SuffixTree
 from history_store.durable.checkpoints import create_checkpoint, restore_checkpoint
@@ -127,7 +128,7 @@ def bench_checkpoint(path: Path, work: Path) -> dict[str, Any]:
 
 
 def bench_startup(path: Path, rng: np.random.Generator, tokens: int, record_tokens: int) -> dict[str, Any]:
-    with HistoryStore(path, window_epochs=3) as store:
+    with HistoryStore(path, window_epochs=DEFAULT_WINDOW_EPOCHS) as store:
         records = make_records(rng, "start", record_tokens, tokens, epochs=3)
         for i in range(0, len(records), BATCH):
             store.apply(records[i : i + BATCH])
@@ -156,7 +157,7 @@ def bench_startup(path: Path, rng: np.random.Generator, tokens: int, record_toke
     started = time.perf_counter()
     loaded = [SuffixTree.from_bytes(b, index.config) for b in serialized]
     serialized_seconds = time.perf_counter() - started
-    history_only = ProblemIndex(window_epochs=3, global_tokens=0)
+    history_only = ProblemIndex(window_epochs=DEFAULT_WINDOW_EPOCHS, global_tokens=0)
     started = time.perf_counter()
     for stored_records in problems.values():
         for t in stored_records:
