@@ -21,13 +21,15 @@ import threading
 from kafka.record import default_records
 from kafka.record.util import encode_varint
 
+from pipeline.errors import InvalidInput
+
 OVER_BOUND_HEADER = "das-over-bound"
 
 _lock = threading.Lock()
 _installed: int | None = None
 
 
-class OverBoundError(ValueError):
+class OverBoundError(InvalidInput):
     """A compressed batch whose content is larger than the bound."""
 
 

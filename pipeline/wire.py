@@ -90,7 +90,7 @@ REASONS = (
 )
 
 
-class WireError(ValueError):
+class WireError(InvalidInput):
     """A message that is not a valid trajectory record. `reason` is one of REASONS, `detail` says what."""
 
     def __init__(self, reason: str, detail: str) -> None:

@@ -337,8 +337,7 @@ def test_no_hostile_sequence_costs_a_legitimate_record(row, deployment, tmp_path
                 key=record_key(*r.key),
                 value=encode_record(r),
                 partition=partition_for(r.problem_id, PARTITIONS),
-            )
-        producer.flush(timeout=30)
+            ).get(timeout=30)  # a refused write fails here, not as records missing at the end
 
     def drain() -> None:
         ends = _ends(d, topics)
@@ -360,8 +359,7 @@ def test_no_hostile_sequence_costs_a_legitimate_record(row, deployment, tmp_path
                         key=pid.encode(),
                         value=value,
                         partition=partition_for(pid, PARTITIONS),
-                    )
-                trainer.flush(timeout=30)
+                    ).get(timeout=30)
             records = [_record(p, epoch, s) for p in PROBLEMS for s in SAMPLES]
             legit += records
             for batch in [records] if kind == "epoch" else [[r] for r in records]:
@@ -456,11 +454,13 @@ def test_no_hostile_sequence_costs_a_legitimate_record(row, deployment, tmp_path
 def _create_topics(d: Deployment, topic: str, dlq: str) -> None:
     from kafka.admin import (
         ACL,
+        ACLFilter,
         ACLOperation,
         ACLPermissionType,
         ACLResourcePatternType,
         NewTopic,
         ResourcePattern,
+        ResourcePatternFilter,
     )
     from kafka.admin import ResourceType as R
 
@@ -492,6 +492,19 @@ def _create_topics(d: Deployment, topic: str, dlq: str) -> None:
                 allow("das-replica", ACLOperation.READ, R.GROUP, "das-replica-", prefixed=True),
             ])  # fmt: skip
             assert not result["failed"], result
+            # The broker's authorizer applies new ACLs from the metadata log a moment after create_acls
+            # returns; a write before that is refused (a first row once lost every record that way).
+            deadline = time.monotonic() + 30
+            while True:
+                listed, _ = admin.describe_acls(
+                    ACLFilter(None, None, ACLOperation.ANY, ACLPermissionType.ANY,
+                              ResourcePatternFilter(R.ANY, None, ACLResourcePatternType.ANY))
+                )  # fmt: skip
+                names_seen = {acl.resource_pattern.resource_name for acl in listed}
+                if names_seen >= set(names):
+                    break
+                assert time.monotonic() < deadline, f"the ACLs of {topic} did not apply"
+                time.sleep(0.2)
     finally:
         admin.close()
 

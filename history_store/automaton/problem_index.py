@@ -30,6 +30,7 @@ from history_store.automaton import kernels as K
 from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS, DraftConfig
 from history_store.automaton.draft_threads import usable_draft_threads
 from history_store.automaton.suffix_tree import SuffixForest, SuffixTree, as_levels, as_tokens
+from history_store.errors import InvalidInput
 from history_store.native.bundles import DraftOutputs, StepRows, draft_params
 from history_store.native.dense_rows import DenseRows
 
@@ -155,14 +156,14 @@ class ProblemIndex:
         """draft_threads: threads a step's drafting may use, as granted by `usable_draft_threads` (the drafts
         are the same on any number). lazy: build history trees only for problems made resident."""
         if window_epochs < 1:
-            raise ValueError(f"window_epochs must be >= 1, got {window_epochs}")
+            raise InvalidInput(f"window_epochs must be >= 1, got {window_epochs}")
         self.window_epochs = window_epochs
         self.config = config or DraftConfig()
         self._params = draft_params(self.config)  # the config is frozen: its kernel form once
         self.draft_threads = usable_draft_threads(draft_threads)
         self.global_tokens = global_tokens
         if live_scope not in ("problem", "request", "all"):
-            raise ValueError(f"live_scope must be 'problem', 'request' or 'all', got {live_scope!r}")
+            raise InvalidInput(f"live_scope must be 'problem', 'request' or 'all', got {live_scope!r}")
         self.use_history = use_history
         self.live_scope = live_scope
         self.forest = SuffixForest(remembered=self.config.remembered_probs)
@@ -239,9 +240,9 @@ class ProblemIndex:
         to_global: bool,
     ) -> bool:
         if not isinstance(problem_id, str) or not problem_id:
-            raise ValueError(f"problem_id must be a non-empty string, got {problem_id!r}")
+            raise InvalidInput(f"problem_id must be a non-empty string, got {problem_id!r}")
         if epoch < 0 or sample < 0:
-            raise ValueError(f"epoch and sample must be >= 0, got {epoch}, {sample}")
+            raise InvalidInput(f"epoch and sample must be >= 0, got {epoch}, {sample}")
         prompt = as_tokens(prompt_ids, "prompt_ids")
         response = as_tokens(response_ids, "response_ids")
         tokens, levels = self._sequence(prompt, response, response_logprobs)  # validates before any change

@@ -19,6 +19,7 @@ import numpy as np
 
 from history_store.automaton import kernels as K
 from history_store.automaton.config import DraftConfig
+from history_store.errors import InvalidInput
 from history_store.native.bundles import DraftOutputs, Forest, draft_params, gather
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -50,10 +51,10 @@ def as_levels(logprobs: Sequence[float] | np.ndarray | None, n: int) -> np.ndarr
         return np.zeros(n, np.uint8)
     lp = np.asarray(logprobs, np.float64)
     if lp.shape != (n,):
-        raise ValueError(f"need one log probability per token ({n}), got shape {lp.shape}")
+        raise InvalidInput(f"need one log probability per token ({n}), got shape {lp.shape}")
     known = ~np.isnan(lp)
     if np.isinf(lp).any() or (lp[known] > 0).any():
-        raise ValueError("log probabilities must be finite and <= 0")
+        raise InvalidInput("log probabilities must be finite and <= 0")
     levels = np.zeros(n, np.uint8)
     levels[known] = 1 + np.rint(np.exp(lp[known]) * K.PROB_LEVELS).astype(np.uint8)
     return levels
@@ -68,16 +69,16 @@ def as_tokens(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.nd
     if arr.size == 0:
         return np.empty(0, np.int32)
     if arr.ndim != 1:
-        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+        raise InvalidInput(f"{what} must be one-dimensional, got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{what} must be integer token ids, got dtype {arr.dtype}")
     if arr.dtype != np.int32:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
-            raise ValueError(f"{what} must be in [0, {MAX_TOKEN_ID}], got values in [{lo}, {hi}]")
+            raise InvalidInput(f"{what} must be in [0, {MAX_TOKEN_ID}], got values in [{lo}, {hi}]")
         arr = arr.astype(np.int32)
     elif arr.min() < 0:
-        raise ValueError(f"{what} must be non-negative token ids, got {int(arr.min())}")
+        raise InvalidInput(f"{what} must be non-negative token ids, got {int(arr.min())}")
     return np.ascontiguousarray(arr)
 
 
@@ -588,37 +589,37 @@ class SuffixTree:
         """Rebuilds a tree from `to_bytes()` output. Raises ValueError on a malformed or truncated buffer."""
         view = memoryview(data)
         if len(view) < 10 or bytes(view[:4]) != _SERIAL_MAGIC:
-            raise ValueError("not a serialized suffix tree (bad magic)")
+            raise InvalidInput("not a serialized suffix tree (bad magic)")
         version, n_seqs = struct.unpack_from("<HI", view, 4)
         if version not in (1, _SERIAL_VERSION):
-            raise ValueError(f"unsupported suffix tree serialization version {version}")
+            raise InvalidInput(f"unsupported suffix tree serialization version {version}")
         tree = cls(config, forest)
         pos = 10
         for _ in range(n_seqs):
             if pos + 12 > len(view):
-                raise ValueError("truncated suffix tree buffer")
+                raise InvalidInput("truncated suffix tree buffer")
             seq_id, n = struct.unpack_from("<qI", view, pos)
             pos += 12
             if pos + 4 * n > len(view):
-                raise ValueError("truncated suffix tree buffer")
+                raise InvalidInput("truncated suffix tree buffer")
             tokens = np.frombuffer(view[pos : pos + 4 * n], "<i4").astype(np.int32)
             pos += 4 * n
             levels = None
             if version >= 2:
                 if pos + 1 > len(view):
-                    raise ValueError("truncated suffix tree buffer")
+                    raise InvalidInput("truncated suffix tree buffer")
                 known = view[pos]
                 pos += 1
                 if known:
                     if pos + n > len(view):
-                        raise ValueError("truncated suffix tree buffer")
+                        raise InvalidInput("truncated suffix tree buffer")
                     levels = np.frombuffer(view[pos : pos + n], np.uint8).copy()
                     if int(levels.max(initial=0)) > K.PROB_LEVELS + 1:
-                        raise ValueError("probability level out of range in suffix tree buffer")
+                        raise InvalidInput("probability level out of range in suffix tree buffer")
                     pos += n
             tree.extend(seq_id, tokens, levels)
         if pos != len(view):
-            raise ValueError("trailing bytes after serialized suffix tree")
+            raise InvalidInput("trailing bytes after serialized suffix tree")
         return tree
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from history_store.errors import CorruptRecordError
+from history_store.errors import CorruptRecordError, InvalidInput
 
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -45,16 +45,16 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     try:
         arr = np.asarray(tokens)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{what} must be a sequence of integer token ids: {exc}") from exc
+        raise InvalidInput(f"{what} must be a sequence of integer token ids: {exc}") from exc
     if arr.ndim != 1:
-        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+        raise InvalidInput(f"{what} must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype="<i4")
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+        raise InvalidInput(f"{what} must hold integer token ids, got dtype {arr.dtype}")
     low, high = int(arr.min()), int(arr.max())
     if low < 0 or high > MAX_TOKEN_ID:
-        raise ValueError(f"{what} token ids must be in 0..{MAX_TOKEN_ID}, got range {low}..{high}")
+        raise InvalidInput(f"{what} token ids must be in 0..{MAX_TOKEN_ID}, got range {low}..{high}")
     return np.ascontiguousarray(arr, dtype="<i4")
 
 
@@ -66,13 +66,13 @@ def as_logprob_array(logprobs: Sequence[float] | np.ndarray, response_tokens: in
     try:
         arr = np.ascontiguousarray(logprobs, dtype="<f4")
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"response_logprobs must be a sequence of floats: {exc}") from exc
+        raise InvalidInput(f"response_logprobs must be a sequence of floats: {exc}") from exc
     if arr.ndim != 1 or arr.size != response_tokens:
-        raise ValueError(
+        raise InvalidInput(
             f"response_logprobs has shape {arr.shape}; one value per response token ({response_tokens}) is needed"
         )
     if not (np.isfinite(arr) & (arr <= 0)).all():
-        raise ValueError("response_logprobs must all be finite and <= 0 (log probabilities)")
+        raise InvalidInput("response_logprobs must all be finite and <= 0 (log probabilities)")
     return arr
 
 

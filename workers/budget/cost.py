@@ -12,6 +12,7 @@ from history_store.native.bundles import gather
 from monitoring.metrics import COST_COEFFICIENTS, COST_MODEL_COEFFICIENT
 from workers.budget.config import BudgetConfig
 from workers.budget.state import CostState
+from workers.errors import InvalidInput
 
 # Fields of `FittedCostModel`'s int64 state: rows in the window, the next row to write, steps since the last fit,
 # and whether the coefficients are pinned (`FittedCostModel.pin`: nothing is fitted then).
@@ -167,7 +168,7 @@ class FittedCostModel:
     def observe(self, active: int, tokens: int, seconds: float) -> None:
         """Adds one measured step; refits every `refit_every` steps."""
         if active <= 0 or tokens < active or not math.isfinite(seconds) or seconds <= 0:
-            raise ValueError(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
+            raise InvalidInput(f"invalid step: active={active} tokens={tokens} seconds={seconds}")
         if _cost_observe(self.kernel_state(), int(active), int(tokens), float(seconds)):
             self.publish()
 

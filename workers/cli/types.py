@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from monitoring.server import DEFAULT_HOST, HOST_ENV, PORT_ENV
+from workers.errors import InvalidInput
 
 NO_METRICS_SERVER = -1
 
@@ -267,7 +268,7 @@ def epoch_temperatures(
     if temperatures is None:
         return dict.fromkeys(ordered, temperature)
     if len(temperatures) != len(ordered):
-        raise ValueError(f"--temperatures gives {len(temperatures)} values for {len(ordered)} epochs")
+        raise InvalidInput(f"--temperatures gives {len(temperatures)} values for {len(ordered)} epochs")
     return dict(zip(ordered, temperatures, strict=True))
 
 

@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.errors import InvalidInput
+
 MODEL_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files whose presence marks a finished preparation; the folder appears only by an atomic rename, so a
@@ -32,7 +34,7 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-class ModelError(ValueError):
+class ModelError(InvalidInput):
     """The model cannot be prepared, is not prepared, or a checkpoint folder is incomplete (a user's input to
     fix, so the CLI reports it as one line)."""
 

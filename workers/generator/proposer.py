@@ -68,6 +68,7 @@ from history_store.indexed_history import follow, load_index
 from history_store.native.bundles import draft_params
 from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
+from workers.errors import InvalidInput
 from workers.generator.settings import ProposerSettings
 from workers.generator.step import DirectCall, StepTables, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
@@ -647,7 +648,7 @@ class DasProposer:
         """
         for problem_id, count in problems.items():
             if not isinstance(problem_id, str) or not problem_id or isinstance(count, bool) or count < 0:
-                raise ValueError(f"submitted requests need a problem id and a count >= 0: {problem_id!r}")
+                raise InvalidInput(f"submitted requests need a problem id and a count >= 0: {problem_id!r}")
         self._submitted = {p: int(c) for p, c in problems.items() if c}
         self._submitted_cap = max_tokens
         self._started = Counter()

@@ -12,6 +12,7 @@ from pydantic.dataclasses import dataclass
 
 from history_store.automaton.config import DEFAULT_WINDOW_EPOCHS, DOCUMENTED, DraftConfig
 from workers.budget.config import BUDGET_MIN_TOKEN_PROB
+from workers.errors import InvalidInput
 
 
 def _env_float(name: str, default: float | None) -> float | None:
@@ -21,13 +22,13 @@ def _env_float(name: str, default: float | None) -> float | None:
     try:
         return float(raw)
     except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
+        raise InvalidInput(f"{name}={raw!r} is not a number") from exc
 
 
 def _env_threads(name: str) -> int:
     raw = os.environ.get(name, "1")
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name}={raw!r} is not a positive whole number")
+        raise InvalidInput(f"{name}={raw!r} is not a positive whole number")
     return int(raw)
 
 
@@ -113,12 +114,12 @@ class ProposerSettings:
         env = os.environ
         budget = env.get("DAS_BUDGET", "on").lower()
         if budget not in ("on", "off"):
-            raise ValueError(f"DAS_BUDGET must be 'on' or 'off', got {budget!r}")
+            raise InvalidInput(f"DAS_BUDGET must be 'on' or 'off', got {budget!r}")
         given: dict[str, Any] = {"budget": budget == "on", "history_dir": env.get("DAS_HISTORY_DIR") or None}
         remembered = env.get("DAS_REMEMBERED_PROBS")
         if remembered is not None:
             if remembered.lower() not in ("on", "off"):
-                raise ValueError(f"DAS_REMEMBERED_PROBS must be 'on' or 'off', got {remembered!r}")
+                raise InvalidInput(f"DAS_REMEMBERED_PROBS must be 'on' or 'off', got {remembered!r}")
             given["remembered_probs"] = remembered.lower() == "on"
         if "DAS_HISTORY_LOAD" in env:
             given["history_load"] = env["DAS_HISTORY_LOAD"].lower()
@@ -134,4 +135,4 @@ class ProposerSettings:
             return cls(**given)
         except ValidationError as exc:
             error = exc.errors()[0]
-            raise ValueError(f"{_ENV[str(error['loc'][0])]}: {error['msg']}") from None
+            raise InvalidInput(f"{_ENV[str(error['loc'][0])]}: {error['msg']}") from None

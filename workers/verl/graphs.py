@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 
+from workers.errors import InvalidInput
+
 # vLLM's default capture ceiling in tokens (vLLM 0.24 `_set_cudagraph_sizes`; Blackwell data-center parts get 1024
 # in later versions).
 DEFAULT_CEILING = 512
@@ -42,7 +44,7 @@ def capture_sizes(
         ValueError: max_num_seqs below 1 or k below 0.
     """
     if max_num_seqs < 1 or k < 0:
-        raise ValueError(f"max_num_seqs >= 1 and k >= 0 are required, got {max_num_seqs} and {k}")
+        raise InvalidInput(f"max_num_seqs >= 1 and k >= 0 are required, got {max_num_seqs} and {k}")
     query = 1 + k
     ceiling = min(max_num_seqs * query * 2, DEFAULT_CEILING, max_num_batched_tokens)
     # vLLM's default grid: 1, 2, 4, multiples of 8 below 256, multiples of 16 from 256, each rounded up to a

@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from workers.errors import InvalidInput
+
 logger = logging.getLogger("das.step_driver")
 
 DEFAULT_PORT = 8700
@@ -165,7 +167,7 @@ class StepDriver:
         )
         self._rows = [dataset[i] for i in range(len(dataset))]
         if not self._rows:
-            raise ValueError(f"no prompts in {self.config.data.train_files}")
+            raise InvalidInput(f"no prompts in {self.config.data.train_files}")
         try:
             self._next_row = int(json.loads(self.state_path.read_text()).get("next_row", 0)) % len(self._rows)
         except FileNotFoundError:
