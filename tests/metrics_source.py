@@ -41,9 +41,11 @@ def record_generator_step(rng: random.Random, epoch: int) -> None:
     """One verification step of a generator: a few drafts, their acceptance, budget and timings."""
     for _ in range(DRAFTS_PER_STEP):
         length = rng.randint(1, 8)
-        accepted = rng.randint(0, length)
+        verified = length if rng.random() < 0.8 else rng.randint(0, length)  # the scheduler cut the rest
+        accepted = rng.randint(0, verified)
         m.DRAFTS.inc()
         m.DRAFT_TOKENS.inc(length)
+        m.VERIFIED_DRAFT_TOKENS.inc(verified)
         m.ACCEPTED_TOKENS.inc(accepted)
         for position in range(length):
             m.DRAFT_TOKENS_BY_POSITION.labels(position=m.position_label(position)).inc()
