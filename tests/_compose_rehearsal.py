@@ -130,8 +130,10 @@ def task_runner() -> Any:
     class RehearsalTaskRunner:
         def run(self, config: Any) -> None:
             from test_verl_integration import _v1_batch, _v1_kwargs
+            from verl.utils import tensordict_utils as tu
 
-            from workers.verl.identity import BatchAnnotator, PassLedger
+            from pipeline.epochs import advance_rows, trainer_epoch_publisher
+            from workers.verl.identity import EPOCH_FIELD, PROBLEM_FIELD, BatchAnnotator, PassLedger
             from workers.verl.manager_v1 import annotate_tq
 
             deadline = time.monotonic() + REPLICA_DEADLINE_S
@@ -149,6 +151,12 @@ def task_runner() -> Any:
                 for problem in problems:
                     batch = _v1_batch(problem, step)
                     annotate_tq(batch, annotator, n=SAMPLES)
+                    # What verl's DAS managers do next: the batch's epochs to the replicas, as the trainer.
+                    advance_rows(
+                        trainer_epoch_publisher(config.das),
+                        tu.get(batch, PROBLEM_FIELD),
+                        tu.get(batch, EPOCH_FIELD),
+                    )
                     sessions += _v1_kwargs(batch, SAMPLES)
                 # A fresh engine per pass, on the GPU node (verl pins its servers to nodes the same way).
                 engine = EngineNode.options(
