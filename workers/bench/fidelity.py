@@ -19,11 +19,13 @@ approximately; and the engine counts drafts accepted past `max_tokens` that the 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from history_store.automaton.config import DraftConfig
 from workers.bench import replay
+from workers.bench.engines import Engines
 from workers.errors import InvalidInput
 from workers.generator.settings import ProposerSettings
 
@@ -89,6 +91,7 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
     else:
         strategy_in_replay = "das-unbudgeted" if strategy == "das" else "ngram"
     records = replay.load_traces(trace)
+    engines = _slots(settings, records)
     replayed = replay.replay(
         records,
         strategy_in_replay,
@@ -96,6 +99,7 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         proposer.window_epochs,
         measured_costs=measured,
         measured_steps=steps,
+        engines=engines,
     )
     by_epoch = {e["epoch"]: e for e in replayed["per_epoch"]}
     rows = []
@@ -127,12 +131,26 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         "engine_cost_models": {e: c.__dict__ for e, c in measured.items()} if measured else None,
         # Whether the replay's budget priced each step with the costs the engine had at it.
         "engine_step_times": steps is not None,
+        # The engine's slots and admission order where an epoch queued requests (None: every request ran at once).
+        "engines": {"max_num_seqs": engines.max_num_seqs, "order": engines.order} if engines else None,
         "per_epoch": rows,
         "overall": overall,
         "relative_difference": differences,
         "tolerance": tolerance,
         "within_tolerance": all(d is not None and d <= tolerance for d in differences.values()),
     }
+
+
+def _slots(settings: dict[str, Any], records: list) -> Engines | None:
+    """The engine's slots when an epoch had more requests than them (its queue is then part of what the budget
+    saw), admitted as the engine admitted them: vLLM's priority policy with DAS's length prediction is the
+    replay's `predicted` order, fcfs its `fcfs` (reports from before the policy was recorded ran `priority`)."""
+    slots = settings.get("max_num_seqs")
+    per_epoch = Counter(r.epoch for r in records)
+    if slots is None or slots >= max(per_epoch.values(), default=0):
+        return None
+    policy = settings.get("scheduling_policy", "priority")
+    return Engines(int(slots), order="predicted" if policy == "priority" else "fcfs")
 
 
 def load_report(path: str | Path) -> dict[str, Any]:

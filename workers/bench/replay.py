@@ -404,11 +404,19 @@ def replay(
     cost: CostModel | None = None,
     measured_costs: Mapping[int, CostModel] | None = None,
     measured_steps: Mapping[int, Sequence[float]] | None = None,
+    engines: Engines | None = None,
 ) -> dict:
     """One strategy's summary under one cost model (`simulate`, then `summarize`)."""
     cost = cost or CostModel()
     sim = simulate(
-        records, strategy, config, window, cost, measured_costs=measured_costs, measured_steps=measured_steps
+        records,
+        strategy,
+        config,
+        window,
+        cost,
+        measured_costs=measured_costs,
+        measured_steps=measured_steps,
+        engines=engines,
     )
     return summarize(sim, cost)
 

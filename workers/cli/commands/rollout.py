@@ -301,6 +301,7 @@ def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> d
             "seed",
             "samples",
             "logprobs",
+            "scheduling_policy",
         )
     }
     settings["first_epoch"] = args.first_epoch
