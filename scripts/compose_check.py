@@ -14,11 +14,11 @@ training steps through the step driver in the Ray head (POST /step), and breaks 
                    reconnected with its address and names
   volume_wipe      node-1's history volume removed: its replica rebuilds from the topic, its Ray worker rejoins and
                    the step driver replaces the node's vLLM server
-  monitoring       every Prometheus target up; every query of the shipped Grafana dashboard returns data from the
-                   live Prometheus; a stopped replica fires DASTargetDown at the webhook, which resolves once the
-                   replica is back
+  monitoring       one more step (checked exact: `monitoring_step`), then every Prometheus target up; every query
+                   of the shipped Grafana dashboard returns data from the live Prometheus; a stopped replica fires
+                   DASTargetDown at the webhook, which resolves once the replica is back
 
-Each phase except monitoring ends with the exact check: the records the agent loops published (the step driver
+Each phase's steps end with the exact check: the records the agent loops published (the step driver
 reports each rollout's key and tokens) against the topic (acknowledged: the brokers hold them) and against every
 replica's RocksDB store (read as a secondary inside the node's container), by key set and content digest.
 
@@ -626,8 +626,10 @@ class Drill:
                 return state
             time.sleep(10)
 
-    def dashboard_queries(self) -> dict[str, Any]:
-        results, empty = 0, []
+    def dashboard_queries(self, wait_s: float = 90) -> dict[str, Any]:
+        """Every dashboard query against the live Prometheus; one that is empty is asked again for `wait_s`
+        (a rate needs two scrapes of a series inside its window, and a server the last phase started has few)."""
+        queries = []
         for path in sorted((REPO / "monitoring" / "grafana" / "dashboards").glob("*.json")):
             for panel in json.loads(path.read_text())["panels"]:
                 for target in panel.get("targets", []):
@@ -636,12 +638,26 @@ class Drill:
                         continue
                     expr = expr.replace("$__rate_interval", RATE_INTERVAL).replace("$__interval", "15s")
                     expr = expr.replace("$__range", "1h")
-                    results += 1
-                    if not self.prom("/api/v1/query", query=expr)["result"]:
-                        empty.append(f"{panel['title']} {target.get('refId')}: {expr}")
-        return {"queries": results, "with_data": results - len(empty), "empty": empty}
+                    queries.append((f"{panel['title']} {target.get('refId')}", expr))
+        deadline = time.monotonic() + wait_s
+        empty = queries
+        while True:
+            empty = [
+                (name, expr) for name, expr in empty if not self.prom("/api/v1/query", query=expr)["result"]
+            ]
+            if not empty or time.monotonic() > deadline:
+                break
+            time.sleep(15)
+        return {
+            "queries": len(queries),
+            "with_data": len(queries) - len(empty),
+            "empty": [f"{name}: {expr}" for name, expr in empty],
+        }
 
     def phase_monitoring(self) -> None:
+        # The dashboard is read while training runs, as its user reads it: one more step, counted like the others.
+        self.step("monitoring")
+        self.checks["monitoring_step"] = self.exact("monitoring")
         targets = self.all_targets_up()
         self.details["targets"] = targets
         self.checks["targets_up"] = not targets["down"] and targets["targets"] > 0
