@@ -95,9 +95,12 @@ def test_a_proposer_without_its_replica_starts_drafts_from_its_requests_and_foll
         shutil.rmtree(replica)
     with HistoryStore(replica, window_epochs=3) as store:
         store.apply(WORKLOAD.stream())
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while proposer._opener is not None and proposer._opener.reader is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert proposer._opener is not None and proposer._opener.reader is not None, proposer._opener.last_error
+    proposer.catch_up()  # what the next step does first: it loads the opened replica
+    assert proposer.history_available
     prompt = list(WORKLOAD.record(2, 0, 0).prompt_ids)
     response = list(WORKLOAD.record(2, 1, 1).response_ids)
     late = _drive(proposer, "late", "problem-2", prompt, response)
