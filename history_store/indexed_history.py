@@ -46,22 +46,37 @@ class LoadReport:
     seconds: float
 
 
-def _in_apply_order(store: _StoreReader) -> list[TrajectoryKey]:
-    # The global tree keeps the most recent responses (FIFO): rebuilding in apply order (sequence numbers)
-    # rather than key order gives the same tree as the live process had.
-    keyed = [(t.sequence, t.key) for t in store.iter_trajectories()]
+def _apply_plan(store: _StoreReader) -> list[tuple[str, int, int, int, int]]:
+    """Every readable stored record as (problem_id, epoch, sample, prompt length, response length), in apply
+    order. The global tree keeps the most recent responses (FIFO): rebuilding in apply order (sequence numbers)
+    rather than key order gives the same tree as the live process had. One record's tokens are held at a time
+    (each is checked, as `get` checks it, so a corrupt one is left out here already)."""
+    keyed = [
+        (t.sequence, t.problem_id, t.epoch, t.sample, t.prompt_ids.size, t.response_ids.size)
+        for t in store.iter_trajectories()
+    ]
     keyed.sort()
-    return [key for _, key in keyed]
+    return [entry[1:] for entry in keyed]
 
 
 def load_index(store: _StoreReader, index: ProblemIndex) -> LoadReport:
-    """Adds every stored trajectory to `index`, in apply order. Records already indexed are skipped."""
+    """Adds every stored trajectory to `index`, in apply order. Records already indexed are skipped.
+
+    Streamed: it learns the order and the lengths first (one record in memory at a time), then reads again
+    only the records a tree takes (`ProblemIndex.load_stored`: all of them for an eager index; for a lazy one
+    only the global tree's), one at a time. The index equals `index.add_trajectories` of every record in
+    apply order."""
     started = time.perf_counter()
-    records = [r for r in (store.get(*key) for key in _in_apply_order(store)) if r is not None]
-    count = index.add_trajectories(
-        (r.problem_id, r.epoch, r.sample, r.prompt_ids, r.response_ids, r.response_logprobs) for r in records
-    )
-    tokens = sum(r.response_ids.size for r in records)
+
+    def fetch(problem_id: str, epoch: int, sample: int) -> tuple[object, ...] | None:
+        record = store.get(problem_id, epoch, sample)
+        if record is None:
+            return None
+        return record.prompt_ids, record.response_ids, record.response_logprobs
+
+    entries = _apply_plan(store)
+    count = index.load_stored(entries, fetch)
+    tokens = sum(entry[4] for entry in entries)
     seconds = time.perf_counter() - started
     RESTORE_DURATION.set(seconds)
     return LoadReport(count, tokens, seconds)

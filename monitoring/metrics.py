@@ -242,6 +242,17 @@ RESTORE_DURATION = Gauge(
     multiprocess_mode="max",
 )
 
+PROPOSER_HISTORY_MISSING = Gauge(
+    "das_proposer_history_missing",
+    "1 while a vLLM server's proposer configured with DAS_HISTORY_DIR drafts without its history replica (the "
+    "folder is missing, empty or does not open): it drafts from its own requests and retries the replica.",
+    multiprocess_mode="livemax",
+)
+PROPOSER_HISTORY_OUTAGES = Counter(
+    "das_proposer_history_outages",
+    "Times a proposer found its history replica unavailable (at start, or when following it failed).",
+)
+
 CATALOG: tuple[MetricWrapperBase, ...] = (
     DRAFTS,
     DRAFT_TOKENS,
@@ -281,6 +292,8 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     STORE_VERIFY_DURATION,
     LAST_VERIFY,
     RESTORE_DURATION,
+    PROPOSER_HISTORY_MISSING,
+    PROPOSER_HISTORY_OUTAGES,
 )
 
 # Series with fixed label sets exist from the start at 0: dashboards show 0 instead of "no data", and the first

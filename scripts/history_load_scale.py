@@ -9,7 +9,10 @@ its replica (`DAS_HISTORY_DIR`), timing `load_model` (the open) and the resident
 - `lazy` (the default): the bookkeeping and the global tree at start, then the trees of the problems one of
   `--servers` servers gets under problem-keyed routing (every servers-th problem), each built as its first
   request would build it (`prefetch` of one problem at a time, timed: what a first request adds to its step).
-Prints JSON: tokens, seconds, resident memory added (bytes and bytes per token) for each.
+Prints JSON: tokens, seconds, resident memory added (bytes and bytes per token) for each, and the peak resident
+memory the open reached above the memory before it (`open_peak_rss_added_bytes`: the load's transient peak, read
+from the kernel's high-water mark after resetting it). `--code DIR` loads with the DAS build in DIR (e.g. an
+earlier commit's `git archive`) on the same store: before/after figures of a change to the load.
 """
 
 from __future__ import annotations
@@ -30,6 +33,24 @@ sys.path.insert(0, str(REPO))
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _reset_peak() -> bool:
+    """Resets the kernel's resident high-water mark of this process (Linux); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def build(out: Path, tokens: int, problems: int) -> dict[str, int]:
@@ -64,11 +85,14 @@ def load(store_dir: Path, servers: int, mode: str) -> dict[str, object]:
     )  # compiles its kernels before the clock starts
     index = proposer.index
     before = _rss_bytes()
+    peak_known = _reset_peak()
     started = time.perf_counter()
     proposer.load_model()
     result: dict[str, object] = {"open_seconds": round(time.perf_counter() - started, 2)}
     opened = _rss_bytes()
     result["open_rss_added_bytes"] = opened - before
+    if peak_known:
+        result["open_peak_rss_added_bytes"] = _peak_rss_bytes() - before
     problems = index.problem_ids()
     if mode == "lazy":
         routed = [p for p in problems if int(p.rsplit("-", 1)[1]) % servers == 0]
@@ -110,8 +134,13 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=1000)
     parser.add_argument("--servers", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--code", type=Path, help="load with the DAS build in this folder (default: this one)"
+    )
     parser.add_argument("--load", choices=["eager", "lazy"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.code is not None:
+        sys.path.insert(0, str(args.code.resolve()))
     store_dir = args.out / "history"
     if args.load:
         print(json.dumps(load(store_dir, args.servers, args.load)))
@@ -121,7 +150,7 @@ def main() -> None:
         build(store_dir, args.tokens, args.problems) if not store_dir.exists() else {"reused": str(store_dir)}
     )
     built["build_seconds"] = round(time.perf_counter() - started, 1)
-    result = {"store": built, "servers": args.servers}
+    result = {"store": built, "servers": args.servers, "code": str(args.code or REPO)}
     for part in ("eager", "lazy"):
         child = subprocess.run(
             [
@@ -133,6 +162,7 @@ def main() -> None:
                 str(args.servers),
                 "--load",
                 part,
+                *(["--code", str(args.code)] if args.code is not None else []),
             ],
             capture_output=True,
             text=True,

@@ -68,6 +68,8 @@ def record_generator_step(rng: random.Random, epoch: int) -> None:
     m.PRODUCER_QUEUE_DEPTH.set(rng.randint(0, 20))
     if rng.random() < 0.05:
         m.PRODUCER_SEND_ERRORS.inc()
+    m.PROPOSER_HISTORY_MISSING.set(0)
+    m.PROPOSER_HISTORY_OUTAGES.inc(0)  # a server that found its replica at start
 
 
 def record_indexer_batch(rng: random.Random, stored_tokens: int) -> None:

@@ -8,6 +8,7 @@ tests/test_sampling_distribution.py's job.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -178,3 +179,41 @@ def test_trajectories_written_to_the_replica_become_draftable_without_a_restart(
     )
     assert after["accepted_tokens"] - before["accepted_tokens"] >= len(reference[0]) // 2
     assert after["errors"] == 0
+
+
+def test_an_engine_whose_replica_is_missing_starts_and_follows_it_once_it_appears(
+    tmp_path, monkeypatch
+) -> None:
+    """vLLM calls `load_model` unguarded: a missing replica must leave the server up and drafting (issue 47)."""
+    replica_path = tmp_path / "history"  # nothing there yet: the history service starts late
+    monkeypatch.setenv("DAS_HISTORY_DIR", str(replica_path))
+    monkeypatch.setenv("DAS_HISTORY_RETRY_S", "0.2")
+    llm = build_engine(EngineOptions(strategy="das", **OPTIONS))
+    try:
+        worker = RolloutWorker(llm, "das")
+        stats = worker.proposer_stats()
+        assert not stats["history_available"] and stats["history_outages"] == 1
+        prompt = builtin_problems(llm.get_tokenizer(), 1)[0].prompt_ids
+        (first,) = _tokens(worker.run([(Problem("own-0", prompt), 1, 0)], GREEDY))
+        with HistoryStore(replica_path) as store:
+            store.apply(
+                [
+                    TrajectoryRecord(
+                        problem_id="late-0", epoch=0, sample=0, prompt_ids=list(prompt), response_ids=first
+                    )
+                ]
+            )
+        # The proposer's thread retries every 0.2 s; the first step after it opened the replica loads it.
+        deadline = time.monotonic() + 120
+        while not worker.proposer_stats()["history_available"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            worker.run([(Problem("poll", prompt), 0, 0)], {"temperature": 0.0, "max_tokens": 4})
+        before = worker.proposer_stats()
+        (again,) = _tokens(worker.run([(Problem("late-0", prompt), 1, 0)], GREEDY))
+        after = worker.proposer_stats()
+        assert again == first
+        assert after["history_available"] and after["history_outages"] == 1
+        assert after["history_problems"] >= 2 and after["errors"] == 0
+        assert after["accepted_tokens"] - before["accepted_tokens"] >= len(first) // 2
+    finally:
+        shutdown_engine(llm)

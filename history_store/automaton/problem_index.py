@@ -71,6 +71,9 @@ class BatchDrafts:
         return self.tokens[row, : self.lengths[row]].tolist()
 
 
+_NO_TOKENS = np.zeros(0, np.int32)
+
+
 class _StepBuffers:
     """Per-batch arrays of the step kernel, allocated once for the largest batch seen and reused; the views
     of the last batch size are kept too (a view costs about as much as a small numpy operation)."""
@@ -211,23 +214,55 @@ class ProblemIndex:
         tree receives only the newest rollouts that fit its window and cap, instead of being filled, trimmed
         and rebuilt over and over."""
         records = list(records)
-        to_global = [False] * len(records)
-        if self._global is not None and records:
-            newest = max(self._global_newest, max(r[1] for r in records))
-            start = max(0, newest - self.window_epochs + 1)
-            self._global_newest = newest
-            self._drop_global(k for k in self._global_seq if k[1] < start)
-            room = self.global_tokens - self._global.num_tokens
-            for i in range(len(records) - 1, -1, -1):
-                _, epoch, _, prompt, response = records[i][:5]
-                size = min(len(prompt), self.config.max_depth) + len(response)
-                if epoch >= start and size <= room:
-                    to_global[i] = True
-                    room -= size
+        to_global = self._global_plan([(r[1], len(r[3]), len(r[4])) for r in records])
         return sum(
             self._add(*record[:5], record[5] if len(record) > 5 else None, to_global=flag)
             for record, flag in zip(records, to_global, strict=True)
         )
+
+    def _global_plan(self, sizes: Sequence[tuple[int, int, int]]) -> list[bool]:
+        """Which of a bulk load's rollouts, given as (epoch, prompt length, response length) in arrival order,
+        go into the global tree: the newest that fit its window and cap. Slides the global window to the
+        newest epoch (what the adds would do first)."""
+        to_global = [False] * len(sizes)
+        if self._global is not None and sizes:
+            newest = max(self._global_newest, max(size[0] for size in sizes))
+            start = max(0, newest - self.window_epochs + 1)
+            self._global_newest = newest
+            self._drop_global(k for k in self._global_seq if k[1] < start)
+            room = self.global_tokens - self._global.num_tokens
+            for i in range(len(sizes) - 1, -1, -1):
+                epoch, prompt_len, response_len = sizes[i]
+                size = min(prompt_len, self.config.max_depth) + response_len
+                if epoch >= start and size <= room:
+                    to_global[i] = True
+                    room -= size
+        return to_global
+
+    def load_stored(
+        self,
+        entries: Sequence[tuple[str, int, int, int, int]],
+        fetch: Callable[[str, int, int], tuple[Any, ...] | None],
+    ) -> int:
+        """Bulk-loads stored rollouts known by (problem_id, epoch, sample, prompt length, response length), in
+        arrival order, fetching the tokens (prompt, response[, response logprobs]) of each only when a tree
+        takes them, one at a time: the index that results equals `add_trajectories` of the same rollouts,
+        while the memory a load holds beyond the trees is the entries, not every rollout's tokens (a lazy
+        index fetches the global tree's rollouts only). `fetch` returns None for a rollout the store no longer
+        holds (it is skipped). Returns how many were indexed."""
+        to_global = self._global_plan([(e[1], e[3], e[4]) for e in entries])
+        count = 0
+        for (problem_id, epoch, sample, _, response_len), flag in zip(entries, to_global, strict=True):
+            if flag or self._builds(problem_id):
+                tokens = fetch(problem_id, epoch, sample)
+                if tokens is None:
+                    continue
+                prompt, response = tokens[0], tokens[1]
+                logprobs = tokens[2] if len(tokens) > 2 else None
+            else:  # bookkeeping only: no tree takes its tokens, only its length counts
+                prompt, response, logprobs = _NO_TOKENS, np.zeros(response_len, np.int32), None
+            count += self._add(problem_id, epoch, sample, prompt, response, logprobs, to_global=flag)
+        return count
 
     def _add(
         self,

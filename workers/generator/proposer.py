@@ -40,6 +40,10 @@ History freshness:
   send each server the problems of the step that the router placed there, and `das_release` to the server a
   problem moved away from): behind problem-keyed routing a server holds the trees of its own problems only, and
   drafts exactly as if it had loaded them all.
+  A replica that is missing, empty or does not open (or fails while followed) stops nothing: the proposer logs
+  one warning, drafts from its own requests and their siblings, and a thread of its own retries every
+  `DAS_HISTORY_RETRY_S`; the first step after a retry succeeds loads the replica and follows it from then on
+  (`das_proposer_history_missing`, `das_proposer_history_outages_total`).
 
 Nothing a request carries can crash the engine: malformed `extra_args` give one warning and own-context
 drafting; an unexpected error in drafting is logged, counted, and that step drafts nothing.
@@ -50,6 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -66,6 +71,7 @@ from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import BatchDrafts, ProblemIndex
 from history_store.indexed_history import follow, load_index
 from history_store.native.bundles import draft_params
+from monitoring.metrics import PROPOSER_HISTORY_MISSING, PROPOSER_HISTORY_OUTAGES
 from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
 from workers.errors import InvalidInput
@@ -184,6 +190,39 @@ def _natural_end(live: _Live, tokens: np.ndarray) -> int | None:
     return None
 
 
+class _ReplicaOpener:
+    """Retries opening the history replica on a daemon thread, every `interval` seconds, until it opens: the
+    RocksDB open (reading its manifest, opening every table file) stays off the decode step, which takes the
+    opened reader (`reader`) and loads it."""
+
+    def __init__(self, open_reader: Callable[[], Any], interval: float) -> None:
+        self._open_reader = open_reader
+        self._interval = interval
+        self._stop = threading.Event()
+        self.reader: Any = None  # set once, by the thread; read by the step
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="das-replica-opener", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                reader = self._open_reader()
+            except Exception as exc:  # noqa: BLE001 - whatever keeps it shut, the next try may succeed
+                self.last_error = str(exc)
+                logger.debug("DAS: history replica still unavailable: %s", exc)
+                continue
+            if self._stop.is_set():
+                reader.close()
+                return
+            self.reader = reader
+            return
+
+    def stop(self) -> None:
+        """Ends the retries (a reader opened meanwhile is closed by the thread or left for `reader`)."""
+        self._stop.set()
+
+
 class DasProposer:
     """vLLM `custom_class` proposer: per-problem history drafts with a length-aware budget."""
 
@@ -232,6 +271,12 @@ class DasProposer:
         self._warned: set[str] = set()
         self._replica: Any = None
         self._next_catch_up = 0.0
+        # The configured replica (on the drafting rank), and while it is unavailable the thread retrying it.
+        self._history_path: Path | None = None
+        self._opener: _ReplicaOpener | None = None
+        self._history_outages = 0
+        self._history_followed = False  # whether a replica was ever loaded (a reopen then reloads afresh)
+        self._publish = publish
         # Problems whose history trees were built on demand (those with history), the tokens and seconds that
         # took, and the longest single build (what a first request of a problem may add to its decode step).
         self._loaded_problems = 0
@@ -307,7 +352,11 @@ class DasProposer:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
         if self.settings.history_dir and self.drafting:
-            self._open_replica(Path(self.settings.history_dir))
+            self._history_path = Path(self.settings.history_dir)
+            try:
+                self._adopt_replica(self._open_reader())
+            except Exception as exc:  # noqa: BLE001 - a missing or late history only means fewer drafts
+                self._history_unavailable(exc)
         if self.drafting:
             from workers.generator.metrics_endpoint import serve_proposer_metrics
 
@@ -354,6 +403,8 @@ class DasProposer:
         out["drafting_rank"] = self.drafting
         out["policy"] = self.policy.snapshot()
         out["history_problems"] = len(self.index.problem_ids())
+        out["history_available"] = self.history_available
+        out["history_outages"] = self._history_outages
         out["history_loads"] = {
             "problems": self._loaded_problems,
             "tokens": self._loaded_tokens,
@@ -409,14 +460,57 @@ class DasProposer:
             self.policy.lengths.forget(problem_id)
         return len(evicted)
 
-    def _open_replica(self, path: Path) -> None:
+    def _open_reader(self) -> Any:
+        """A secondary instance of the configured replica. Raises StoreOpenError when the folder is missing,
+        holds no store yet or does not open (what RocksDB raises otherwise)."""
         from history_store.durable.store import HistoryStore
         from workers.generator.replica_dirs import secondary_dir
 
+        path = self._history_path
+        assert path is not None
         secondary = Path(os.environ.get("DAS_SECONDARY_DIR") or secondary_dir(path))
-        self._replica = HistoryStore.open_secondary(path, secondary)
-        load_index(self._replica, self.index)
+        return HistoryStore.open_secondary(path, secondary)
+
+    def _adopt_replica(self, reader: Any) -> None:
+        """Loads an opened replica into the trees and follows it from now on. After an outage that began while
+        following, the trees are first emptied of history (the change log since may be gone): they then equal a
+        fresh load. Raises what loading raises (the reader is closed then)."""
+        try:
+            if self._history_followed:
+                self.index.clear_history()
+            load_index(reader, self.index)
+        except BaseException:
+            reader.close()
+            raise
+        self._replica = reader
+        self._history_followed = True
         self._relearn_lengths()
+        if self._opener is not None:
+            self._opener = None
+            logger.warning("DAS: history replica %s opened; drafting from history again", self._history_path)
+        if self._publish:
+            PROPOSER_HISTORY_MISSING.set(0)
+
+    def _history_unavailable(self, exc: BaseException) -> None:
+        """Drafts without history from now on, counts the outage and retries the replica on a thread."""
+        self._history_outages += 1
+        if self._publish:
+            PROPOSER_HISTORY_MISSING.set(1)
+            PROPOSER_HISTORY_OUTAGES.inc()
+        interval = self.settings.history_retry_s
+        logger.warning(
+            "DAS: history replica %s unavailable (%s); drafting from this server's own requests, retrying "
+            "every %g s",
+            self._history_path,
+            exc,
+            interval,
+        )
+        self._opener = _ReplicaOpener(self._open_reader, interval)
+
+    @property
+    def history_available(self) -> bool:
+        """Whether the proposer follows its replica (False without one configured, or while it is unavailable)."""
+        return self._replica is not None
 
     def prefetch(self, problem_ids: Sequence[str]) -> int:
         """Builds the history trees of problems whose requests are coming (a lazy load's first request then
@@ -426,11 +520,20 @@ class DasProposer:
 
     def release(self, problem_ids: Sequence[str]) -> int:
         """Drops the history trees of problems that moved to another server (a problem with a live request here
-        keeps its tree); a later request builds them again. Returns the tokens dropped."""
+        keeps its tree); a later request builds them again. Returns the tokens dropped. While the replica is
+        unavailable nothing could build them again: they stay."""
+        if self._replica is None and self._opener is not None:
+            return 0
         return sum(self.index.release(p) for p in problem_ids)
 
     def _make_resident(self, problem_id: str) -> int:
-        if self._replica is None or self.index.is_resident(problem_id):
+        if self.index.is_resident(problem_id):
+            return 0
+        if self._replica is None:
+            if self._opener is not None:
+                # No replica yet: the problem's tree grows from what finishes here, and takes the replica's
+                # rollouts when it opens (as any resident problem's).
+                self.index.make_resident(problem_id, lambda *_: None)
             return 0
         started = time.perf_counter()
         replica = self._replica
@@ -457,9 +560,29 @@ class DasProposer:
                 self.policy.lengths.observe(problem_id, length)
 
     def catch_up(self) -> None:
-        """Brings the trees in step with the node's replica (the step does this every catch_up_interval_s)."""
+        """Brings the trees in step with the node's replica (the step does this every catch_up_interval_s);
+        while it is unavailable, loads it if the retrying thread has opened it meanwhile. A replica that fails
+        while followed is dropped (the trees keep what they hold) and retried."""
         self._next_catch_up = self.clock() + self.settings.catch_up_interval_s
-        followed = follow(self._replica, self.index)
+        if self._replica is None:
+            opener = self._opener
+            if opener is not None and opener.reader is not None:
+                try:
+                    self._adopt_replica(opener.reader)
+                except Exception as exc:  # noqa: BLE001 - a damaged store only means fewer drafts
+                    self._history_unavailable(exc)
+            return
+        try:
+            followed = follow(self._replica, self.index)
+        except Exception as exc:  # noqa: BLE001 - e.g. a secondary opened while its store was being made
+            # (it never learns column families created later): a fresh open and reload recovers.
+            try:
+                self._replica.close()
+            except Exception:  # noqa: BLE001 - the reader is dropped either way
+                logger.debug("DAS: closing the failed history replica failed", exc_info=True)
+            self._replica = None
+            self._history_unavailable(exc)
+            return
         if followed.reloaded:
             self._relearn_lengths()
             return
@@ -589,7 +712,7 @@ class DasProposer:
         ):
             # The step kernel is called past numba's dispatcher (`DirectCall`): its argument types must stay.
             num_tokens = np.ascontiguousarray(num_tokens, np.int32)
-        if self._replica is not None and started >= self._next_catch_up:
+        if (self._replica is not None or self._opener is not None) and started >= self._next_catch_up:
             self.catch_up()
         if self._queue_stale:
             self._requeue()

@@ -42,6 +42,7 @@ _ENV = {
     "max_spec_offset": "DAS_MAX_SPEC_OFFSET",
     "history_dir": "DAS_HISTORY_DIR",
     "catch_up_interval_s": "DAS_CATCH_UP_INTERVAL_S",
+    "history_retry_s": "DAS_HISTORY_RETRY_S",
     "history_load": "DAS_HISTORY_LOAD",
     "draft_threads": "DAS_DRAFT_THREADS",
     "remembered_probs": "DAS_REMEMBERED_PROBS",
@@ -79,6 +80,10 @@ class ProposerSettings:
     catch_up_interval_s: Annotated[float, Field(gt=0.0)] = 0.2
     """Seconds between catch-ups with the replica: one costs a RocksDB manifest read (~1 ms), and a few per
     second keep history fresher than the one-second freshness target without taxing every step."""
+
+    history_retry_s: Annotated[float, Field(gt=0.0)] = 5.0
+    """Seconds between attempts to open a replica that was missing, empty or did not open (the proposer drafts
+    without history meanwhile; the attempts run on a thread of their own, off the decode step)."""
 
     history_load: Literal["lazy", "eager"] = "lazy"
     """`lazy`: build a problem's history tree on its first request (or prefetch); `eager`: all at start."""
@@ -127,9 +132,10 @@ class ProposerSettings:
             value = _env_float(_ENV[name], None)
             if value is not None:
                 given[name] = int(value) if name in ("window_epochs", "max_depth") else value
-        interval = _env_float(_ENV["catch_up_interval_s"], None)
-        if interval is not None:
-            given["catch_up_interval_s"] = interval
+        for name in ("catch_up_interval_s", "history_retry_s"):
+            seconds = _env_float(_ENV[name], None)
+            if seconds is not None:
+                given[name] = seconds
         given["draft_threads"] = _env_threads(_ENV["draft_threads"])
         try:
             return cls(**given)
