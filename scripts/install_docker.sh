@@ -9,7 +9,8 @@
 #   3. `dockerd`, started in the background when nothing answers on its socket (no init system starts it here), and
 #      waited for.
 # Prints the docker client the other scripts use (Debian's 20.10 client: it builds with BuildKit without buildx).
-#   bash scripts/install_docker.sh
+#   bash scripts/install_docker.sh [--no-daemon]
+# --no-daemon stops after step 2: the test suite needs the client and the plugin (`docker compose config`), no engine.
 set -euo pipefail
 
 COMPOSE_MODULE=github.com/docker/compose/v5
@@ -63,6 +64,12 @@ else
   mkdir -p "$PLUGIN_DIR"
   install -m 0755 "$workdir/docker-compose" "$plugin"
   say "installed $("$plugin" version --short) in $plugin"
+fi
+
+if [ "${1:-}" = "--no-daemon" ]; then
+  say "ready: client $("$DOCKER" --version), compose $("$DOCKER" compose version --short) (dockerd not started)"
+  echo "$DOCKER"
+  exit 0
 fi
 
 # 3. The engine.

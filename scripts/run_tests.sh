@@ -7,6 +7,7 @@ VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"
 
 bash scripts/install_system_deps.sh   # Debian's prometheus, promtool, alertmanager, amtool: the real-monitoring tests
+bash scripts/install_docker.sh --no-daemon >/dev/null   # Docker's client and Compose: tests/test_compose_cpu.py
 das model prepare
 trap 'bash scripts/kafka.sh down' EXIT
 bash scripts/kafka.sh up

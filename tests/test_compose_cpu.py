@@ -438,7 +438,9 @@ def test_the_monitoring_images_run_their_binary_as_nobody_with_compose_s_flags(
 def test_compose_itself_merges_the_files_the_same_way(tmp_path: Path) -> None:
     compose = shutil.which("docker") and Path.home() / ".docker" / "cli-plugins" / "docker-compose"
     if not compose or not compose.exists():
-        pytest.skip("the Compose plugin is not installed (bash scripts/install_docker.sh)")
+        pytest.fail(
+            "the Compose plugin is not installed: bash scripts/install_docker.sh --no-daemon (make test does)"
+        )
     env_file = tmp_path / "env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in cpu_env().items()))
     done = subprocess.run(
