@@ -31,7 +31,7 @@ from pipeline.synthetic import SyntheticShape, synthetic_record, synthetic_recor
 from pipeline.topics import admin_client
 from pipeline.wire import encode_record, partition_for, record_key
 from workers.cli import main as das
-from workers.replica.service import Indexer, ProblemIndexListener
+from workers.replica.service import Indexer, ProblemIndexListener, RecordLimits
 
 pytestmark = pytest.mark.kafka
 SMALL = SyntheticShape(
@@ -241,7 +241,9 @@ def test_malformed_messages_go_to_the_dead_letter_topic_and_valid_ones_apply(
             expected[(meta.partition, meta.offset)] = reason
     producer.close()
     with HistoryStore(tmp_path / "store", window_epochs=5) as store:
-        indexer = _indexer(kafka_servers, topic, dlq, store, max_record_tokens=4096, batch_records=300)
+        indexer = _indexer(
+            kafka_servers, topic, dlq, store, limits=RecordLimits(max_record_tokens=4096, batch_records=300)
+        )
         totals = _drain(indexer, store, kafka_servers, topic)  # the replica never stops on bad input
         indexer.close()
         assert {t.key for t in store.iter_trajectories()} == {r.key for r in valid}
@@ -280,7 +282,7 @@ def test_records_that_would_destroy_history_go_to_the_dead_letter_topic(
         return synthetic_record(1, 0, 0, SMALL).model_copy(update={"epoch": epoch, "sample": sample})
 
     with HistoryStore(tmp_path / "store", window_epochs=2) as store:
-        indexer = _indexer(kafka_servers, topic, dlq, store, max_sample=63)
+        indexer = _indexer(kafka_servers, topic, dlq, store, limits=RecordLimits(max_sample=63))
         send(record(2**32 - 1, 0))  # the first record an empty replica sees: beyond any run's epochs
         totals = _drain(indexer, store, kafka_servers, topic)
         assert totals["dead"] == {"epoch_range": 1} and store.stats().trajectories == 0

@@ -13,7 +13,7 @@ from pipeline.bus import BusBackpressureError, BusError, EmbeddedBus, embedded_b
 from pipeline.kafka_config import parse_bus_url
 from pipeline.schemas import TrajectoryRecord
 from pipeline.synthetic import SyntheticShape, synthetic_records
-from workers.replica.service import Indexer, ProblemIndexListener
+from workers.replica.service import Indexer, ProblemIndexListener, RecordLimits
 
 SHAPE = SyntheticShape(problems=5, epochs=5, prompt_tokens=20, response_tokens_median=50)
 
@@ -93,7 +93,7 @@ def test_replica_checkpoints_at_epoch_boundaries_and_a_failed_checkpoint_never_s
             bus.subscribe(),
             store,
             poll_timeout_s=0.01,
-            batch_records=4,
+            limits=RecordLimits(batch_records=4),
             checkpointer=Checkpointer(store, root, every_seconds=3600, keep=2),
         )
         indexer.start()

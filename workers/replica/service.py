@@ -300,6 +300,25 @@ class BatchReport:
     freshness_s: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RecordLimits:
+    """What a replica takes in: records over `max_record_tokens` tokens, or with a sample or epoch beyond
+    `max_sample` / `max_epoch`, are dead-lettered; `batch_records` messages are polled and written at a time."""
+
+    max_record_tokens: int = DEFAULT_MAX_RECORD_TOKENS
+    batch_records: int = DEFAULT_BATCH_RECORDS
+    max_sample: int = DEFAULT_MAX_SAMPLE
+    max_epoch: int = DEFAULT_MAX_EPOCH
+
+    def __post_init__(self) -> None:
+        if self.batch_records < 1:
+            raise InvalidInput(f"batch_records must be >= 1, got {self.batch_records}")
+        if min(self.max_sample, self.max_epoch) < 0:
+            raise InvalidInput(
+                f"max_sample and max_epoch must be >= 0, got {self.max_sample}, {self.max_epoch}"
+            )
+
+
 class Indexer:
     """Applies a trajectory source to a HistoryStore. `publisher` is required for Kafka sources (dead letters,
     tombstones and restores); the embedded bus delivers already validated records and needs none.
@@ -323,20 +342,13 @@ class Indexer:
         *,
         publisher: ReplicaPublisher | None = None,
         listeners: Sequence[ReplicaListener] = (),
-        max_record_tokens: int = DEFAULT_MAX_RECORD_TOKENS,
-        batch_records: int = DEFAULT_BATCH_RECORDS,
+        limits: RecordLimits = RecordLimits(),
         poll_timeout_s: float = POLL_TIMEOUT_S,
         publish_tombstones: bool = True,
         checkpointer: Checkpointer | None = None,
-        max_sample: int = DEFAULT_MAX_SAMPLE,
-        max_epoch: int = DEFAULT_MAX_EPOCH,
         epochs: str = "auto",
         confirm_samples: int = DEFAULT_CONFIRM_SAMPLES,
     ) -> None:
-        if batch_records < 1:
-            raise InvalidInput(f"batch_records must be >= 1, got {batch_records}")
-        if min(max_sample, max_epoch) < 0:
-            raise InvalidInput(f"max_sample and max_epoch must be >= 0, got {max_sample}, {max_epoch}")
         if epochs not in EPOCH_MODES:
             raise InvalidInput(f"epochs must be one of {', '.join(EPOCH_MODES)}, got {epochs!r}")
         if confirm_samples < 1:
@@ -345,13 +357,10 @@ class Indexer:
         self.store = store
         self.publisher = publisher
         self.listeners = list(listeners)
-        self.max_record_tokens = max_record_tokens
-        self.batch_records = batch_records
+        self.limits = limits
         self.poll_timeout_s = poll_timeout_s
         self.publish_tombstones = publish_tombstones
         self.checkpointer = checkpointer
-        self.max_sample = max_sample
-        self.max_epoch = max_epoch
         self.epochs = epochs
         self.confirm_samples = confirm_samples
         self._restores: Tally[TrajectoryKey] = Tally()
@@ -379,7 +388,7 @@ class Indexer:
         """Polls and applies one batch. Raises StoreWriteError (nothing advanced) or BusError (dead letters
         not acknowledged; nothing advanced; BusUnavailableError when no broker answers)."""
         report = BatchReport()
-        messages = self.source.poll(self.batch_records, self.poll_timeout_s)
+        messages = self.source.poll(self.limits.batch_records, self.poll_timeout_s)
         self._update_lag()
         if not messages:
             return report
@@ -556,7 +565,7 @@ class Indexer:
         headers = dict(message.headers)
         if OVER_BOUND_HEADER in headers:
             raise WireError(REASON_OVERSIZE, headers[OVER_BOUND_HEADER].decode("utf-8", "replace"))
-        decoded = decode(message.value, self.max_record_tokens)
+        decoded = decode(message.value, self.limits.max_record_tokens)
         check_key(message.key, decoded.key)
         return decoded
 
@@ -570,10 +579,10 @@ class Indexer:
             rejected.append((message, WireError(REASON_CONTROL, f"not an epoch advance: {exc}")))
             return None
         try:
-            if advance.epoch > self.max_epoch:
+            if advance.epoch > self.limits.max_epoch:
                 raise WireError(
                     REASON_EPOCH_RANGE,
-                    f"epoch advance to {advance.epoch} is beyond this replica's limit {self.max_epoch} (--max-epoch)",
+                    f"epoch advance to {advance.epoch} is beyond this replica's limit {self.limits.max_epoch} (--max-epoch)",
                 )
             control_partitions = self.source.control_partition_count()  # type: ignore[attr-defined]
             self._check_partition(message, advance.problem_id, control_partitions)
@@ -664,7 +673,7 @@ class Indexer:
                     if down_since is not None:
                         self.source.lag()  # an idle poll succeeds without brokers: ask them directly
                     # Close enough: the store holds its offsets, so whoever opens it next reads the rest.
-                    if until_caught_up and (self.source.lag() or 0) < self.batch_records:
+                    if until_caught_up and (self.source.lag() or 0) < self.limits.batch_records:
                         return
                 except BusUnavailableError as exc:
                     if down_since is None:
@@ -698,15 +707,15 @@ class Indexer:
 
     def _check_range(self, record: TrajectoryLike) -> None:
         """Raises WireError if the record's sample or epoch is beyond this replica's limits."""
-        if record.sample > self.max_sample:
+        if record.sample > self.limits.max_sample:
             raise WireError(
                 REASON_SAMPLE_RANGE,
-                f"sample {record.sample} is beyond this replica's limit {self.max_sample}",
+                f"sample {record.sample} is beyond this replica's limit {self.limits.max_sample}",
             )
-        if record.epoch > self.max_epoch:
+        if record.epoch > self.limits.max_epoch:
             raise WireError(
                 REASON_EPOCH_RANGE,
-                f"epoch {record.epoch} is beyond this replica's limit {self.max_epoch} (--max-epoch)",
+                f"epoch {record.epoch} is beyond this replica's limit {self.limits.max_epoch} (--max-epoch)",
             )
 
     def _flush_dead_letters(self) -> None:

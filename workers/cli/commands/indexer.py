@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from history_store.errors import StoreCorruptionError
     from monitoring.server import start_from_args
     from pipeline.consumer import KafkaTrajectorySource, ReplicaPublisher
-    from workers.replica.service import DEFAULT_BATCH_RECORDS, rebuild_store
+    from workers.replica.service import DEFAULT_BATCH_RECORDS, RecordLimits, rebuild_store
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -161,12 +161,14 @@ def run(args: argparse.Namespace) -> int:
         )
 
     limits = {
-        "max_record_tokens": args.max_record_tokens,
-        "batch_records": args.batch_records or DEFAULT_BATCH_RECORDS,
+        "limits": RecordLimits(
+            max_record_tokens=args.max_record_tokens,
+            batch_records=args.batch_records or DEFAULT_BATCH_RECORDS,
+            max_sample=args.max_sample,
+            max_epoch=args.max_epoch,
+        ),
         "epochs": args.epochs,
         "confirm_samples": args.confirm_samples,
-        "max_sample": args.max_sample,
-        "max_epoch": args.max_epoch,
     }
     # The folder's lock is taken once and held until exit, through every rebuild and swap: no second replica
     # gets in while this one repairs the store.
