@@ -69,6 +69,7 @@ import numpy as np
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import BatchDrafts, ProblemIndex
+from history_store.errors import StoreError
 from history_store.indexed_history import follow, load_index
 from history_store.native.bundles import draft_params
 from monitoring.metrics import PROPOSER_HISTORY_MISSING, PROPOSER_HISTORY_OUTAGES
@@ -574,12 +575,8 @@ class DasProposer:
             return
         try:
             followed = follow(self._replica, self.index)
-        except Exception as exc:  # noqa: BLE001 - e.g. a secondary opened while its store was being made
-            # (it never learns column families created later): a fresh open and reload recovers.
-            try:
-                self._replica.close()
-            except Exception:  # noqa: BLE001 - the reader is dropped either way
-                logger.debug("DAS: closing the failed history replica failed", exc_info=True)
+        except StoreError as exc:
+            self._replica.close()
             self._replica = None
             self._history_unavailable(exc)
             return
