@@ -188,6 +188,9 @@ def test_an_engine_whose_replica_is_missing_starts_and_follows_it_once_it_appear
     replica_path = tmp_path / "history"  # nothing there yet: the history service starts late
     monkeypatch.setenv("DAS_HISTORY_DIR", str(replica_path))
     monkeypatch.setenv("DAS_HISTORY_RETRY_S", "0.2")
+    # The budget prices drafts by this machine's measured step times (a loaded machine drafts less); off, a draft
+    # depends on history alone, which is what this test is about. The engine process reads it when it starts.
+    monkeypatch.setenv("DAS_BUDGET", "off")
     llm = build_engine(EngineOptions(strategy="das", **OPTIONS))
     try:
         worker = RolloutWorker(llm, "das")
