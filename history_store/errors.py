@@ -27,6 +27,12 @@ class StoreWriteError(StoreError):
     """A write to RocksDB failed (full or read-only disk, I/O error); nothing of the failed batch was applied."""
 
 
+class StoreStaleError(StoreError):
+    """A secondary instance stopped seeing the writer's changes: the writer's sequence hint stayed ahead of what
+    the instance reads, catch-up after catch-up (a RocksDB secondary does not follow a primary that closed and
+    reopened, and may miss the last write before a close). Only a fresh instance sees them: reopen it."""
+
+
 class StoreOpenError(StoreError):
     """The folder is not a history store, has an unknown layout version, or cannot be opened."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from history_store.durable.store import (
     CatchUp,
     HistoryReader,
     HistoryStore,
+    StoredTrajectory,
     TrajectoryKey,
     TrajectoryLike,
     _StoreReader,
@@ -46,25 +47,40 @@ class LoadReport:
     seconds: float
 
 
-def _apply_plan(store: _StoreReader) -> list[tuple[str, int, int, int, int]]:
-    """Every readable stored record as (problem_id, epoch, sample, prompt length, response length), in apply
-    order. The global tree keeps the most recent responses (FIFO): rebuilding in apply order (sequence numbers)
-    rather than key order gives the same tree as the live process had. One record's tokens are held at a time
-    (each is checked, as `get` checks it, so a corrupt one is left out here already)."""
-    keyed = [
-        (t.sequence, t.problem_id, t.epoch, t.sample, t.prompt_ids.size, t.response_ids.size)
-        for t in store.iter_trajectories()
-    ]
-    keyed.sort()
-    return [entry[1:] for entry in keyed]
+def apply_order(
+    store: _StoreReader, pause: Callable[[], None] | None = None
+) -> list[tuple[int, TrajectoryKey, int, int]]:
+    """(sequence, key, prompt length, response length) of every readable stored trajectory, in apply order.
+    The global tree keeps the most recent responses (FIFO): rebuilding in apply order (sequence numbers) rather
+    than key order gives the same tree as the live process had. One record's tokens are held at a time (each is
+    checked, as `get` checks it, so a corrupt one is left out here already). `pause` is called every 256
+    records (a background reader yields the GIL there)."""
+    order = []
+    for n, t in enumerate(store.iter_trajectories()):
+        order.append((t.sequence, t.key, int(t.prompt_ids.size), int(t.response_ids.size)))
+        if pause is not None and n % 256 == 255:
+            pause()
+    order.sort()
+    return order
+
+
+def records_in_apply_order(
+    store: _StoreReader, order: list[tuple[int, TrajectoryKey, int, int]] | None = None
+) -> Iterator[StoredTrajectory]:
+    """Every stored trajectory, decoded once each, in apply order, one at a time: what a load holds at any
+    moment is one record besides the headers' order (`apply_order`)."""
+    for _, key, _, _ in apply_order(store) if order is None else order:
+        record = store.get(*key)
+        if record is not None:  # evicted or quarantined since the headers were read
+            yield record
 
 
 def load_index(store: _StoreReader, index: ProblemIndex) -> LoadReport:
     """Adds every stored trajectory to `index`, in apply order. Records already indexed are skipped.
 
-    Streamed: it learns the order and the lengths first (one record in memory at a time), then reads again
-    only the records a tree takes (`ProblemIndex.load_stored`: all of them for an eager index; for a lazy one
-    only the global tree's), one at a time. The index equals `index.add_trajectories` of every record in
+    Streamed: it learns the order and the lengths from the records' headers first (no token decoded), then
+    reads only the records a tree takes (`ProblemIndex.load_stored`: all of them for an eager index; for a lazy
+    one only the global tree's), one at a time. The index equals `index.add_trajectories` of every record in
     apply order."""
     started = time.perf_counter()
 
@@ -74,7 +90,7 @@ def load_index(store: _StoreReader, index: ProblemIndex) -> LoadReport:
             return None
         return record.prompt_ids, record.response_ids, record.response_logprobs
 
-    entries = _apply_plan(store)
+    entries = [(*key, prompt_len, response_len) for _, key, prompt_len, response_len in apply_order(store)]
     count = index.load_stored(entries, fetch)
     tokens = sum(entry[4] for entry in entries)
     seconds = time.perf_counter() - started

@@ -121,6 +121,12 @@ COST_MODEL_COEFFICIENT = Gauge(
     ["coefficient"],
     multiprocess_mode="livemostrecent",
 )
+PROPOSER_HISTORY_BACKLOG = Gauge(
+    "das_proposer_history_backlog_tokens",
+    "Tokens of history a drafting server has read from its replica but not yet taken into its trees (the work "
+    "waiting for the room between decode steps).",
+    multiprocess_mode="max",
+)
 REQUEST_DURATION = Histogram(
     "das_request_duration_seconds",
     "Wall time of one rollout request, from submission to its last token.",
@@ -265,6 +271,7 @@ CATALOG: tuple[MetricWrapperBase, ...] = (
     SPEC_BUDGET,
     CLASS_PROMOTIONS,
     COST_MODEL_COEFFICIENT,
+    PROPOSER_HISTORY_BACKLOG,
     REQUEST_DURATION,
     REQUEST_DURATION_MAX,
     EPOCH_MAKESPAN,

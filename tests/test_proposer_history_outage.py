@@ -90,17 +90,17 @@ def test_a_proposer_without_its_replica_starts_drafts_from_its_requests_and_foll
     own = _drive(proposer, "own", "problem-1", [7, 8, 9], [11, 12, 13, 14, 15, 16] * 6)
     assert len(own) > 10 and set(own) <= {11, 12, 13, 14, 15, 16}
 
-    # The replica appears (the history service started late); the thread opens it, the next step loads it.
+    # The replica appears (the history service started late); the proposer's thread opens it and loads it
+    # between steps.
     if how != "missing":
         shutil.rmtree(replica)
     with HistoryStore(replica, window_epochs=3) as store:
         store.apply(WORKLOAD.stream())
     deadline = time.monotonic() + 120
-    while proposer._opener is not None and proposer._opener.reader is None and time.monotonic() < deadline:
+    while not proposer.history_available and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert proposer._opener is not None and proposer._opener.reader is not None, proposer._opener.last_error
-    proposer.catch_up()  # what the next step does first: it loads the opened replica
     assert proposer.history_available
+    proposer.catch_up()  # the thread's load finished now (it goes on in pieces otherwise)
     prompt = list(WORKLOAD.record(2, 0, 0).prompt_ids)
     response = list(WORKLOAD.record(2, 1, 1).response_ids)
     late = _drive(proposer, "late", "problem-2", prompt, response)
@@ -114,9 +114,11 @@ def test_a_proposer_without_its_replica_starts_drafts_from_its_requests_and_foll
     assert late == _drive(reference, "late", "problem-2", prompt, response)
     assert sum(token < PROMPT_BASE for token in late) > 20
 
-    # The replica goes on: the late proposer follows it.
+    # The replica goes on: the late proposer follows it (its thread within a catch-up interval; here at once).
     with HistoryStore(replica, window_epochs=3) as store:
         store.apply([WORKLOAD.record(3, 2, s) for s in range(2)])
+    proposer.catch_up()
+    reference.catch_up()
     prompt, response = list(WORKLOAD.record(3, 0, 0).prompt_ids), list(WORKLOAD.record(3, 2, 0).response_ids)
     assert _drive(proposer, "next", "problem-3", prompt, response) == _drive(
         reference, "next", "problem-3", prompt, response

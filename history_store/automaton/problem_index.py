@@ -165,6 +165,8 @@ class ProblemIndex:
         self._params = draft_params(self.config)  # the config is frozen: its kernel form once
         self.draft_threads = usable_draft_threads(draft_threads)
         self.global_tokens = global_tokens
+        # The global tree past its cap drops its oldest rollouts down to this share of the cap.
+        self.global_keep = 0.75
         if live_scope not in ("problem", "request", "all"):
             raise InvalidInput(f"live_scope must be 'problem', 'request' or 'all', got {live_scope!r}")
         self.use_history = use_history
@@ -214,23 +216,37 @@ class ProblemIndex:
         tree receives only the newest rollouts that fit its window and cap, instead of being filled, trimmed
         and rebuilt over and over."""
         records = list(records)
-        to_global = self._global_plan([(r[1], len(r[3]), len(r[4])) for r in records])
+        to_global = self.global_admission([(r[1], len(r[3]), len(r[4])) for r in records])
         return sum(
             self._add(*record[:5], record[5] if len(record) > 5 else None, to_global=flag)
             for record, flag in zip(records, to_global, strict=True)
         )
 
-    def _global_plan(self, sizes: Sequence[tuple[int, int, int]]) -> list[bool]:
+    def add_loaded(
+        self,
+        problem_id: str,
+        epoch: int,
+        sample: int,
+        prompt_ids: Sequence[int] | np.ndarray,
+        response_ids: Sequence[int] | np.ndarray,
+        response_logprobs: Sequence[float] | np.ndarray | None = None,
+        to_global: bool = False,
+    ) -> bool:
+        """One rollout of a bulk load (`global_admission` said whether the global tree takes it); returns
+        whether it was new."""
+        return self._add(problem_id, epoch, sample, prompt_ids, response_ids, response_logprobs, to_global)
+
+    def global_admission(self, sizes: Sequence[tuple[int, int, int]]) -> list[bool]:
         """Which of a bulk load's rollouts, given as (epoch, prompt length, response length) in arrival order,
         go into the global tree: the newest that fit its window and cap. Slides the global window to the
-        newest epoch (what the adds would do first)."""
+        newest epoch (what the adds would do first). `add_loaded` then adds each with its flag."""
         to_global = [False] * len(sizes)
         if self._global is not None and sizes:
             newest = max(self._global_newest, max(size[0] for size in sizes))
             start = max(0, newest - self.window_epochs + 1)
             self._global_newest = newest
             self._drop_global(k for k in self._global_seq if k[1] < start)
-            room = self.global_tokens - self._global.num_tokens
+            room = self.global_tokens - self._global_size()
             for i in range(len(sizes) - 1, -1, -1):
                 epoch, prompt_len, response_len = sizes[i]
                 size = min(prompt_len, self.config.max_depth) + response_len
@@ -250,7 +266,7 @@ class ProblemIndex:
         while the memory a load holds beyond the trees is the entries, not every rollout's tokens (a lazy
         index fetches the global tree's rollouts only). `fetch` returns None for a rollout the store no longer
         holds (it is skipped). Returns how many were indexed."""
-        to_global = self._global_plan([(e[1], e[3], e[4]) for e in entries])
+        to_global = self.global_admission([(e[1], e[3], e[4]) for e in entries])
         count = 0
         for (problem_id, epoch, sample, _, response_len), flag in zip(entries, to_global, strict=True):
             if flag or self._builds(problem_id):
@@ -300,8 +316,7 @@ class ProblemIndex:
         seq_id = problem.next_seq
         problem.next_seq += 1
         if self._builds(problem_id):
-            problem.tree.extend(seq_id, tokens, levels)
-            problem.tree.invalidate_matches()
+            self._tree_extend(problem.tree, seq_id, tokens, levels, invalidate=True)
         problem.seq_of[(epoch, sample)] = seq_id
         problem.lengths[(epoch, sample)] = int(response.shape[0])
         if (
@@ -338,7 +353,7 @@ class ProblemIndex:
             for key in gone:
                 del problem.lengths[key]
             if self._builds(problem_id):
-                problem.tree.remove_many(seq_ids)
+                self._tree_remove(problem.tree, seq_ids)
             # An evicted rollout must never be drafted again, from the global tree either.
             self._drop_global((problem_id, e, s) for e, s in gone)
         return gone
@@ -360,7 +375,7 @@ class ProblemIndex:
         seq_id = problem.seq_of.pop((epoch, sample))
         del problem.lengths[(epoch, sample)]
         if self._builds(problem_id):
-            problem.tree.remove(seq_id)
+            self._tree_remove(problem.tree, [seq_id])
         self._drop_global([(problem_id, epoch, sample)])
         return True
 
@@ -369,12 +384,12 @@ class ProblemIndex:
         whose change log a reader can no longer follow."""
         for problem_id, problem in self._problems.items():
             if self._builds(problem_id):
-                problem.tree.remove_many(list(problem.tree.seq_ids))
+                self._tree_remove(problem.tree, problem.tree.seq_ids)
             problem.seq_of.clear()
             problem.lengths.clear()
             problem.newest_epoch = -1
         if self._global is not None:
-            self._global.remove_many(list(self._global.seq_ids))
+            self._tree_remove(self._global, self._global.seq_ids)
         self._global_seq.clear()
         self._global_fifo.clear()
         self._global_newest = -1
@@ -425,7 +440,7 @@ class ProblemIndex:
         if problem is None:
             return 0
         tokens = problem.tree.num_tokens
-        problem.tree.remove_many(problem.tree.seq_ids)
+        self._tree_remove(problem.tree, problem.tree.seq_ids)
         return tokens
 
     @property
@@ -444,14 +459,14 @@ class ProblemIndex:
         # re-match would cost every row of the batch a full re-match whenever any request finishes, and on
         # real rollouts it found nothing the request's held match and its live tree did not (replay, same
         # figures). Additions never invalidate a held match (see advance_match); only rebuilds do.
-        self._global.extend(seq_id, tokens, levels)
         self._global_seq[key] = seq_id
         self._global_fifo.append((key, tokens.shape[0]))
-        if self._global.num_tokens > self.global_tokens:
-            # Drop the oldest down to 3/4 of the cap: one rebuild pays for many insertions.
+        self._tree_extend(self._global, seq_id, tokens, levels, invalidate=False)
+        if self._global_size() > self.global_tokens:
+            # Drop the oldest down to `global_keep` of the cap: one rebuild pays for many insertions.
             drop = []
-            kept = self._global.num_tokens
-            while self._global_fifo and kept > 0.75 * self.global_tokens:
+            kept = self._global_size()
+            while self._global_fifo and kept > self.global_keep * self.global_tokens:
                 old, n = self._global_fifo.popleft()
                 if old in self._global_seq:
                     drop.append(old)
@@ -461,11 +476,30 @@ class ProblemIndex:
     def _drop_global(self, keys: Iterable[tuple[str, int, int]]) -> None:
         seq_ids = [self._global_seq.pop(k) for k in list(keys) if k in self._global_seq]
         if seq_ids and self._global is not None:
-            self._global.remove_many(seq_ids)
+            self._tree_remove(self._global, seq_ids)
         # Rollouts arrive in epoch order, so those the window dropped sit at the FIFO's front: prune them
         # there, or a long run would keep an entry per rollout ever seen.
         while self._global_fifo and self._global_fifo[0][0] not in self._global_seq:
             self._global_fifo.popleft()
+
+    # ---- how trees change (a `DeferredIndex` does it in pieces, between decode steps) ----------------------
+
+    def _tree_extend(
+        self, tree: SuffixTree, seq_id: int, tokens: np.ndarray, levels: np.ndarray, invalidate: bool
+    ) -> None:
+        """Adds a rollout's tokens to a history tree (the problem's or the global one); `invalidate`: requests
+        re-match on it (a problem's tree: new rollouts may offer longer matches)."""
+        tree.extend(seq_id, tokens, levels)
+        if invalidate:
+            tree.invalidate_matches()
+
+    def _tree_remove(self, tree: SuffixTree, seq_ids: Iterable[int]) -> None:
+        """Drops rollouts from a history tree."""
+        tree.remove_many(seq_ids)
+
+    def _global_size(self) -> int:
+        """Tokens of the rollouts the global tree holds, against its cap."""
+        return self._global.num_tokens if self._global is not None else 0
 
     def problem_ids(self) -> list[str]:
         return list(self._problems)

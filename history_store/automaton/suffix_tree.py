@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -119,6 +119,11 @@ class SuffixForest:
         self._pool_used = 0
         self._pool_garbage = 0
         self._version = 0
+        # Set by `tree_work.TreeWork`: compaction is then its business (`maybe_compact` only asks for it), and
+        # while it compacts, `observer` hears of every tree and sequence that comes and goes.
+        self.defer_compaction = False
+        self.compaction_wanted = False
+        self.observer: Any = None
 
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
@@ -182,11 +187,15 @@ class SuffixForest:
             0,
             0,
         )
+        if self.observer is not None:
+            self.observer.tree_reset(tid)
 
     def free_tree(self, tid: int) -> None:
         self.garbage_states += int(self.trees[tid, K.T_STATES])
         del self.live_trees[tid]
         self._free_trees.append(tid)
+        if self.observer is not None:
+            self.observer.tree_freed(tid)
 
     def new_seq(self, capacity: int) -> int:
         """A sequence row with room for `capacity` pooled tokens; returns its id."""
@@ -204,6 +213,8 @@ class SuffixForest:
     def free_seq(self, q: int) -> None:
         self._pool_garbage += int(self.seqs[q, K.Q_CAP])
         self._free_seqs.append(q)
+        if self.observer is not None:
+            self.observer.seq_freed(q)
 
     def seq_tokens(self, q: int) -> np.ndarray:
         off, length = int(self.seqs[q, K.Q_OFF]), int(self.seqs[q, K.Q_LEN])
@@ -306,7 +317,10 @@ class SuffixForest:
         """Rebuilds every live tree into fresh arrays when garbage outweighs live states."""
         live = int(self.meta[0]) - self.garbage_states
         if self.garbage_states > max(live, 1 << 16):
-            self.compact()
+            if self.defer_compaction:
+                self.compaction_wanted = True
+            else:
+                self.compact()
 
     def compact(self) -> None:
         """Rebuilds every live tree into freshly allocated arrays, dropping all garbage."""
@@ -471,6 +485,8 @@ class SuffixTree:
         q = self.forest.new_seq(capacity)
         self.forest.seqs[q, K.Q_LAST] = self.root
         self._seqs[seq_id] = q
+        if self.forest.observer is not None:
+            self.forest.observer.seq_added(self.tid, q)
         return q
 
     def extend(

@@ -62,6 +62,7 @@ from history_store.errors import (
     StoreError,
     StoreLockedError,
     StoreOpenError,
+    StoreStaleError,
     StoreWriteError,
 )
 from monitoring.metrics import (
@@ -84,6 +85,10 @@ TrajectoryKey = tuple[str, int, int]
 DEFAULT_SEQUENCE_RETENTION = 1_000_000
 # das_store_size_bytes walks the folder (a few dozen files): at most this often.
 SIZE_INTERVAL_S = 5.0
+# Seconds a reader may see the writer's hint ahead of what it reads, catch-up after catch-up, before it calls
+# itself stale (`StoreStaleError`): a writer's hint is written once its batch is durable, so a live writer
+# closes that gap within the next catch-up.
+STALE_AFTER_S = 2.0
 
 
 class TrajectoryLike(Protocol):
@@ -1637,6 +1642,7 @@ class HistoryReader(_StoreReader):
         self._seen = self.next_sequence
         self._max_idle_s = max_idle_s
         self._last_catch_up = time.monotonic()
+        self._behind_since: float | None = None  # since when the hint is ahead and catch-ups bring nothing
 
     def _hinted_sequence(self) -> int | None:
         try:
@@ -1646,10 +1652,32 @@ class HistoryReader(_StoreReader):
             return None
         return layout.decode_u64(raw) if len(raw) == 8 else None
 
+    @property
+    def behind_writer(self) -> bool:
+        """Whether the writer's hint says it wrote more than this reader has caught up on."""
+        hint = self._hinted_sequence()
+        return hint is not None and hint > self._seen
+
+    def _check_stale(self, end: int, now: float) -> None:
+        """Raises StoreStaleError once the writer's hint has stayed ahead of `end` for STALE_AFTER_S."""
+        hint = self._hinted_sequence()
+        if hint is None or hint <= end:
+            self._behind_since = None
+            return
+        if self._behind_since is None:
+            self._behind_since = now
+        elif now - self._behind_since >= STALE_AFTER_S:
+            raise StoreStaleError(
+                f"{self.path}: this reader stays at sequence {end} while the writer is at {hint} (a RocksDB "
+                "secondary does not follow a writer that reopened the store); reopen the reader"
+            )
+
     def catch_up(self, force: bool = False) -> CatchUp:
         """Pulls the writer's latest state and returns what changed since the last call (or since opening).
 
         Cheap when the writer's hint says nothing was written (unless `force` or `max_idle_s` elapsed).
+        Raises StoreStaleError when catch-ups have brought nothing for STALE_AFTER_S while the writer's hint is
+        ahead: only a fresh instance sees the writer's changes then.
         """
         assert self._db is not None
         now = time.monotonic()
@@ -1663,7 +1691,9 @@ class HistoryReader(_StoreReader):
         self._last_catch_up = now
         end = self.next_sequence
         if end == self._seen:
+            self._check_stale(end, now)
             return CatchUp([], reset=False)
+        self._behind_since = None
         first = next(self._keys(layout.CF_SEQUENCE), None)
         if first is None or layout.decode_u64(first) > self._seen:
             self._seen = end

@@ -33,16 +33,17 @@ History freshness:
   a request carrying `das_epoch` and `das_sample` is also added to its problem's history by the proposer itself
   when it finishes (adding is idempotent by key, so the later push changes nothing).
 - distributed: with `DAS_HISTORY_DIR` set, the proposer opens the node's history replica (RocksDB) as a
-  secondary instance, loads it at start and catches up between steps (at most every
-  `DAS_CATCH_UP_INTERVAL_S`), extending and evicting its trees incrementally. With `DAS_HISTORY_LOAD=lazy`
+  secondary instance and loads it at start; from then on a thread of its own (`history_feed`) catches up every
+  `DAS_CATCH_UP_INTERVAL_S`, decodes what changed and extends and evicts the trees in bounded pieces between
+  decode steps, never inside one (a step waits at most for the piece under way). With `DAS_HISTORY_LOAD=lazy`
   (the default) the start loads every problem's bookkeeping and the global tree, and a problem's history tree
   is built from the replica when its first request arrives, or earlier through `das_prefetch` (verl's managers
   send each server the problems of the step that the router placed there, and `das_release` to the server a
   problem moved away from): behind problem-keyed routing a server holds the trees of its own problems only, and
   drafts exactly as if it had loaded them all.
   A replica that is missing, empty or does not open (or fails while followed) stops nothing: the proposer logs
-  one warning, drafts from its own requests and their siblings, and a thread of its own retries every
-  `DAS_HISTORY_RETRY_S`; the first step after a retry succeeds loads the replica and follows it from then on
+  one warning, drafts from its own requests and their siblings, and the same thread retries every
+  `DAS_HISTORY_RETRY_S`, loading the replica in pieces between steps once it opens
   (`das_proposer_history_missing`, `das_proposer_history_outages_total`).
 
 Nothing a request carries can crash the engine: malformed `extra_args` give one warning and own-context
@@ -54,7 +55,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -67,15 +67,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from history_store.automaton.config import DraftConfig
+from history_store.automaton.deferred_index import DeferredIndex
 from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import BatchDrafts, ProblemIndex
-from history_store.errors import StoreError
-from history_store.indexed_history import follow, load_index
 from history_store.native.bundles import draft_params
-from monitoring.metrics import PROPOSER_HISTORY_MISSING, PROPOSER_HISTORY_OUTAGES
 from workers.budget.config import BudgetConfig
 from workers.budget.policy import BudgetPolicy
 from workers.errors import InvalidInput
+from workers.generator.history_feed import HistoryFeed, no_gate
 from workers.generator.settings import ProposerSettings
 from workers.generator.step import DirectCall, StepTables, pack_tables
 from workers.generator.step import decode_step as _decode_step_dispatcher
@@ -191,39 +190,6 @@ def _natural_end(live: _Live, tokens: np.ndarray) -> int | None:
     return None
 
 
-class _ReplicaOpener:
-    """Retries opening the history replica on a daemon thread, every `interval` seconds, until it opens: the
-    RocksDB open (reading its manifest, opening every table file) stays off the decode step, which takes the
-    opened reader (`reader`) and loads it."""
-
-    def __init__(self, open_reader: Callable[[], Any], interval: float) -> None:
-        self._open_reader = open_reader
-        self._interval = interval
-        self._stop = threading.Event()
-        self.reader: Any = None  # set once, by the thread; read by the step
-        self.last_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="das-replica-opener", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                reader = self._open_reader()
-            except Exception as exc:  # noqa: BLE001 - whatever keeps it shut, the next try may succeed
-                self.last_error = str(exc)
-                logger.debug("DAS: history replica still unavailable: %s", exc)
-                continue
-            if self._stop.is_set():
-                reader.close()
-                return
-            self.reader = reader
-            return
-
-    def stop(self) -> None:
-        """Ends the retries (a reader opened meanwhile is closed by the thread or left for `reader`)."""
-        self._stop.set()
-
-
 class DasProposer:
     """vLLM `custom_class` proposer: per-problem history drafts with a length-aware budget."""
 
@@ -250,7 +216,10 @@ class DasProposer:
         # alone, for benchmarks).
         self.paused = False
         self.draft_config = draft_config or self.settings.drafting(self.k)
-        self.index = ProblemIndex(
+        # A server that follows a replica changes its history trees in bounded pieces between steps
+        # (`workers.generator.history_feed`); an embedded one as its history is pushed.
+        index_class = ProblemIndex if self.settings.history_dir is None else DeferredIndex
+        self.index = index_class(
             window_epochs=self.settings.window_epochs,
             config=self.draft_config,
             draft_threads=self.settings.draft_threads,
@@ -270,13 +239,10 @@ class DasProposer:
         self._row_width = 0
         self._all_verified = np.zeros(0, np.int64)  # `scheduled` when the caller knows of no cuts: -1s
         self._warned: set[str] = set()
-        self._replica: Any = None
-        self._next_catch_up = 0.0
-        # The configured replica (on the drafting rank), and while it is unavailable the thread retrying it.
-        self._history_path: Path | None = None
-        self._opener: _ReplicaOpener | None = None
-        self._history_outages = 0
-        self._history_followed = False  # whether a replica was ever loaded (a reopen then reloads afresh)
+        # The node's replica, followed off the step (None: embedded, or a rank that does not draft), and the
+        # step's hold on the index against it.
+        self._feed: HistoryFeed | None = None
+        self._gate: Any = no_gate()
         self._publish = publish
         # Problems whose history trees were built on demand (those with history), the tokens and seconds that
         # took, and the longest single build (what a first request of a problem may add to its decode step).
@@ -352,12 +318,10 @@ class DasProposer:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model: drafts come from suffix trees. vLLM's CPU runner calls this unconditionally."""
-        if self.settings.history_dir and self.drafting:
-            self._history_path = Path(self.settings.history_dir)
-            try:
-                self._adopt_replica(self._open_reader())
-            except Exception as exc:  # noqa: BLE001 - a missing or late history only means fewer drafts
-                self._history_unavailable(exc)
+        if self.settings.history_dir and self.drafting and self._feed is None:
+            # Never fails the engine: without a readable replica the server drafts from its requests' own tokens
+            # and siblings, and the feed opens the replica when it appears (or after damage, again).
+            self._open_replica(Path(self.settings.history_dir))
         if self.drafting:
             from workers.generator.metrics_endpoint import serve_proposer_metrics
 
@@ -393,6 +357,10 @@ class DasProposer:
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last reset, the live request count, and the budget policy's state."""
+        with self._gate_hold():
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         self._metrics.flush()
         out = self._book.since(self._base)
         out["draft_seconds"] = self._draft_seconds
@@ -405,13 +373,15 @@ class DasProposer:
         out["policy"] = self.policy.snapshot()
         out["history_problems"] = len(self.index.problem_ids())
         out["history_available"] = self.history_available
-        out["history_outages"] = self._history_outages
+        out["history_outages"] = self._feed.outages if self._feed is not None else 0
         out["history_loads"] = {
             "problems": self._loaded_problems,
             "tokens": self._loaded_tokens,
             "seconds": self._load_seconds,
             "max_seconds": self._load_seconds_max,
         }
+        if self._feed is not None:
+            out["history_feed"] = self._feed.stats()
         return out
 
     # ------------------------------------------------------------------ history
@@ -423,20 +393,21 @@ class DasProposer:
         """
         from pipeline.schemas import TrajectoryRecord
 
-        if self.runner is not None:
-            self._reap(self.runner.requests)
-        added = 0
-        for raw in records:
-            record = raw if isinstance(raw, TrajectoryRecord) else TrajectoryRecord.model_validate(raw)
-            added += self._add(
-                record.problem_id,
-                record.epoch,
-                record.sample,
-                record.prompt_ids,
-                record.response_ids,
-                record.response_logprobs,
-            )
-        return added
+        with self._gate_hold():
+            if self.runner is not None:
+                self._reap(self.runner.requests)
+            return sum(self._add_record(TrajectoryRecord, raw) for raw in records)
+
+    def _add_record(self, model: Any, raw: Any) -> int:
+        record = raw if isinstance(raw, model) else model.model_validate(raw)
+        return self._add(
+            record.problem_id,
+            record.epoch,
+            record.sample,
+            record.prompt_ids,
+            record.response_ids,
+            record.response_logprobs,
+        )
 
     def _add(
         self,
@@ -456,91 +427,65 @@ class DasProposer:
 
     def evict(self, problem_id: str, min_epoch: int) -> int:
         """Drops a problem's history epochs below `min_epoch`; returns how many trajectories left."""
-        evicted = self.index.evict_epochs_before(problem_id, min_epoch)
-        if evicted:
-            self.policy.lengths.forget(problem_id)
-        return len(evicted)
+        with self._gate_hold():
+            evicted = self.index.evict_epochs_before(problem_id, min_epoch)
+            if evicted:
+                self.policy.lengths.forget(problem_id)
+            return len(evicted)
 
-    def _open_reader(self) -> Any:
-        """A secondary instance of the configured replica. Raises StoreOpenError when the folder is missing,
-        holds no store yet or does not open (what RocksDB raises otherwise)."""
-        from history_store.durable.store import HistoryStore
+    def _gate_hold(self) -> Any:
+        """The index for a caller outside the step (an RPC): after the history thread's current piece."""
+        return self._gate if self._feed is None else self._feed.gate.hold()
+
+    def _open_replica(self, path: Path) -> None:
+        """Follows the node's replica: loads it now if it is readable, and from then on keeps the trees in step
+        with it from a thread of its own (`HistoryFeed`); a missing or damaged one is opened when it can be."""
         from workers.generator.replica_dirs import secondary_dir
 
-        path = self._history_path
-        assert path is not None
         secondary = Path(os.environ.get("DAS_SECONDARY_DIR") or secondary_dir(path))
-        return HistoryStore.open_secondary(path, secondary)
-
-    def _adopt_replica(self, reader: Any) -> None:
-        """Loads an opened replica into the trees and follows it from now on. After an outage that began while
-        following, the trees are first emptied of history (the change log since may be gone): they then equal a
-        fresh load. Raises what loading raises (the reader is closed then)."""
-        try:
-            if self._history_followed:
-                self.index.clear_history()
-            load_index(reader, self.index)
-        except BaseException:
-            reader.close()
-            raise
-        self._replica = reader
-        self._history_followed = True
-        self._relearn_lengths()
-        if self._opener is not None:
-            self._opener = None
-            logger.warning("DAS: history replica %s opened; drafting from history again", self._history_path)
-        if self._publish:
-            PROPOSER_HISTORY_MISSING.set(0)
-
-    def _history_unavailable(self, exc: BaseException) -> None:
-        """Drafts without history from now on, counts the outage and retries the replica on a thread."""
-        self._history_outages += 1
-        if self._publish:
-            PROPOSER_HISTORY_MISSING.set(1)
-            PROPOSER_HISTORY_OUTAGES.inc()
-        interval = self.settings.history_retry_s
-        logger.warning(
-            "DAS: history replica %s unavailable (%s); drafting from this server's own requests, retrying "
-            "every %g s",
-            self._history_path,
-            exc,
-            interval,
+        assert isinstance(self.index, DeferredIndex)
+        self._feed = HistoryFeed(
+            path,
+            secondary,
+            self.index,
+            learn=lambda problem_id, length: self.policy.lengths.observe(problem_id, length),
+            forget=lambda problem_id: self.policy.lengths.forget(problem_id),
+            relearn=self._relearn_lengths,
+            catch_up_interval_s=self.settings.catch_up_interval_s,
+            retry_s=self.settings.history_retry_s,
+            duty=self.settings.history_duty,
+            publish=self._publish,
         )
-        self._opener = _ReplicaOpener(self._open_reader, interval)
+        self._feed.open()
+        self._gate = self._feed.gate
+        self._feed.start()
 
     @property
     def history_available(self) -> bool:
         """Whether the proposer follows its replica (False without one configured, or while it is unavailable)."""
-        return self._replica is not None
+        return self._feed is not None and self._feed.available
 
     def prefetch(self, problem_ids: Sequence[str]) -> int:
         """Builds the history trees of problems whose requests are coming (a lazy load's first request then
         finds them ready); returns the tokens added. Problems without history, or resident already, cost
         nothing; without a replica (or with an eager load) it does nothing."""
-        return sum(self._make_resident(p) for p in problem_ids)
+        with self._gate_hold():
+            return sum(self._make_resident(p) for p in problem_ids)
 
     def release(self, problem_ids: Sequence[str]) -> int:
         """Drops the history trees of problems that moved to another server (a problem with a live request here
-        keeps its tree); a later request builds them again. Returns the tokens dropped. While the replica is
-        unavailable nothing could build them again: they stay."""
-        if self._replica is None and self._opener is not None:
-            return 0
-        return sum(self.index.release(p) for p in problem_ids)
+        keeps its tree); a later request builds them again. Returns the tokens dropped."""
+        with self._gate_hold():
+            return sum(self.index.release(p) for p in problem_ids)
 
     def _make_resident(self, problem_id: str) -> int:
-        if self.index.is_resident(problem_id):
-            return 0
-        if self._replica is None:
-            if self._opener is not None:
-                # No replica yet: the problem's tree grows from what finishes here, and takes the replica's
-                # rollouts when it opens (as any resident problem's).
-                self.index.make_resident(problem_id, lambda *_: None)
+        if self._feed is None or self.index.is_resident(problem_id):
             return 0
         started = time.perf_counter()
-        replica = self._replica
+        feed = self._feed
 
         def fetch(pid: str, epoch: int, sample: int) -> tuple[Any, ...] | None:
-            record = replica.get(pid, epoch, sample)
+            record = feed.fetch(pid, epoch, sample)
             if record is None:
                 return None
             return record.prompt_ids, record.response_ids, record.response_logprobs
@@ -561,32 +506,15 @@ class DasProposer:
                 self.policy.lengths.observe(problem_id, length)
 
     def catch_up(self) -> None:
-        """Brings the trees in step with the node's replica (the step does this every catch_up_interval_s);
-        while it is unavailable, loads it if the retrying thread has opened it meanwhile. A replica that fails
-        while followed is dropped (the trees keep what they hold) and retried."""
-        self._next_catch_up = self.clock() + self.settings.catch_up_interval_s
-        if self._replica is None:
-            opener = self._opener
-            if opener is not None and opener.reader is not None:
-                try:
-                    self._adopt_replica(opener.reader)
-                except Exception as exc:  # noqa: BLE001 - a damaged store only means fewer drafts
-                    self._history_unavailable(exc)
-            return
-        try:
-            followed = follow(self._replica, self.index)
-        except StoreError as exc:
-            self._replica.close()
-            self._replica = None
-            self._history_unavailable(exc)
-            return
-        if followed.reloaded:
-            self._relearn_lengths()
-            return
-        for (problem_id, _, _), length in followed.added:
-            self.policy.lengths.observe(problem_id, length)
-        for problem_id in followed.evicted:
-            self.policy.lengths.forget(problem_id)
+        """Brings the trees in step with the node's replica now, wholly (the feed's thread does it between
+        steps by itself; tests and tools call this for a known state). Opens a replica that has appeared."""
+        if self._feed is not None:
+            self._feed.drain()
+
+    def close(self) -> None:
+        """Stops following the replica (its thread and secondary instance); the trees stay as they are."""
+        if self._feed is not None:
+            self._feed.close()
 
     # ------------------------------------------------------------------ the decode step
     def _find_runner(self) -> Any:
@@ -672,7 +600,8 @@ class DasProposer:
                 self._all_verified = np.full(2 * n, -1, np.int64)
             scheduled = self._all_verified[:n]
         try:
-            drafts = self._step(req_ids, num_tokens, src, bases, requests, scheduled, started)
+            with self._gate:  # the history thread works between steps, never inside one
+                drafts = self._step(req_ids, num_tokens, src, bases, requests, scheduled, started)
         except Exception:
             # The engine must survive whatever a request or the history holds; the error is logged and counted
             # (tests assert none happen) and this step simply drafts nothing.
@@ -709,8 +638,6 @@ class DasProposer:
         ):
             # The step kernel is called past numba's dispatcher (`DirectCall`): its argument types must stay.
             num_tokens = np.ascontiguousarray(num_tokens, np.int32)
-        if (self._replica is not None or self._opener is not None) and started >= self._next_catch_up:
-            self.catch_up()
         if self._queue_stale:
             self._requeue()
         total = self._native_step(slots, num_tokens, scheduled, joined, started, src, bases)
@@ -946,7 +873,11 @@ class DasProposer:
                 tokens[: live.prompt_len],
                 tokens[live.prompt_len : live.prompt_len + response_len],
             )
+            # With a replica, its trees take it in pieces between steps, and the replica's copy of it (published
+            # by the rollout) is neither decoded nor inserted again.
             self._add(live.problem_id, live.epoch, live.sample, prompt, response)
+            if self._feed is not None:
+                self._feed.own((live.problem_id, live.epoch, live.sample))
 
     def _reap(self, requests: Mapping[str, Any]) -> None:
         """Finishes requests that left the engine (gone from `requests`; preempted ones stay there), in the

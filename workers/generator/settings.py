@@ -44,6 +44,7 @@ _ENV = {
     "catch_up_interval_s": "DAS_CATCH_UP_INTERVAL_S",
     "history_retry_s": "DAS_HISTORY_RETRY_S",
     "history_load": "DAS_HISTORY_LOAD",
+    "history_duty": "DAS_HISTORY_DUTY",
     "draft_threads": "DAS_DRAFT_THREADS",
     "remembered_probs": "DAS_REMEMBERED_PROBS",
 }
@@ -78,8 +79,8 @@ class ProposerSettings:
     """The node's history replica (distributed mode); None in embedded mode."""
 
     catch_up_interval_s: Annotated[float, Field(gt=0.0)] = 0.2
-    """Seconds between catch-ups with the replica: one costs a RocksDB manifest read (~1 ms), and a few per
-    second keep history fresher than the one-second freshness target without taxing every step."""
+    """Seconds between catch-ups with the replica: one costs a RocksDB catch-up (milliseconds, holding the
+    GIL), and a few per second keep history fresher than the one-second freshness target."""
 
     history_retry_s: Annotated[float, Field(gt=0.0)] = 5.0
     """Seconds between attempts to open a replica that was missing, empty or did not open (the proposer drafts
@@ -87,6 +88,11 @@ class ProposerSettings:
 
     history_load: Literal["lazy", "eager"] = "lazy"
     """`lazy`: build a problem's history tree on its first request (or prefetch); `eager`: all at start."""
+
+    history_duty: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
+    """The largest share of wall time the history thread may hold the trees between decode steps
+    (`workers.generator.history_feed`); what it cannot do within it queues, and new rollouts then skip the
+    global tree. 0.1 held the step's p99 near idle at 100k tokens/s of ingest (`das bench ingest`)."""
 
     draft_threads: Annotated[int, Field(ge=1)] = 1
     """Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the
@@ -132,7 +138,7 @@ class ProposerSettings:
             value = _env_float(_ENV[name], None)
             if value is not None:
                 given[name] = int(value) if name in ("window_epochs", "max_depth") else value
-        for name in ("catch_up_interval_s", "history_retry_s"):
+        for name in ("catch_up_interval_s", "history_retry_s", "history_duty"):
             seconds = _env_float(_ENV[name], None)
             if seconds is not None:
                 given[name] = seconds
