@@ -70,6 +70,7 @@ def record_generator_step(rng: random.Random, epoch: int) -> None:
         m.PRODUCER_SEND_ERRORS.inc()
     m.PROPOSER_HISTORY_MISSING.set(0)
     m.PROPOSER_HISTORY_OUTAGES.inc(0)  # a server that found its replica at start
+    m.PROPOSER_HISTORY_BACKLOG.set(0)  # and has taken in all of it
 
 
 def record_indexer_batch(rng: random.Random, stored_tokens: int) -> None:
