@@ -183,7 +183,7 @@ def test_the_replay_and_an_engine_give_the_same_drafts_budgets_cuts_and_features
     monkeypatch.setattr(replay_drafters, "DasProposer", _RecordingProposer)
     cost = CostModel()
     engines = Engines(slots) if slots else None
-    replay.simulate(records, "das", DraftConfig(max_spec_tokens=K), cost=cost, engines=engines)
+    sim = replay.simulate(records, "das", DraftConfig(max_spec_tokens=K), cost=cost, engines=engines)
     (replayed,) = _RecordingProposer.made
     assert sum(int(state["kept"].sum()) for _, state in replayed.steps) > 100, "too few drafts to compare"
     engine = _EngineSide(records, replayed.max_model_len, cost)
@@ -195,4 +195,8 @@ def test_the_replay_and_an_engine_give_the_same_drafts_budgets_cuts_and_features
             same = np.array_equal(mine[name], value) if isinstance(value, np.ndarray) else mine[name] == value
             assert same, f"step {number}: {name} differs between the replay and the engine"
     assert engine.proposer.stats()["errors"] == 0
+    # The step trace `das bench fidelity` diffs an engine's against: the same on both paths, and the replay's
+    # per-epoch traces are its proposer's steps, in order.
+    assert engine.proposer.step_trace() == replayed.step_trace()
+    assert [s for e in sim.epochs for s in sim.proposer_traces[e]] == replayed.step_trace()
     assert (queued > 0) == bool(slots), "the budget saw a queue exactly when there was one"

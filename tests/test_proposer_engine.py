@@ -173,7 +173,9 @@ def test_trajectories_written_to_the_replica_become_draftable_without_a_restart(
     before = das.proposer_stats()
     # The server's history thread takes it in between steps, within about a catch-up interval.
     deadline = time.monotonic() + 60
-    while das.proposer_stats()["history_problems"] == before["history_problems"] and time.monotonic() < deadline:
+    while (
+        das.proposer_stats()["history_problems"] == before["history_problems"] and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     finished = das.run([(Problem("replica-0", prompt), 1, 0)], GREEDY)
     after = das.proposer_stats()

@@ -49,9 +49,15 @@ def test_traces_generate_follows_the_temperature_schedule_and_writes_gzip_and_th
     with gzip.open(trace, "rt") as handle:
         records = [TrajectoryRecord.model_validate_json(line) for line in handle]
     assert len(records) == 3 * 4 * len(TEMPERATURES)
+    # In the order the engine was given them (each epoch, problem by problem, samples in order), not finish order.
+    problems = list(dict.fromkeys(r.problem_id for r in records))
+    order = [(r.epoch, problems.index(r.problem_id), r.sample) for r in records]
+    assert order == sorted(order) and len(problems) == 3
     assert load_report(report) == printed
     assert printed["settings"]["temperatures"] == TEMPERATURES
     assert [e["temperature"] for e in printed["epochs"]] == TEMPERATURES
+    if printed["strategy"] == "das":  # each step's rows, held tokens and drafts: where a replay first parts
+        assert all(len(e["step_trace"]) == len(e["step_costs"]) > 0 for e in printed["epochs"])
 
 
 def test_the_replay_of_the_engines_own_trace_agrees_with_the_engine_within_10_percent(recording) -> None:

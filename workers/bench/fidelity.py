@@ -50,6 +50,43 @@ def _engine_epoch(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def first_parting(engine: list[list[int]], replayed: list[list[int]]) -> dict[str, Any] | None:
+    """The first step at which a replay's proposer did not do what the engine's did, each step compared as
+    (rows, tokens the rows held, draft tokens returned); None when every step both ran agrees. Rows or held
+    tokens that differ mean the two ran different batches by then (scheduling, or acceptance earlier); the same
+    batch with other drafts means the budget or the trees differ."""
+    for step, (mine, theirs) in enumerate(zip(engine, replayed, strict=False)):
+        if list(mine) != list(theirs):
+            names = ("rows", "held_tokens", "drafted")
+            return {
+                "step": step,
+                "engine": dict(zip(names, mine, strict=True)),
+                "replay": dict(zip(names, theirs, strict=True)),
+                "same_batch": list(mine[:2]) == list(theirs[:2]),
+                "drafted_before": sum(s[2] for s in engine[:step]),
+            }
+    if len(engine) != len(replayed):
+        return {
+            "step": min(len(engine), len(replayed)),
+            "engine_steps": len(engine),
+            "replay_steps": len(replayed),
+        }
+    return None
+
+
+def ramp(trace: list[list[int]], total: int) -> list[int]:
+    """How many of an epoch's `total` requests an engine had started by each of its first steps, from its step
+    trace's rows: while no row has finished (the rows never fell), the rows are the requests started."""
+    admitted: list[int] = []
+    for rows, _, _ in trace:
+        if admitted and rows < admitted[-1]:
+            break
+        admitted.append(min(int(rows), total))
+        if admitted[-1] >= total:
+            break
+    return admitted
+
+
 def _relative(replayed: float, engine: float) -> float | None:
     return round(abs(replayed - engine) / engine, 4) if engine else None
 
@@ -92,6 +129,18 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         strategy_in_replay = "das-unbudgeted" if strategy == "das" else "ngram"
     records = replay.load_traces(trace)
     engines = _slots(settings, records)
+    per_epoch = Counter(r.epoch for r in records)
+    # An engine with a slot for every request admits them as they reach it, a few per step at first: the
+    # replay starts them as its step trace says (recordings since the step trace; before, all at step 0).
+    arrivals = (
+        {
+            row["epoch"]: ramp(row["step_trace"], per_epoch[row["epoch"]])
+            for row in epochs
+            if "step_trace" in row
+        }
+        if engines is None
+        else None
+    )
     replayed = replay.replay(
         records,
         strategy_in_replay,
@@ -100,6 +149,7 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         measured_costs=measured,
         measured_steps=steps,
         engines=engines,
+        arrivals=arrivals or None,
     )
     by_epoch = {e["epoch"]: e for e in replayed["per_epoch"]}
     rows = []
@@ -116,7 +166,12 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         for side, values in (("engine", engine), ("replay", rep)):
             for i, name in enumerate(("steps", "draft_tokens", "accepted_tokens")):
                 totals[side][i] += values[name]
-        rows.append({"epoch": row["epoch"], "engine": engine, "replay": rep})
+        entry = {"epoch": row["epoch"], "engine": engine, "replay": rep}
+        trace = replayed.get("proposer_traces", {}).get(row["epoch"])
+        if "step_trace" in row and trace is not None:
+            # Where the two first part (recordings from `das traces generate` since the step trace).
+            entry["first_parting"] = first_parting(row["step_trace"], [list(s) for s in trace])
+        rows.append(entry)
     overall = {side: _figures(acc, drafted, steps) for side, (steps, drafted, acc) in totals.items()}
     differences = {
         name: _relative(overall["replay"][name], overall["engine"][name])
@@ -133,6 +188,8 @@ def compare(trace: str | Path, engine_report: dict[str, Any], tolerance: float =
         "engine_step_times": steps is not None,
         # The engine's slots and admission order where an epoch queued requests (None: every request ran at once).
         "engines": {"max_num_seqs": engines.max_num_seqs, "order": engines.order} if engines else None,
+        # Per epoch, the requests the engine had started by each of its first steps (the replay follows them).
+        "arrivals": arrivals or None,
         "per_epoch": rows,
         "overall": overall,
         "relative_difference": differences,

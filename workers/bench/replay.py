@@ -248,6 +248,8 @@ class Simulation:
     past_match_calibration: _Calibration | None
     agreement: _AgreementTable
     sources: _SourceTable
+    # das: per epoch, the first engine's proposer steps as (rows, held tokens, drafts) (`EngineDrafter.traces`).
+    proposer_traces: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 def _drafter(
@@ -285,6 +287,7 @@ def simulate(
     on_verified: Callable[[VerifiedStep], None] | None = None,
     engines: Engines | None = None,
     measured_steps: Mapping[int, Sequence[Sequence[float]]] | None = None,
+    arrivals: Mapping[int, Sequence[int]] | None = None,
 ) -> Simulation:
     """Replays the records with one strategy. `cost` only matters for `das`, whose budget fits it online from
     step times: those of `cost`, or of `measured_costs[epoch]` where given (what an engine fitted in that
@@ -292,7 +295,9 @@ def simulate(
     (`measured_steps[epoch][j]`, where known: it then prices drafts as that engine did, whatever load its
     machine was under). The projected makespan always uses the cost model. A tree strategy hands every step's verified
     drafts to `on_verified` (`das bench ceiling` scores the budget's predictions with it). `engines`: finite
-    engines with queues (`workers.bench.engines`); None runs each epoch as one batch."""
+    engines with queues (`workers.bench.engines`); None runs each epoch as one batch, whose requests all start
+    at its first step unless `arrivals[epoch][j]` says how many (in trace order) had started by step j (a
+    recording engine's ramp: vLLM admits requests as they reach it, a few per step at first)."""
     cost = cost or CostModel()
     k = config.max_spec_tokens
     drafter = _drafter(strategy, config, window, ngram_range, records, engines, measured_steps)
@@ -325,7 +330,14 @@ def simulate(
         prompt_lens = np.array([p.size for p in requests.prompts], np.int64)
         stats = np.zeros((len(batch), 3), np.int64)  # steps, drafted, accepted
         schedule = fleet.epoch([r.problem_id for r in batch], lengths, prompt_lens, pos) if fleet else None
-        engine, active = schedule.next_step() if schedule else (0, np.nonzero(lengths > 0)[0])
+        ramp = list((arrivals or {}).get(epoch, ())) if not schedule else []
+        started = np.arange(len(batch))
+        step_no = 0
+        engine, active = (
+            schedule.next_step()
+            if schedule
+            else (0, np.nonzero((lengths > 0) & (started < (ramp[0] if ramp else len(batch))))[0])
+        )
         step_log = []
         while active.size:
             n = active.size
@@ -383,7 +395,9 @@ def simulate(
                 schedule.finish(engine, done)
                 engine, active = schedule.next_step()
             else:
-                active = active[pos[active] < lengths[active]]
+                step_no += 1
+                admitted = ramp[step_no] if step_no < len(ramp) else len(batch)
+                active = np.nonzero((pos < lengths) & (started < admitted))[0]
         drafter.end_epoch()
         per_request.append(np.column_stack([lengths, stats]))
         sim.epochs.append(epoch)
@@ -393,6 +407,8 @@ def simulate(
         if progress:
             progress(f"{strategy}: epoch {epoch} done")
     sim.per_request = np.concatenate(per_request)
+    if isinstance(drafter, EngineDrafter):
+        sim.proposer_traces = drafter.traces
     return sim
 
 
@@ -405,8 +421,10 @@ def replay(
     measured_costs: Mapping[int, CostModel] | None = None,
     measured_steps: Mapping[int, Sequence[float]] | None = None,
     engines: Engines | None = None,
+    arrivals: Mapping[int, Sequence[int]] | None = None,
 ) -> dict:
-    """One strategy's summary under one cost model (`simulate`, then `summarize`)."""
+    """One strategy's summary under one cost model (`simulate`, then `summarize`); with das, also each epoch's
+    proposer steps (`proposer_traces`)."""
     cost = cost or CostModel()
     sim = simulate(
         records,
@@ -417,8 +435,12 @@ def replay(
         measured_costs=measured_costs,
         measured_steps=measured_steps,
         engines=engines,
+        arrivals=arrivals,
     )
-    return summarize(sim, cost)
+    summary = summarize(sim, cost)
+    if sim.proposer_traces:
+        summary["proposer_traces"] = sim.proposer_traces
+    return summary
 
 
 def makespan(steps: np.ndarray, cost: CostModel) -> float:

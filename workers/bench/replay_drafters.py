@@ -265,6 +265,8 @@ class EngineDrafter(NoDrafter):
         for proposer, clock in zip(self.proposers, self.clocks, strict=True):
             proposer.clock = clock
         self.step_costs = step_costs or {}
+        # Per epoch, the first engine's `DasProposer.step_trace` (what `das bench fidelity` diffs).
+        self.traces: dict[int, list[tuple[int, int, int]]] = {}
 
     def start_epoch(self, requests: EpochRequests) -> None:
         super().start_epoch(requests)
@@ -299,6 +301,8 @@ class EngineDrafter(NoDrafter):
         self.unfinished: list[dict[str, SimpleNamespace]] = [{} for _ in self.proposers]
         self.submitted = [False for _ in self.proposers]
         self.costs = self.step_costs.get(requests.records[0].epoch, ()) if requests.records else ()
+        self.epoch = requests.records[0].epoch if requests.records else None
+        self.trace_from = len(self.proposers[0].step_trace())
         self.steps = [0 for _ in self.proposers]
         k = self.k
         self.pending = Drafts(
@@ -366,6 +370,8 @@ class EngineDrafter(NoDrafter):
         pending.path_p[rows] = step.path_p
 
     def end_epoch(self) -> None:
+        if self.epoch is not None:
+            self.traces[self.epoch] = self.proposers[0].step_trace()[self.trace_from :]
         # The engines' last propose of the epoch drafted for rows that finished in it; the next epoch's first
         # step reaps them (its requests are all new).
         self.pending.kept[:] = 0

@@ -343,12 +343,18 @@ class DasProposer:
         self._malformed = 0
         self._draft_seconds = 0.0
         self._step_costs: list[tuple[float, float, float]] = []
+        self._step_trace: list[tuple[int, int, int]] = []
 
     def step_costs(self) -> list[tuple[float, float, float]]:
         """The cost coefficients (c_base, c_seq, c_tok) each step since `reset_stats` budgeted with, in order:
         what this engine fitted from its own step times. `das traces generate` records them so that a replay of
         its trace prices drafts as this engine did (`das bench fidelity`, `pin_costs`)."""
         return list(self._step_costs)
+
+    def step_trace(self) -> list[tuple[int, int, int]]:
+        """Each step since `reset_stats`, as (rows, tokens the rows held, draft tokens returned), in order: where
+        a replay of the same trace first parts from this engine (`das bench fidelity`)."""
+        return list(self._step_trace)
 
     def pin_costs(self, coefficients: tuple[float, float, float]) -> None:
         """Budgets with these cost coefficients and fits none from step times until the next call (a replay
@@ -810,6 +816,7 @@ class DasProposer:
         if len(self._step_costs) < _STEP_COSTS_KEPT:
             c_base, c_seq, c_tok = policy.cost.coefficients.tolist()
             self._step_costs.append((c_base, c_seq, c_tok))
+            self._step_trace.append((n, int(num_tokens[:n].sum()), int(tokens)))
         return tokens
 
     def _start(self, key: str, request: Any, src: np.ndarray, base: int) -> int:
@@ -944,6 +951,10 @@ class DasWorkerExtension:
     def das_step_costs(self) -> list[tuple[float, float, float]]:
         """`DasProposer.step_costs` on this worker."""
         return self._das().step_costs()
+
+    def das_step_trace(self) -> list[tuple[int, int, int]]:
+        """`DasProposer.step_trace` on this worker."""
+        return self._das().step_trace()
 
     def das_pause_drafting(self, paused: bool) -> None:
         """`DasProposer.pause_drafting` on this worker."""

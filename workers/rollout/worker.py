@@ -463,6 +463,7 @@ class RolloutWorker:
             self.push_history([f.record for f in finished])
             proposer = self.llm.collective_rpc("das_stats")[0]
             proposer["step_costs"] = self.llm.collective_rpc("das_step_costs")[0]
+            proposer["step_trace"] = self.llm.collective_rpc("das_step_trace")[0]
         return self.report(
             epoch, finished, wall, {k: after[k] - before[k] for k in after}, proposer
         ), finished

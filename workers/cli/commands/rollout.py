@@ -231,6 +231,8 @@ def _epochs(
             line["cost_model"] = proposer["policy"]["cost_model"]
             # The costs each step budgeted with, as the engine fitted them: `das bench fidelity` replays with them.
             line["step_costs"] = [list(step) for step in proposer["step_costs"]]
+            # Each step's rows, held tokens and drafts: where a replay first parts from this engine.
+            line["step_trace"] = [list(step) for step in proposer["step_trace"]]
         reports.append(line)
         if not args.json:
             print(
@@ -312,8 +314,14 @@ def _engine_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> d
 def _traces(args: argparse.Namespace) -> int:
     _check(args)
     problems = _problems(args)
+    finished: list[Any] = []
+    reports = _loop(args, problems, finished.append)
+    # In the order the requests were submitted (each epoch, problem by problem, samples in order), not the order
+    # they finished in: the order the engine admitted them, which a replay of the trace follows.
+    rank = {p.problem_id: i for i, p in enumerate(problems)}
     with trace_writer(args.out) as handle:
-        reports = _loop(args, problems, lambda record: handle.write(trace_line(record)))
+        for record in sorted(finished, key=lambda r: (r.epoch, rank[r.problem_id], r.sample)):
+            handle.write(trace_line(record))
     report = _engine_report(args, reports)
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
