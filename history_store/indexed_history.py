@@ -5,8 +5,8 @@ Loading serialized trees was measured against it (`das bench store`, "tree_load"
 serialized form is its token sequences and `from_bytes` re-extends them, so loading costs the same tree
 work plus keeping a second copy of every token consistent with the store; rebuilding reads the tokens once.
 
-`follow` keeps a reader's index (the generator's proposer, on a secondary instance) in step with the writer
-from the store's sequence log.
+A drafting server keeps its index in step with the writer from the store's sequence log on a thread of its
+own (`workers.generator.history_feed`), reading records in apply order as the load here does.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from history_store.automaton.problem_index import ProblemIndex
 from history_store.durable.checkpoints import Checkpointer
 from history_store.durable.store import (
     ApplyResult,
-    CatchUp,
-    HistoryReader,
     HistoryStore,
     StoredTrajectory,
     TrajectoryKey,
@@ -198,44 +196,3 @@ class IndexedHistory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass(frozen=True, slots=True)
-class Followed:
-    """What `follow` changed in the index: rollouts added (key, response length), the first epoch each
-    problem now keeps after evictions, rollouts quarantined by the writer, and whether the reader fell
-    behind the trimmed change log so the index was reloaded from the store (then the other fields are empty
-    and the index equals a fresh `load_index`)."""
-
-    added: list[tuple[TrajectoryKey, int]]
-    evicted: dict[str, int]
-    quarantined: list[TrajectoryKey]
-    reloaded: bool
-
-
-def follow(reader: HistoryReader, index: ProblemIndex, catch_up: CatchUp | None = None) -> Followed:
-    """Brings `index` in step with what `reader` caught up on (calls `reader.catch_up()` unless given), in
-    the order the writer applied the changes."""
-    catch_up = reader.catch_up() if catch_up is None else catch_up
-    if catch_up.reset:
-        index.clear_history()
-        load_index(reader, index)
-        return Followed([], {}, [], reloaded=True)
-    added: list[tuple[TrajectoryKey, int]] = []
-    evicted: dict[str, int] = {}
-    quarantined: list[TrajectoryKey] = []
-    for change in catch_up.changes:
-        problem_id, epoch, sample = change.key
-        if change.op == "added":
-            record = reader.get(problem_id, epoch, sample)
-            if record is not None and index.add_trajectory(  # None: evicted or quarantined since
-                problem_id, epoch, sample, record.prompt_ids, record.response_ids, record.response_logprobs
-            ):
-                added.append((change.key, int(record.response_ids.size)))
-        elif change.op == "removed":
-            for problem, bound in index.evict_keys([change.key]).items():
-                evicted[problem] = max(evicted.get(problem, 0), bound)
-        else:  # quarantined: that record alone failed its checks; the rest of its epoch stays
-            index.remove_trajectory(problem_id, epoch, sample)
-            quarantined.append(change.key)
-    return Followed(added, evicted, quarantined, reloaded=False)

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 from _store_workload import Workload, owner_of
 
+from history_store.automaton.deferred_index import DeferredIndex
 from history_store.automaton.problem_index import ProblemIndex
-from history_store.durable.store import HistoryStore
-from history_store.indexed_history import IndexedHistory, follow
+from history_store.indexed_history import IndexedHistory
+from workers.generator.history_feed import HistoryFeed
 
 WORKLOAD = Workload(problems=6, epochs=7, samples=4, min_len=40, max_len=120)
 WINDOW = 2
@@ -31,11 +32,19 @@ def _probe(index: ProblemIndex, problem: int, epoch: int, sample: int, name: str
 def test_sliding_windows_never_draft_an_evicted_token_from_writer_or_reader(tmp_path: Path) -> None:
     path = tmp_path / "h"
     evicted: set[tuple[int, int, int]] = set()
-    with (
-        IndexedHistory.open(path, window_epochs=WINDOW) as history,
-        HistoryStore.open_secondary(path, tmp_path / "secondary") as reader,
-    ):
-        follower = ProblemIndex(window_epochs=WINDOW)
+    with IndexedHistory.open(path, window_epochs=WINDOW) as history:
+        # A drafting server's follower, driven by hand (`drain`) instead of by its thread.
+        follower = DeferredIndex(window_epochs=WINDOW)
+        feed = HistoryFeed(
+            path,
+            tmp_path / "secondary",
+            follower,
+            lambda *_: None,
+            lambda _: None,
+            lambda: None,
+            publish=False,
+        )
+        assert feed.open()
         for epoch in range(WORKLOAD.epochs):
             # Problems arrive interleaved, in batches that straddle problems, like a bus partition.
             records = [
@@ -46,7 +55,8 @@ def test_sliding_windows_never_draft_an_evicted_token_from_writer_or_reader(tmp_
             for start in range(0, len(records), 5):
                 result = history.apply(records[start : start + 5])
                 evicted.update((int(pid.split("-")[1]), e, s) for pid, e, s in result.evicted)
-                assert not follow(reader, follower).reloaded
+                feed.drain()
+                assert feed.reloads == 0 and feed.errors == 0
             oldest_kept = max(0, epoch - WINDOW + 1)
             expected = {
                 (p, e, s)
@@ -69,3 +79,4 @@ def test_sliding_windows_never_draft_an_evicted_token_from_writer_or_reader(tmp_
                 # Positive control: the same probe on a record inside the window drafts its continuation.
                 live = _probe(index, 0, epoch, 1, name)
                 assert live and owner_of(live[0], WORKLOAD) == (0, epoch, 1)
+        feed.close()

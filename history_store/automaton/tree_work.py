@@ -360,15 +360,9 @@ class Mirror:
         self._room(2 * left + 2, need + 3 * left)
         self.need = None
 
-    def run(self, budget: int) -> tuple[int, bool]:
-        """A piece of at most `budget` tokens (hold the step off); returns (tokens fed, caught up). Caught up:
-        a whole pass over the sequences found nothing left to feed."""
-        self.apply_events()
-        if self.need is not None:
-            return 0, False  # out of room: `prepare` grows the arrays outside the hold (a copy of the arena)
+    def _pass(self, cursor: int, budget: int) -> tuple[int, int, int]:
         f = self.forest
-        start = self.cursor
-        q, fed, status = mirror_pass(
+        return mirror_pass(
             self.states,
             self.edges,
             self.hashes,
@@ -379,9 +373,18 @@ class Mirror:
             f.seqs,
             f.pool,
             f.levels,
-            self.cursor,
+            cursor,
             budget,
         )
+
+    def run(self, budget: int) -> tuple[int, bool]:
+        """A piece of at most `budget` tokens (hold the step off); returns (tokens fed, caught up). Caught up:
+        a whole pass over the sequences found nothing left to feed."""
+        self.apply_events()
+        if self.need is not None:
+            return 0, False  # out of room: `prepare` grows the arrays outside the hold (a copy of the arena)
+        start = self.cursor
+        q, fed, status = self._pass(self.cursor, budget)
         fed = int(fed)
         if status != K.DONE:
             self.cursor = int(q)
@@ -394,20 +397,7 @@ class Mirror:
         # Caught up if this pass started at row 0 and fed nothing, or a quick second look finds nothing.
         if start == 0 and fed == 0:
             return fed, True
-        q, more, status = mirror_pass(
-            self.states,
-            self.edges,
-            self.hashes,
-            self.meta,
-            self.trees,
-            self.seqs,
-            self.owner,
-            f.seqs,
-            f.pool,
-            f.levels,
-            0,
-            0,
-        )
+        q, _, status = self._pass(0, 0)
         return fed, status == K.DONE and q == self.owner.shape[0]
 
     def swap(self) -> None:

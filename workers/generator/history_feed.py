@@ -26,7 +26,7 @@ of t seconds the next waits t * (1 / duty - 1). A tree build's cost per token va
 state cloned near a busy root copies its edges), so this, not the token budget, bounds what ingest takes from
 decoding; work beyond it queues, and past `DeferredIndex.max_backlog` new rollouts skip the global tree (their
 problems' trees still take them). Doing at most a piece inside each step instead was measured against this by
-`das bench ingest` (p99 37 ms against 1.3 ms at 100k tokens/s, docs/benchmarks.md) and dropped.
+`das bench ingest` (batch 64 at 100k tokens/s: p99 37.2 ms against 1.4 ms, docs/benchmarks.md) and dropped.
 
 What is counted: `das_proposer_history_missing` (1 while the server has no readable history), every time it
 lost or never found it (`das_proposer_history_outages_total`, logged once per outage), and the tokens
@@ -514,14 +514,7 @@ class HistoryFeed:
 
     def _add(self, record: StoredTrajectory, to_global: bool | None) -> None:
         """Adds a record: as any arrival (None), or as one of a reload's (whether the global tree takes it)."""
-        args = (
-            record.problem_id,
-            record.epoch,
-            record.sample,
-            record.prompt_ids,
-            record.response_ids,
-            record.response_logprobs,
-        )
+        args = (*record.key, record.prompt_ids, record.response_ids, record.response_logprobs)
         new = (
             self.index.add_trajectory(*args) if to_global is None else self.index.add_loaded(*args, to_global)
         )

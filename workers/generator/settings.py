@@ -92,7 +92,8 @@ class ProposerSettings:
     history_duty: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
     """The largest share of wall time the history thread may hold the trees between decode steps
     (`workers.generator.history_feed`); what it cannot do within it queues, and new rollouts then skip the
-    global tree. 0.1 held the step's p99 near idle at 100k tokens/s of ingest (`das bench ingest`)."""
+    global tree. With 0.1 the step's p99 at batch 64 and 100k tokens/s of ingest was 1.4 ms against 0.71 ms
+    idle (`das bench ingest`, docs/benchmarks.md)."""
 
     draft_threads: Annotated[int, Field(ge=1)] = 1
     """Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the
