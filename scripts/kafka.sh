@@ -154,9 +154,36 @@ running() {
     grep -q "$KDIR/config/$1.properties" "/proc/$pid/cmdline" 2>/dev/null
 }
 
+# A port that answers before our node starts belongs to someone else, most often another checkout's broker left
+# running: the readiness check would then pass against it (a stale cluster, another CA), so refuse and name it.
+port_holder() {
+  local port=$1 inode pid
+  inode=$(awk -v p="$(printf '%04X' "$port")" '$2 ~ ":"p"$" && $4 == "0A" {print $10; exit}' /proc/net/tcp)
+  [ -n "$inode" ] || return 0
+  for pid in /proc/[0-9]*; do
+    if ls -l "$pid/fd" 2>/dev/null | grep -q "socket:\[$inode\]"; then
+      echo "pid ${pid#/proc/}: $(tr '\0\n' '  ' <"$pid/cmdline" | cut -c1-200)"
+      return 0
+    fi
+  done
+  echo "an unknown process"
+}
+
+check_ports_free() {
+  local name=$1 id port cport _v _rf _isr jmx holder
+  read -r id port cport _v _rf _isr jmx <<<"$(node "$name")"
+  for port in "$port" "$cport" "$jmx"; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      holder=$(port_holder "$port")
+      die "port $port (node $name) is already in use by ${holder:-an unknown process}; another checkout's brokers? stop them with its 'bash scripts/kafka.sh down'"
+    fi
+  done
+}
+
 start_node() {
   local name=$1 jmx
   running "$name" && return 0
+  check_ports_free "$name"
   mkdir -p "$RUN"
   jmx=$(node "$name" | cut -d' ' -f7)
   # setsid: the broker outlives this script and is not hit by a Ctrl-C meant for the caller.
