@@ -87,6 +87,7 @@ def test_pieces_interleaved_with_steps_end_in_the_trees_a_problem_index_builds(p
     deferred.forest.check_arena()
     assert work > 0
     assert compactions >= 2, "no compaction ran in pieces: the test proves nothing of it"
+    assert deferred.tree_work.pool_installs >= 2, "the token pool never grew in pieces"
     assert deferred.global_keys() == reference.global_keys()
     for p in range(WORKLOAD.problems):
         mine, theirs = deferred.problem_stats(f"problem-{p}"), reference.problem_stats(f"problem-{p}")

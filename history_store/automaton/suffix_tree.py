@@ -19,6 +19,7 @@ import numpy as np
 
 from history_store.automaton import kernels as K
 from history_store.automaton.config import DraftConfig
+from history_store.automaton.resident import Frontier
 from history_store.errors import InvalidInput
 from history_store.native.bundles import DraftOutputs, Forest, draft_params, gather
 
@@ -124,6 +125,7 @@ class SuffixForest:
         self.defer_compaction = False
         self.compaction_wanted = False
         self.observer: Any = None
+        self._frontier = Frontier()
 
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
@@ -226,6 +228,44 @@ class SuffixForest:
         if not self.remembered:
             return np.zeros(length, np.uint8)
         return self.levels[off : off + length]
+
+    @property
+    def pool_used(self) -> int:
+        """Tokens of the pool given out to segments (live ones and garbage)."""
+        return self._pool_used
+
+    @property
+    def pool_garbage(self) -> int:
+        """Tokens of the pool in segments no sequence uses any more."""
+        return self._pool_garbage
+
+    def free_seq_rows(self) -> list[int]:
+        """Sequence rows not in use."""
+        return self._free_seqs
+
+    def install_pool(
+        self, pool: np.ndarray, levels: np.ndarray, rows: np.ndarray, offsets: np.ndarray, used: int
+    ) -> None:
+        """Replaces the token pool (`pool_mirror`): sequence rows[i]'s tokens are at offsets[i] of `pool`
+        (and `levels`), and `used` tokens of it are given out."""
+        self.seqs[rows, K.Q_OFF] = offsets
+        self.pool, self.levels = pool, levels
+        self._pool_used, self._pool_garbage = int(used), 0
+        self.replaced()
+
+    def populate_ahead(self, tokens: int) -> int:
+        """Maps the arena rows that the next `tokens` tokens of insertion may write (`resident`: without
+        writing them, so a step may run meanwhile); call it outside the decode step's hold. Returns the bytes
+        asked for."""
+        n_states, n_edges, _ = (int(x) for x in self.meta)
+        arrays = [
+            ("states", self.states, n_states, 2 * tokens),
+            ("edges", self.edges, n_edges, 3 * tokens),
+            ("pool", self.pool, self._pool_used, tokens),
+        ]
+        if self.remembered:
+            arrays.append(("levels", self.levels, self._pool_used, tokens))
+        return self._frontier.ahead(arrays)
 
     def make_room(self, q: int, length: int) -> None:
         """Moves sequence q to a segment that holds `length` tokens (doubling, so appends stay O(1))."""

@@ -32,6 +32,8 @@ import numpy as np
 from numba import njit
 
 from history_store.automaton import kernels as K
+from history_store.automaton.pool_mirror import PoolMirror
+from history_store.automaton.resident import Frontier
 from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
 
 
@@ -260,6 +262,7 @@ class Mirror:
         self.events: list[tuple[str, Any]] = []
         self.cursor = 0
         self.need: tuple[int, int] | None = None  # (tid, row) the last piece stopped at for room
+        self._frontier = Frontier()
 
     def begin(self) -> None:
         """Starts following the forest (hold the step off): a root per live tree, every sequence to feed."""
@@ -348,8 +351,13 @@ class Mirror:
             K.rehash(hashes, self.states, self.edges, n_states)
             self.hashes = hashes
 
-    def prepare(self) -> None:
-        """Grows the fresh arrays for what the last piece stopped at (needs no hold on the step)."""
+    def prepare(self, tokens: int) -> None:
+        """Grows the fresh arrays for what the last piece stopped at, and maps the rows the next `tokens`
+        tokens may write (`resident`; needs no hold on the step)."""
+        n_states, n_edges, _ = (int(x) for x in self.meta)
+        self._frontier.ahead(
+            (("states", self.states, n_states, 2 * tokens), ("edges", self.edges, n_edges, 3 * tokens))
+        )
         if self.need is None:
             return
         tid, q = self.need
@@ -418,6 +426,9 @@ class Mirror:
         f.replaced()
 
 
+# Tokens of insertion whose arena rows `prepare` keeps mapped ahead (`resident`): 64k tokens are 4 MiB of
+# states, mapped a few MiB at a time, and more than a second of the fastest ingest `das bench ingest` drives.
+RESIDENT_TOKENS = 1 << 16
 # A compaction's fresh arrays have room for this many times the live trees' states and edges: the arena then
 # grows by compaction, in pieces, instead of by a copy inside whatever call runs out of room.
 HEADROOM = 2.5
@@ -425,6 +436,13 @@ HEADROOM = 2.5
 TIGHT = 0.6
 # Past this fill, only the compaction works (the decode step's own commits keep the rest).
 FULL = 0.85
+
+
+# The token pool is this full when a `PoolMirror` starts to grow and pack it, in pieces, before the forest
+# must do it at once.
+POOL_TIGHT = 0.7
+# Copying this many pooled tokens counts as one token of tree work (a copy of 4 bytes against an insertion).
+POOL_COPY_PER_TOKEN = 1024
 
 
 def arena_fill(forest: SuffixForest) -> float:
@@ -463,6 +481,8 @@ class TreeWork:
         self.rebuilds: dict[int, ShadowRebuild] = {}  # tree id -> its rebuild under way
         self.late: dict[int, tuple[SuffixTree, set[int]]] = {}  # removals a running rebuild had copied
         self.mirror: Mirror | None = None
+        self.pool_mirror: PoolMirror | None = None  # allocated outside the hold (`prepare`)
+        self.pool_installs = 0  # pools grown and packed in pieces
         self._planned: Mirror | None = None  # a compaction's arrays, allocated outside the hold (`prepare`)
         self.done_tokens = 0  # every token of work done, for reports
         self.pieces = 0
@@ -524,6 +544,7 @@ class TreeWork:
             or self.late
             or self.mirror is not None
             or self.forest.compaction_wanted
+            or self.pool_mirror is not None
         )
 
     # ---- doing it ----------------------------------------------------------------------------------------
@@ -539,6 +560,8 @@ class TreeWork:
             kinds = [k for k, busy in (("feed", self.feeds), ("rebuild", self.rebuilds or self.late)) if busy]
         if self.mirror is not None or self.forest.compaction_wanted:
             kinds.append("compact")
+        if self.pool_mirror is not None:
+            kinds.append("pool")
         if not kinds:
             return 0
         share = max(1, budget // len(kinds))
@@ -549,6 +572,8 @@ class TreeWork:
                 done += self._feed(left)
             elif kind == "rebuild":
                 done += self._rebuild(left)
+            elif kind == "pool":
+                done += self._pool(left)
             else:
                 done += self._compact(left)
         self.done_tokens += done
@@ -613,10 +638,30 @@ class TreeWork:
                 self.mirror = None
         return done
 
+    def _pool(self, budget: int) -> int:
+        """A piece of the pool's growth (`PoolMirror`), `budget` tokens of tree work's worth."""
+        job = self.pool_mirror
+        assert job is not None
+        if not job.begun:
+            if not job.begin():
+                self.pool_mirror = None  # outgrown before it began: `prepare` plans a larger one
+            return 1
+        if not job.copied:
+            return max(1, job.run(budget * POOL_COPY_PER_TOKEN) // POOL_COPY_PER_TOKEN)
+        if job.finish():  # or outgrown meanwhile: either way a later one starts afresh
+            self.pool_installs += 1
+        self.pool_mirror = None
+        return 1
+
     def prepare(self) -> None:
-        """Work that needs no hold on the step: allocating a compaction's arrays, growing them."""
+        """Work that needs no hold on the step: mapping the arena's next rows (`resident`), allocating a
+        compaction's or the pool's new arrays, growing them."""
+        f = self.forest
+        f.populate_ahead(RESIDENT_TOKENS)
+        if self.pool_mirror is None and f.pool_used > POOL_TIGHT * f.pool.shape[0]:
+            self.pool_mirror = PoolMirror(f)
         if self.mirror is not None:
-            self.mirror.prepare()
+            self.mirror.prepare(RESIDENT_TOKENS)
         elif self.forest.compaction_wanted and self._planned is None:
             self._planned = Mirror(self.forest)
 

@@ -383,6 +383,7 @@ class HistoryFeed:
                     time.sleep(0)
                 busy = bool(self._ops) or self.index.work_pending
                 if busy:
+                    self.index.prepare()  # outside the gate: the arena's next rows, a compaction's arrays
                     # A piece when the next step is not due before it ends, or, so that history never stalls
                     # behind steps that come too close together, when none has run for a while.
                     now_p = time.perf_counter()
@@ -406,7 +407,6 @@ class HistoryFeed:
                         piece_s = 0.9 * piece_s + 0.1 * min(took, _PIECE_MAX_S)
                         self.piece_seconds += took
                         self.pieces += 1
-                        self.index.prepare()  # the compaction's own arrays grow outside the gate
                         time.sleep(0)
                         continue
                     self.gate.left.clear()
