@@ -21,11 +21,12 @@ Every piece of work yields the GIL when it ends (`time.sleep(0)`): a busy Python
 `sys.getswitchinterval()` (5 ms) whenever another thread wants it, and the tree kernels release it while they
 run (`nogil`).
 
-The thread holds the index for at most a `duty` share of wall time (`DAS_HISTORY_DUTY`, 0.1): after a piece
-of t seconds the next waits t * (1 / duty - 1). A tree build's cost per token varies by orders of magnitude (a
-state cloned near a busy root copies its edges), so this, not the token budget, bounds what ingest takes from
-decoding; work beyond it queues, and past `DeferredIndex.max_backlog` new rollouts skip the global tree (their
-problems' trees still take them). Doing at most a piece inside each step instead was measured against this by
+The thread holds the index for at most a `duty` share of wall time (`DAS_HISTORY_DUTY`, 0.3): after a piece
+of t seconds the next waits t * (1 / duty - 1), so ingest takes at most that share of the trees whatever the
+cluster publishes; work beyond it queues, and past `DeferredIndex.max_backlog` new rollouts skip the global tree
+(their problems' trees still take them). Pieces stay short because what made some long happens outside the
+hold, between pieces (`DeferredIndex.prepare`): the arena's next rows are mapped ahead (a first write to fresh
+memory took 30-50 ms on these VMs), and the token pool grows in pieces (`pool_mirror`) instead of one copy. Doing at most a piece inside each step instead was measured against this by
 `das bench ingest` (batch 64 at 100k tokens/s: p99 37.2 ms against 1.4 ms, docs/benchmarks.md) and dropped.
 
 What is counted: `das_proposer_history_missing` (1 while the server has no readable history), every time it
@@ -164,7 +165,7 @@ class HistoryFeed:
         relearn: Callable[[], None],
         catch_up_interval_s: float = 0.2,
         retry_s: float = 2.0,
-        duty: float = 0.1,
+        duty: float = 0.3,
         publish: bool = True,
     ) -> None:
         self.path, self.secondary, self.index = path, secondary, index

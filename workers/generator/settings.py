@@ -89,11 +89,13 @@ class ProposerSettings:
     history_load: Literal["lazy", "eager"] = "lazy"
     """`lazy`: build a problem's history tree on its first request (or prefetch); `eager`: all at start."""
 
-    history_duty: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
+    history_duty: Annotated[float, Field(gt=0.0, le=1.0)] = 0.3
     """The largest share of wall time the history thread may hold the trees between decode steps
     (`workers.generator.history_feed`); what it cannot do within it queues, and new rollouts then skip the
-    global tree. With 0.1 the step's p99 at batch 64 and 100k tokens/s of ingest was 1.4 ms against 0.71 ms
-    idle (`das bench ingest`, docs/benchmarks.md)."""
+    global tree. Its pieces start only when the next step is not due, so a larger share costs the step little
+    and takes more history in: at 100k tokens/s of ingest, 0.3 against 0.1 left 599 against 966 of 1,694
+    rollouts out of the global tree at batch 64, and 991 against 1,174 at batch 256, with the step's p99 within
+    the runs' noise (`das bench ingest`, docs/benchmarks.md)."""
 
     draft_threads: Annotated[int, Field(ge=1)] = 1
     """Threads drafting a batch of 64 rows or more may use (`history_store.automaton.draft_threads`); the
