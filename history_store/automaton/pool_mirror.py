@@ -49,10 +49,13 @@ class PoolMirror:
         self.forest = forest
         live = max(forest.pool_used - forest.pool_garbage, 1)
         size = max(int(POOL_HEADROOM * live), forest.pool_used + 1, 64)
+        # Mapped as far as the copy writes (the live tokens, and what arrives meanwhile); the rest is mapped
+        # ahead of use once installed (`SuffixForest.populate_ahead`), so unused room costs no memory.
+        mapped = min(size, live + (live >> 2) + (1 << 16))
         self.pool = np.empty(size, np.int32)
-        populate(self.pool, 0, size)
+        populate(self.pool, 0, mapped)
         self.levels = np.empty(size if forest.remembered else 0, np.uint8)
-        populate(self.levels, 0, self.levels.shape[0])
+        populate(self.levels, 0, min(mapped, self.levels.shape[0]))
         self._rows = np.empty(0, np.int64)
         self._notes = np.empty((0, 3), np.int64)  # per row: Q_OFF, Q_LEN, Q_CAP when `begin` ran
         self._places = np.empty(0, np.int64)
