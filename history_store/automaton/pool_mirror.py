@@ -3,8 +3,8 @@
 Every sequence's tokens live in one flat array (`SuffixForest.pool`), which the forest grows by copying it
 whole into one twice as large, and packs (`_compact_pool`) by moving every live segment, both at once, in
 whatever call runs out of room. For a drafting server that follows its replica, that call is a piece of
-history work holding the decode step off: at a few tens of millions of tokens the copy took 258 ms there
-(`das bench ingest`, batch 256 at 300k tokens/s). A `PoolMirror` does the same in pieces:
+history work holding the decode step off: the copy took 258 ms of CPU there (`das bench ingest`, batch 256
+at 300k tokens/s). A `PoolMirror` does the same in pieces:
 - its array is allocated and mapped (`resident`) outside the hold, sized for the live tokens with room;
 - `begin` (in the hold) notes every used sequence's segment (offset, length, capacity) and gives each a place
   in the new array, packed in row order;
@@ -56,9 +56,9 @@ class PoolMirror:
         populate(self.pool, 0, mapped)
         self.levels = np.empty(size if forest.remembered else 0, np.uint8)
         populate(self.levels, 0, min(mapped, self.levels.shape[0]))
-        self._rows = np.empty(0, np.int64)
-        self._notes = np.empty((0, 3), np.int64)  # per row: Q_OFF, Q_LEN, Q_CAP when `begin` ran
-        self._offs = self._lens = self._places = np.empty(0, np.int64)  # contiguous: one compiled kernel
+        # Per used row when `begin` ran: its offset, length and capacity, and its place in the new array
+        # (contiguous, so that every call of the copy kernel shares one compiled signature).
+        self._rows = self._offs = self._lens = self._caps = self._places = np.empty(0, np.int64)
         # The copy kernel loaded (and compiled on a fresh clone) here, not in the first piece (13-23 ms).
         copy_segments(self.pool, forest.pool, self._offs, self._places, self._lens, 0, 0)
         self._next = 0  # the next segment to copy
@@ -76,12 +76,9 @@ class PoolMirror:
         fit (the caller drops this mirror)."""
         f = self.forest
         self._rows = self._used_rows()
-        self._notes = f.seqs[self._rows][:, [K.Q_OFF, K.Q_LEN, K.Q_CAP]].copy()
-        self._offs = np.ascontiguousarray(self._notes[:, 0])
-        self._lens = np.ascontiguousarray(self._notes[:, 1])
-        caps = self._notes[:, 2]
-        self._places = np.cumsum(caps) - caps
-        self._end = int(caps.sum())
+        self._offs, self._lens, self._caps = (f.seqs[self._rows, col] for col in (K.Q_OFF, K.Q_LEN, K.Q_CAP))
+        self._places = np.cumsum(self._caps) - self._caps
+        self._end = int(self._caps.sum())
         self.begun = True
         return self._end <= self.pool.shape[0]
 
@@ -107,8 +104,12 @@ class PoolMirror:
         f = self.forest
         rows = self._used_rows()
         place = np.full(f.seqs.shape[0], -1, np.int64)
-        now = f.seqs[self._rows][:, [K.Q_OFF, K.Q_LEN, K.Q_CAP]]
-        same = (now == self._notes).all(axis=1)
+        noted = self._rows
+        same = (
+            (f.seqs[noted, K.Q_OFF] == self._offs)
+            & (f.seqs[noted, K.Q_LEN] == self._lens)
+            & (f.seqs[noted, K.Q_CAP] == self._caps)
+        )
         place[self._rows[same]] = self._places[same]
         moved = rows[place[rows] < 0]  # new, reused, grown or moved since `begin`
         caps = f.seqs[moved, K.Q_CAP]
@@ -116,7 +117,7 @@ class PoolMirror:
         end = self._end + int(caps.sum())
         if end > self.pool.shape[0]:
             return False
-        offs, lens = f.seqs[moved, K.Q_OFF].copy(), f.seqs[moved, K.Q_LEN].copy()
+        offs, lens = f.seqs[moved, K.Q_OFF], f.seqs[moved, K.Q_LEN]
         copy_segments(self.pool, f.pool, offs, places, lens, 0, np.iinfo(np.int64).max)
         if f.remembered:
             copy_segments(self.levels, f.levels, offs, places, lens, 0, np.iinfo(np.int64).max)

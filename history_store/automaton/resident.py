@@ -3,9 +3,10 @@
 The arena's arrays are allocated zeroed and lazily (numpy's `zeros` is calloc: the kernel maps a page on its
 first write), so the first write to each fresh page is a page fault, paid by whoever writes there first: the
 tree work that inserts history while it holds the decode step off (`tree_work`), or the step itself. On the
-VMs these tests run on, a fault on memory the guest never touched costs about 30 ms (measured: one token of
-insertion in 40,000 took 30-50 ms, nearly all of it system time on one minor fault); on a bare-metal host a
-transparent huge page's fault still zeroes 2 MiB. The history thread therefore asks the kernel to map the
+VMs these tests run on, a fault on memory the guest has not used lately costs about 30 ms (measured: 38 of
+1.0 M tokens of insertion took 30-50 ms each, nearly all of it system time on one minor fault; not measured on
+bare metal, where a fault is far cheaper, though a transparent huge page's still zeroes 2 MiB). The history
+thread therefore asks the kernel to map the
 next rows of each growing array ahead of use (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+), outside the
 hold: it maps pages without writing them, so it is safe beside a step that writes the same rows. On a kernel
 without it, nothing is done and the faults stay where they were.
@@ -70,3 +71,11 @@ class Frontier:
                 row = target
             self._mapped[name] = (weakref.ref(arr), row)
         return asked
+
+
+def arena_rows_ahead(
+    states: np.ndarray, edges: np.ndarray, meta: np.ndarray, tokens: int
+) -> list[tuple[str, np.ndarray, int, int]]:
+    """`Frontier.ahead`'s entries for an arena's states and edges: the rows `tokens` tokens of insertion may
+    write (two states and three edges each, the room `SuffixForest.grow_for` makes per token)."""
+    return [("states", states, int(meta[0]), 2 * tokens), ("edges", edges, int(meta[1]), 3 * tokens)]

@@ -19,7 +19,7 @@ import numpy as np
 
 from history_store.automaton import kernels as K
 from history_store.automaton.config import DraftConfig
-from history_store.automaton.resident import Frontier
+from history_store.automaton.resident import Frontier, arena_rows_ahead
 from history_store.errors import InvalidInput
 from history_store.native.bundles import DraftOutputs, Forest, draft_params, gather
 
@@ -257,12 +257,8 @@ class SuffixForest:
         """Maps the arena rows that the next `tokens` tokens of insertion may write (`resident`: without
         writing them, so a step may run meanwhile); call it outside the decode step's hold. Returns the bytes
         asked for."""
-        n_states, n_edges, _ = (int(x) for x in self.meta)
-        arrays = [
-            ("states", self.states, n_states, 2 * tokens),
-            ("edges", self.edges, n_edges, 3 * tokens),
-            ("pool", self.pool, self._pool_used, tokens),
-        ]
+        arrays = arena_rows_ahead(self.states, self.edges, self.meta, tokens)
+        arrays.append(("pool", self.pool, self._pool_used, tokens))
         if self.remembered:
             arrays.append(("levels", self.levels, self._pool_used, tokens))
         return self._frontier.ahead(arrays)

@@ -33,7 +33,7 @@ from numba import njit
 
 from history_store.automaton import kernels as K
 from history_store.automaton.pool_mirror import PoolMirror
-from history_store.automaton.resident import Frontier
+from history_store.automaton.resident import Frontier, arena_rows_ahead
 from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
 
 
@@ -354,10 +354,7 @@ class Mirror:
     def prepare(self, tokens: int) -> None:
         """Grows the fresh arrays for what the last piece stopped at, and maps the rows the next `tokens`
         tokens may write (`resident`; needs no hold on the step)."""
-        n_states, n_edges, _ = (int(x) for x in self.meta)
-        self._frontier.ahead(
-            (("states", self.states, n_states, 2 * tokens), ("edges", self.edges, n_edges, 3 * tokens))
-        )
+        self._frontier.ahead(arena_rows_ahead(self.states, self.edges, self.meta, tokens))
         if self.need is None:
             return
         tid, q = self.need
@@ -427,7 +424,8 @@ class Mirror:
 
 
 # Tokens of insertion whose arena rows `prepare` keeps mapped ahead (`resident`): 64k tokens are 4 MiB of
-# states, mapped a few MiB at a time, and more than a second of the fastest ingest `das bench ingest` drives.
+# states, mapped 2 MiB at a time, and about 0.2 s of the fastest ingest `das bench ingest` drives (300k tokens/s);
+# `prepare` runs before every piece.
 RESIDENT_TOKENS = 1 << 16
 # A compaction's fresh arrays have room for this many times the live trees' states and edges: the arena then
 # grows by compaction, in pieces, instead of by a copy inside whatever call runs out of room.
@@ -483,7 +481,6 @@ class TreeWork:
         self.mirror: Mirror | None = None
         self.pool_mirror: PoolMirror | None = None  # allocated outside the hold (`prepare`)
         self.pool_installs = 0  # pools grown and packed in pieces
-        self._settling = False  # inside `settle`: growth in place, not by compaction
         self._planned: Mirror | None = None  # a compaction's arrays, allocated outside the hold (`prepare`)
         self.done_tokens = 0  # every token of work done, for reports
         self.pieces = 0
@@ -550,11 +547,13 @@ class TreeWork:
 
     # ---- doing it ----------------------------------------------------------------------------------------
 
-    def run(self, budget: int) -> int:
-        """Does at most about `budget` tokens of work (hold the step off); returns the tokens done."""
+    def run(self, budget: int, in_place: bool = False) -> int:
+        """Does at most about `budget` tokens of work (hold the step off); returns the tokens done. `in_place`:
+        nobody waits for the hold (`settle`), so the arena grows in place, as the forest grows it, instead of by
+        a compaction into fresh arrays with room."""
         self.pieces += 1
         fill = arena_fill(self.forest)
-        if fill > TIGHT and not self._settling:
+        if fill > TIGHT and not in_place:
             self.forest.compaction_wanted = True  # compaction brings the room, in pieces
         kinds = []
         if fill < FULL or self.mirror is None:
@@ -654,12 +653,12 @@ class TreeWork:
         self.pool_mirror = None
         return 1
 
-    def prepare(self, grow_pool: bool = True) -> None:
+    def prepare(self, in_place: bool = False) -> None:
         """Work that needs no hold on the step: mapping the arena's next rows (`resident`), allocating a
-        compaction's or (with `grow_pool`) the pool's new arrays, growing them."""
+        compaction's or (unless `in_place`, see `run`) the pool's new arrays, growing them."""
         f = self.forest
         f.populate_ahead(RESIDENT_TOKENS)
-        if grow_pool and self.pool_mirror is None and f.pool_used > POOL_TIGHT * f.pool.shape[0]:
+        if not in_place and self.pool_mirror is None and f.pool_used > POOL_TIGHT * f.pool.shape[0]:
             self.pool_mirror = PoolMirror(f)
         if self.mirror is not None:
             self.mirror.prepare(RESIDENT_TOKENS)
@@ -670,14 +669,10 @@ class TreeWork:
         """Does everything queued (a caller that wants the trees complete now: tests, a synchronous
         catch-up). Returns the tokens done."""
         total = 0
-        self._settling = True
-        try:
-            while self.pending:
-                total += self.run(piece)
-                # Nobody waits here: the arena and the pool grow in place, as the forest grows them, and not by
-                # a compaction or a pool mirror beside them (a copy with room to spare: at 10 M history
-                # tokens a server's start, eager, then took 108 s and peaked at 4.9 GB instead of 41 s and 1.6 GB).
-                self.prepare(grow_pool=False)
-        finally:
-            self._settling = False
+        while self.pending:
+            # Nobody waits here: the arena and the pool grow in place, not by a compaction or a pool mirror
+            # beside them (copies with room to spare: at 10 M history tokens an eager start took 108 s and
+            # peaked 4.9 GB that way, 33.5 s and 1.58 GB in place, benchmarks/history_load_grown_in_place.json).
+            total += self.run(piece, in_place=True)
+            self.prepare(in_place=True)
         return total

@@ -25,9 +25,10 @@ The thread holds the index for at most a `duty` share of wall time (`DAS_HISTORY
 of t seconds the next waits t * (1 / duty - 1), so ingest takes at most that share of the trees whatever the
 cluster publishes; work beyond it queues, and past `DeferredIndex.max_backlog` new rollouts skip the global tree
 (their problems' trees still take them). Pieces stay short because what made some long happens outside the
-hold, between pieces (`DeferredIndex.prepare`): the arena's next rows are mapped ahead (a first write to fresh
-memory took 30-50 ms on these VMs), and the token pool grows in pieces (`pool_mirror`) instead of one copy. Doing at most a piece inside each step instead was measured against this by
-`das bench ingest` (batch 64 at 100k tokens/s: p99 37.2 ms against 1.4 ms, docs/benchmarks.md) and dropped.
+hold, before each piece (`DeferredIndex.prepare`): the arena's next rows are mapped ahead (a first write to
+fresh memory took 30-50 ms on these VMs), and the token pool grows in pieces (`pool_mirror`) instead of in one
+copy. Doing at most a piece inside each step instead was measured against this by `das bench ingest` (batch 64
+at 100k tokens/s: p99 37.2 ms against 1.4 ms, docs/benchmarks.md) and dropped.
 
 What is counted: `das_proposer_history_missing` (1 while the server has no readable history), every time it
 lost or never found it (`das_proposer_history_outages_total`, logged once per outage), and the tokens
@@ -361,6 +362,7 @@ class HistoryFeed:
     def _run(self) -> None:
         piece_s = 0.0005
         last_piece = next_piece = time.perf_counter()
+        prepared = False  # `index.prepare` has run since the last piece
         while not self._stop.is_set():
             self._work_lock.acquire()
             try:
@@ -384,7 +386,6 @@ class HistoryFeed:
                     time.sleep(0)
                 busy = bool(self._ops) or self.index.work_pending
                 if busy:
-                    self.index.prepare()  # outside the gate: the arena's next rows, a compaction's arrays
                     # A piece when the next step is not due before it ends, or, so that history never stalls
                     # behind steps that come too close together, when none has run for a while.
                     now_p = time.perf_counter()
@@ -393,6 +394,9 @@ class HistoryFeed:
                         self._stop.wait(min(next_piece - now_p, 0.02))
                         self._work_lock.acquire()
                         continue
+                    if not prepared:  # outside the gate, once per piece: the arena's next rows, new arrays
+                        self.index.prepare()
+                        prepared = True
                     overdue = now_p - last_piece > _OVERDUE_S
                     if (self.gate.room() > 1.5 * piece_s or overdue) and self.gate.try_hold():
                         started, cpu = time.perf_counter(), time.thread_time()
@@ -408,6 +412,7 @@ class HistoryFeed:
                         piece_s = 0.9 * piece_s + 0.1 * min(took, _PIECE_MAX_S)
                         self.piece_seconds += took
                         self.pieces += 1
+                        prepared = False
                         time.sleep(0)
                         continue
                     self.gate.left.clear()
