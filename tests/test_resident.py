@@ -1,6 +1,7 @@
-"""Arena memory mapped ahead of the hold (`resident`): pages become resident without their contents changing,
-and a frontier follows arrays that are replaced (issue 47, item 1: a first write to fresh memory inside a piece
-of history work held a decode step for 30-50 ms)."""
+"""Arena memory made ready outside the hold (`resident`): pages become resident without their contents
+changing, a frontier follows arrays that are replaced, large arrays grow in place instead of by a copy, and a
+hash table's next size is written ahead (issue 47, item 1: a first write to fresh memory inside a piece of
+history work held a decode step for 30-50 ms, and growing the arena by a copy for 1.2 s)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import resource
 
 import numpy as np
 
-from history_store.automaton.resident import Frontier, populate
+from history_store.automaton import kernels as K
+from history_store.automaton.config import DraftConfig
+from history_store.automaton.resident import Filled, Frontier, capacity, grown, populate, zeros
+from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
 
 
 def _minor_faults() -> int:
@@ -40,3 +44,56 @@ def test_a_frontier_maps_in_chunks_ahead_of_use_and_starts_again_on_a_replaced_a
     grown = np.zeros(1 << 21, np.int32)
     assert frontier.ahead([("pool", grown, 600, 1000)]) > 0  # a new array: mapped again from its used rows
     assert populate(arr, 5, 5) == 0 and populate(arr, arr.shape[0] + 10, arr.shape[0] + 20) == 0
+
+
+def test_a_large_array_grows_in_place_and_a_small_one_by_a_copy() -> None:
+    arr = zeros((1 << 16, 8), np.int32)  # 2 MiB: reserved
+    arr[-1] = 5
+    assert capacity(arr) > 4 * arr.shape[0]
+    assert populate(arr, arr.shape[0], 2 * arr.shape[0]) > 0  # rows it will grow into map ahead already
+    big = grown(arr, 3 * arr.shape[0])
+    assert big.shape == (3 << 16, 8) and np.shares_memory(big, arr)  # nothing copied
+    assert (big[(1 << 16) - 1] == 5).all() and not big[1 << 16 :].any()
+    big[-1] = 9
+    again = grown(big, capacity(big) + 1)  # past the reservation: a copy, contents kept
+    assert not np.shares_memory(again, big) and again.shape[0] == capacity(big) + 1
+    assert (again[big.shape[0] - 1] == 9).all() and not again[big.shape[0] : big.shape[0] + 4096].any()
+    small = zeros((10, 3), np.int32)
+    small[0] = 1
+    more = grown(small, 20)
+    assert more.shape == (20, 3) and not np.shares_memory(more, small) and (more[0] == 1).all()
+
+
+def test_an_arena_grows_in_place_and_its_hash_table_into_a_spare_written_ahead() -> None:
+    forest = SuffixForest(capacity_tokens=1 << 15)  # states and edges of 1 MiB and more: reserved
+    tree = SuffixTree(DraftConfig(min_token_prob=0.0), forest)
+    rng = np.random.default_rng(0)
+    states = forest.states
+    seq = 0
+    while forest.states.shape[0] == states.shape[0]:
+        tree.extend(seq, rng.integers(0, 4000, 2000))  # a wide vocabulary: the root's edges are hashed
+        seq += 1
+    assert np.shares_memory(forest.states, states)  # grown in place
+    while 2 * int(forest.meta[2]) <= 0.6 * forest.hashes.shape[0]:
+        tree.extend(seq, rng.integers(0, 4000, 2000))
+        seq += 1
+    while forest._spare_hashes is None or not forest._spare_hashes.ready:
+        forest.populate_ahead(1 << 10)  # what the history thread does between pieces
+    spare = forest._spare_hashes.array
+    contexts = [rng.integers(0, 4000, 5) for _ in range(20)]
+    before = [tree.speculate(c).tokens.tolist() for c in contexts]
+    forest.grow(states=0, edges=forest.hashes.shape[0] // 2)  # the table must grow now
+    assert forest.hashes is spare
+    forest.check_arena()
+    assert [tree.speculate(c).tokens.tolist() for c in contexts] == before
+
+
+def test_filled_writes_its_value_a_chunk_at_a_time() -> None:
+    table = Filled((1 << 12, K.HASH_FIELDS), np.int32, -1)
+    chunks = 0
+    while not table.ready:
+        assert table.fill(4096) > 0
+        chunks += 1
+    rows_per_chunk = 4096 // table.array.strides[0]
+    assert chunks == -(-table.array.shape[0] // rows_per_chunk)
+    assert (table.array == -1).all() and table.fill(4096) == 0

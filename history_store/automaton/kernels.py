@@ -455,8 +455,8 @@ def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, levels, tid, qs,
 
 @njit(cache=True)
 def rehash(hashes_new, states, edges, n_states):
-    """Re-inserts the edges of every hashed state (MASK's sign bit) into a fresh, larger table."""
-    hashes_new[:, H_STATE] = -1
+    """Re-inserts the edges of every hashed state (MASK's sign bit) into a larger table whose slots are empty
+    (-1: the caller fills it, outside the decode step's hold where it can)."""
     for s in range(n_states):
         if states[s, MASK] >= 0:
             continue

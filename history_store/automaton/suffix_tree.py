@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from history_store.automaton import kernels as K
+from history_store.automaton import resident
 from history_store.automaton.config import DraftConfig
-from history_store.automaton.resident import Frontier, arena_rows_ahead
+from history_store.automaton.resident import FILL_BYTES, Filled, Frontier, arena_rows_ahead
 from history_store.errors import InvalidInput
 from history_store.native.bundles import DraftOutputs, Forest, draft_params, gather
 
@@ -114,9 +115,9 @@ class SuffixForest:
         self.live_trees: dict[int, SuffixTree] = {}
         self.seqs = np.zeros((64, K.SEQ_FIELDS), np.int64)
         self._free_seqs: list[int] = list(range(63, -1, -1))
-        self.pool = np.zeros(max(64, int(capacity_tokens)), np.int32)
+        self.pool = resident.zeros((max(64, int(capacity_tokens)),), np.int32)
         # Each pooled token's `as_levels`; empty (one kernel type for both) when not remembered.
-        self.levels = np.zeros(self.pool.shape[0] if self.remembered else 0, np.uint8)
+        self.levels = resident.zeros((self.pool.shape[0] if self.remembered else 0,), np.uint8)
         self._pool_used = 0
         self._pool_garbage = 0
         self._version = 0
@@ -126,15 +127,20 @@ class SuffixForest:
         self.compaction_wanted = False
         self.observer: Any = None
         self._frontier = Frontier()
+        # The hash table's next size, its empty slots written ahead outside the decode step's hold
+        # (`populate_ahead`): growing the table then only re-inserts the hashed edges (`grow`).
+        self._spare_hashes: Filled | None = None
 
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
         width = K.STATE_FIELDS if self.remembered else K.BASE_STATE_FIELDS
-        self.states = np.zeros((2 * n, width), np.int32)
-        self.edges = np.zeros((3 * n, K.EDGE_FIELDS), np.int32)
+        # Reserved (`resident.zeros`): they grow in place, without a copy (`grow`).
+        self.states = resident.zeros((2 * n, width), np.int32)
+        self.edges = resident.zeros((3 * n, K.EDGE_FIELDS), np.int32)
         self.hashes = np.full(
-            (_pow2(2 * n), K.HASH_FIELDS), -1, np.int32
+            (pow2(2 * n), K.HASH_FIELDS), -1, np.int32
         )  # only high-degree states' edges are hashed
+        self._spare_hashes = None
         self.meta = np.zeros(3, np.int64)
         self.garbage_states = 0
         self.replaced()
@@ -168,7 +174,7 @@ class SuffixForest:
         """A row in the tree table for `tree`, with a fresh root; returns its id."""
         if not self._free_trees:
             size = self.trees.shape[0]
-            self.trees = _resized(self.trees, 2 * size)
+            self.trees = resident.grown(self.trees, 2 * size)
             self.replaced()
             self._free_trees.extend(range(2 * size - 1, size - 1, -1))
         tid = self._free_trees.pop()
@@ -203,7 +209,7 @@ class SuffixForest:
         """A sequence row with room for `capacity` pooled tokens; returns its id."""
         if not self._free_seqs:
             size = self.seqs.shape[0]
-            self.seqs = _resized(self.seqs, 2 * size)
+            self.seqs = resident.grown(self.seqs, 2 * size)
             self.replaced()
             self._free_seqs.extend(range(2 * size - 1, size - 1, -1))
         q = self._free_seqs.pop()
@@ -261,7 +267,18 @@ class SuffixForest:
         arrays.append(("pool", self.pool, self._pool_used, tokens))
         if self.remembered:
             arrays.append(("levels", self.levels, self._pool_used, tokens))
-        return self._frontier.ahead(arrays)
+        return self._frontier.ahead(arrays) + self._spare_ahead()
+
+    def _spare_ahead(self) -> int:
+        """Writes the next piece of the spare hash table's empty slots, planning one once the table is
+        `SPARE_HASHES_AT` of the way to growing; returns the bytes written."""
+        size = self.hashes.shape[0]
+        spare = self._spare_hashes
+        if spare is None or spare.array.shape[0] < 4 * size:  # none yet, or one for a table since replaced
+            if 2 * int(self.meta[2]) <= SPARE_HASHES_AT * size:
+                return 0
+            spare = self._spare_hashes = Filled((4 * size, K.HASH_FIELDS), np.int32, -1)
+        return spare.fill(FILL_BYTES)
 
     def make_room(self, q: int, length: int) -> None:
         """Moves sequence q to a segment that holds `length` tokens (doubling, so appends stay O(1))."""
@@ -282,9 +299,9 @@ class SuffixForest:
             if self._pool_garbage > max(self._pool_used - self._pool_garbage, 1 << 16):
                 self._compact_pool()
             if self._pool_used + size > self.pool.shape[0]:
-                self.pool = _resized(self.pool, _grown(self.pool.shape[0], self._pool_used + size))
+                self.pool = resident.grown(self.pool, _grown(self.pool.shape[0], self._pool_used + size))
                 if self.remembered:
-                    self.levels = _resized(self.levels, self.pool.shape[0])
+                    self.levels = resident.grown(self.levels, self.pool.shape[0])
                 self.replaced()
         off = self._pool_used
         self._pool_used += size
@@ -326,13 +343,17 @@ class SuffixForest:
     def grow(self, states: int, edges: int) -> None:
         n_states, n_edges, n_hash = (int(x) for x in self.meta)
         if n_states + states > self.states.shape[0]:
-            self.states = _resized(self.states, _grown(self.states.shape[0], n_states + states))
+            self.states = resident.grown(self.states, _grown(self.states.shape[0], n_states + states))
             self.replaced()
         if n_edges + edges > self.edges.shape[0]:
-            self.edges = _resized(self.edges, _grown(self.edges.shape[0], n_edges + edges))
+            self.edges = resident.grown(self.edges, _grown(self.edges.shape[0], n_edges + edges))
             self.replaced()
         if 2 * (n_hash + edges) > self.hashes.shape[0]:
-            hashes = np.empty((_pow2(4 * (n_hash + edges)), 3), np.int32)
+            spare, self._spare_hashes = self._spare_hashes, None
+            if spare is not None and spare.ready and spare.array.shape[0] >= 4 * (n_hash + edges):
+                hashes = spare.array  # its empty slots written outside the hold
+            else:
+                hashes = np.full((pow2(4 * (n_hash + edges)), K.HASH_FIELDS), -1, np.int32)
             K.rehash(hashes, self.states, self.edges, n_states)
             self.hashes = hashes
             self.replaced()
@@ -438,18 +459,18 @@ class SuffixForest:
                 )
 
 
-def _pow2(n: int) -> int:
+# A hash table this much of the way to growing (half full) gets a spare of the next size, its empty slots
+# written `FILL_BYTES` at a time outside the hold.
+SPARE_HASHES_AT = 0.6
+
+
+def pow2(n: int) -> int:
+    """The power of two at or above n (at least 64): a hash table's rows."""
     return 1 << max(6, (int(n) - 1).bit_length())
 
 
 def _grown(current: int, needed: int) -> int:
     return max(needed, 2 * current)
-
-
-def _resized(arr: np.ndarray, size: int) -> np.ndarray:
-    out = np.zeros((size, *arr.shape[1:]), arr.dtype)
-    out[: arr.shape[0]] = arr
-    return out
 
 
 class SuffixTree:

@@ -32,9 +32,10 @@ import numpy as np
 from numba import njit
 
 from history_store.automaton import kernels as K
+from history_store.automaton import resident
 from history_store.automaton.pool_mirror import PoolMirror
-from history_store.automaton.resident import Frontier, arena_rows_ahead
-from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
+from history_store.automaton.resident import FILL_BYTES, Filled, Frontier, arena_rows_ahead
+from history_store.automaton.suffix_tree import SuffixForest, SuffixTree, pow2
 
 
 @njit(cache=True, nogil=True)
@@ -245,16 +246,18 @@ class Mirror:
 
     def __init__(self, forest: SuffixForest) -> None:
         """Fresh arrays with room for `HEADROOM` times what the forest's live trees hold (allocated here, which
-        needs no hold on the step: `begin` then starts following the forest)."""
+        needs no hold on the step; the hash table's empty slots are written by `prepare`, a chunk at a time,
+        and `begin` waits for them: `ready`)."""
         self.forest = forest
         used_states, used_edges, used_hash = (max(1, int(x)) for x in forest.meta)
         live = max(1, used_states - forest.garbage_states) / used_states  # the live share of what is used
         states = max(1024, int(HEADROOM * live * used_states))
         edges = max(1024, int(HEADROOM * live * used_edges))
         hashed = max(1024, int(HEADROOM * live * used_hash))
-        self.states = np.zeros((states, forest.states.shape[1]), np.int32)
-        self.edges = np.zeros((edges, K.EDGE_FIELDS), np.int32)
-        self.hashes = np.full((_pow2(4 * hashed), K.HASH_FIELDS), -1, np.int32)
+        self.states = resident.zeros((states, forest.states.shape[1]), np.int32)
+        self.edges = resident.zeros((edges, K.EDGE_FIELDS), np.int32)
+        self._empty_hashes = Filled((pow2(4 * hashed), K.HASH_FIELDS), np.int32, -1)
+        self.hashes = self._empty_hashes.array
         self.meta = np.zeros(3, np.int64)
         self.trees = np.zeros_like(forest.trees)
         self.seqs = np.zeros_like(forest.seqs)
@@ -263,6 +266,11 @@ class Mirror:
         self.cursor = 0
         self.need: tuple[int, int] | None = None  # (tid, row) the last piece stopped at for room
         self._frontier = Frontier()
+
+    @property
+    def ready(self) -> bool:
+        """Its hash table's empty slots are all written: `begin` may start it."""
+        return self._empty_hashes.ready
 
     def begin(self) -> None:
         """Starts following the forest (hold the step off): a root per live tree, every sequence to feed."""
@@ -294,9 +302,9 @@ class Mirror:
     def _fit_tables(self) -> None:
         f = self.forest
         if self.trees.shape[0] < f.trees.shape[0]:
-            self.trees = _resized(self.trees, f.trees.shape[0])
+            self.trees = resident.grown(self.trees, f.trees.shape[0])
         if self.seqs.shape[0] < f.seqs.shape[0]:
-            self.seqs = _resized(self.seqs, f.seqs.shape[0])
+            self.seqs = resident.grown(self.seqs, f.seqs.shape[0])
             owner = np.full(f.seqs.shape[0], -1, np.int64)
             owner[: self.owner.shape[0]] = self.owner
             self.owner = owner
@@ -343,17 +351,21 @@ class Mirror:
     def _room(self, states: int, edges: int) -> None:
         n_states, n_edges, n_hash = (int(x) for x in self.meta)
         if n_states + states > self.states.shape[0]:
-            self.states = _resized(self.states, max(n_states + states, 2 * self.states.shape[0]))
+            self.states = resident.grown(self.states, max(n_states + states, 2 * self.states.shape[0]))
         if n_edges + edges > self.edges.shape[0]:
-            self.edges = _resized(self.edges, max(n_edges + edges, 2 * self.edges.shape[0]))
+            self.edges = resident.grown(self.edges, max(n_edges + edges, 2 * self.edges.shape[0]))
         if 2 * (n_hash + edges) > self.hashes.shape[0]:
-            hashes = np.empty((_pow2(4 * (n_hash + edges)), K.HASH_FIELDS), np.int32)
+            hashes = np.full((pow2(4 * (n_hash + edges)), K.HASH_FIELDS), -1, np.int32)
             K.rehash(hashes, self.states, self.edges, n_states)
             self.hashes = hashes
 
     def prepare(self, tokens: int) -> None:
-        """Grows the fresh arrays for what the last piece stopped at, and maps the rows the next `tokens`
-        tokens may write (`resident`; needs no hold on the step)."""
+        """Writes the next chunk of the hash table's empty slots until it is `ready`; then grows the fresh
+        arrays for what the last piece stopped at, and maps the rows the next `tokens` tokens may write
+        (`resident`; needs no hold on the step)."""
+        if not self.ready:
+            self._empty_hashes.fill(FILL_BYTES)
+            return
         self._frontier.ahead(arena_rows_ahead(self.states, self.edges, self.meta, tokens))
         if self.need is None:
             return
@@ -427,13 +439,9 @@ class Mirror:
 # states, mapped 2 MiB at a time, and about 0.2 s of the fastest ingest `das bench ingest` drives (300k tokens/s);
 # `prepare` runs before every piece.
 RESIDENT_TOKENS = 1 << 16
-# A compaction's fresh arrays have room for this many times the live trees' states and edges: the arena then
-# grows by compaction, in pieces, instead of by a copy inside whatever call runs out of room.
-HEADROOM = 2.5
-# The arena is this full (its states, edges or hash table) when a compaction starts to bring room.
-TIGHT = 0.6
-# Past this fill, only the compaction works (the decode step's own commits keep the rest).
-FULL = 0.85
+# A compaction's fresh arrays have room for this many times the live trees' states and edges (they grow in
+# place past it, `resident.grown`, as the forest's own do).
+HEADROOM = 1.5
 
 
 # The token pool is this full when a `PoolMirror` starts to grow and pack it, in pieces, before the forest
@@ -441,26 +449,6 @@ FULL = 0.85
 POOL_TIGHT = 0.7
 # Copying this many pooled tokens counts as one token of tree work (a copy of 4 bytes against an insertion).
 POOL_COPY_PER_TOKEN = 1024
-
-
-def arena_fill(forest: SuffixForest) -> float:
-    """How full the arena is: the largest used share of its states, edges and hash table."""
-    n_states, n_edges, n_hash = (int(x) for x in forest.meta)
-    return max(
-        n_states / forest.states.shape[0],
-        n_edges / forest.edges.shape[0],
-        2 * n_hash / forest.hashes.shape[0],
-    )
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(6, (int(n) - 1).bit_length())
-
-
-def _resized(arr: np.ndarray, size: int) -> np.ndarray:
-    out = np.zeros((size, *arr.shape[1:]), arr.dtype)
-    out[: arr.shape[0]] = arr
-    return out
 
 
 class TreeWork:
@@ -547,17 +535,10 @@ class TreeWork:
 
     # ---- doing it ----------------------------------------------------------------------------------------
 
-    def run(self, budget: int, in_place: bool = False) -> int:
-        """Does at most about `budget` tokens of work (hold the step off); returns the tokens done. `in_place`:
-        nobody waits for the hold (`settle`), so the arena grows in place, as the forest grows it, instead of by
-        a compaction into fresh arrays with room."""
+    def run(self, budget: int) -> int:
+        """Does at most about `budget` tokens of work (hold the step off); returns the tokens done."""
         self.pieces += 1
-        fill = arena_fill(self.forest)
-        if fill > TIGHT and not in_place:
-            self.forest.compaction_wanted = True  # compaction brings the room, in pieces
-        kinds = []
-        if fill < FULL or self.mirror is None:
-            kinds = [k for k, busy in (("feed", self.feeds), ("rebuild", self.rebuilds or self.late)) if busy]
+        kinds = [k for k, busy in (("feed", self.feeds), ("rebuild", self.rebuilds or self.late)) if busy]
         if self.mirror is not None or self.forest.compaction_wanted:
             kinds.append("compact")
         if self.pool_mirror is not None:
@@ -621,8 +602,8 @@ class TreeWork:
     def _compact(self, budget: int) -> int:
         f = self.forest
         if self.mirror is None:
-            if self._planned is None:
-                return 0  # its arrays are allocated outside the hold first (`prepare`: seconds for a large arena)
+            if self._planned is None or not self._planned.ready:
+                return 0  # its arrays are made ready outside the hold first (`prepare`)
             f.compaction_wanted = False
             self.mirror, self._planned = self._planned, None
             self.mirror.begin()
@@ -654,25 +635,28 @@ class TreeWork:
         return 1
 
     def prepare(self, in_place: bool = False) -> None:
-        """Work that needs no hold on the step: mapping the arena's next rows (`resident`), allocating a
-        compaction's or (unless `in_place`, see `run`) the pool's new arrays, growing them."""
+        """Work that needs no hold on the step: mapping the arena's next rows (`resident`), making a
+        compaction's new arrays ready or growing them, and (unless `in_place`: nobody waits, `settle`)
+        allocating the pool's new arrays."""
         f = self.forest
         f.populate_ahead(RESIDENT_TOKENS)
         if not in_place and self.pool_mirror is None and f.pool_used > POOL_TIGHT * f.pool.shape[0]:
             self.pool_mirror = PoolMirror(f)
         if self.mirror is not None:
             self.mirror.prepare(RESIDENT_TOKENS)
-        elif self.forest.compaction_wanted and self._planned is None:
-            self._planned = Mirror(self.forest)
+        elif self.forest.compaction_wanted:
+            if self._planned is None:
+                self._planned = Mirror(self.forest)
+            self._planned.prepare(RESIDENT_TOKENS)
 
     def settle(self, piece: int = 1 << 16) -> int:
         """Does everything queued (a caller that wants the trees complete now: tests, a synchronous
         catch-up). Returns the tokens done."""
         total = 0
         while self.pending:
-            # Nobody waits here: the arena and the pool grow in place, not by a compaction or a pool mirror
-            # beside them (copies with room to spare: at 10 M history tokens an eager start took 108 s and
-            # peaked 4.9 GB that way, 33.5 s and 1.58 GB in place, benchmarks/history_load_grown_in_place.json).
-            total += self.run(piece, in_place=True)
+            total += self.run(piece)
+            # Nobody waits here: the pool grows in place, not by a pool mirror beside it (a copy with room to
+            # spare: at 10 M history tokens an eager start took 108 s and peaked 4.9 GB with that and a
+            # compaction beside the arena, 33.5 s and 1.58 GB without, benchmarks/history_load_grown_in_place.json).
             self.prepare(in_place=True)
         return total

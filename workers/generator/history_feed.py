@@ -423,6 +423,9 @@ class HistoryFeed:
                     continue
                 if self._changes or self._reloading is not None:
                     continue
+                # Idle: what needs no hold goes on (a spare hash table's empty slots, rows mapped ahead), so
+                # that a step's own growth (a lazy load's first request, committed tokens) finds them ready.
+                self.index.prepare()
                 self.gate.left.clear()
                 self._work_lock.release()
                 self._stop.wait(max(0.0005, min(0.02, self._next_catch_up - time.monotonic())))
