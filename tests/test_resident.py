@@ -97,3 +97,6 @@ def test_filled_writes_its_value_a_chunk_at_a_time() -> None:
     rows_per_chunk = 4096 // table.array.strides[0]
     assert chunks == -(-table.array.shape[0] // rows_per_chunk)
     assert (table.array == -1).all() and table.fill(4096) == 0
+    partly = Filled((1 << 12, K.HASH_FIELDS), np.int32, -1)
+    partly.fill(4096)
+    assert not partly.ready and (partly.finish() == -1).all() and partly.ready  # whoever needs it writes the rest

@@ -111,9 +111,9 @@ class DeferredIndex(ProblemIndex):
         return self.tree_work.run(budget)
 
     def prepare(self) -> None:
-        """Tree work that needs no hold on the step: mapping the arena's next rows (`resident`), allocating
-        and growing a compaction's fresh arrays (a copy of the arena's size) and the token pool's
-        (`pool_mirror`). Call it between pieces, or a compaction or the pool's growth waits for it."""
+        """Tree work that needs no hold on the step: mapping the arena's next rows (`resident`), writing a hash
+        table's next size ahead, making a compaction's fresh arrays ready and the token pool's (`pool_mirror`).
+        Call it between pieces, or a compaction or the pool's packing waits for it."""
         self.tree_work.prepare()
 
     @property

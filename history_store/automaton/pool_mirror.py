@@ -1,8 +1,8 @@
 """The token pool grown and packed beside the forest, a piece at a time, for `TreeWork`.
 
-Every sequence's tokens live in one flat array (`SuffixForest.pool`), which the forest grows by copying it
-whole into one twice as large, and packs (`_compact_pool`) by moving every live segment, both at once, in
-whatever call runs out of room. For a drafting server that follows its replica, that call is a piece of
+Every sequence's tokens live in one flat array (`SuffixForest.pool`), which the forest grows (in place when it
+is reserved, `resident.grown`; by copying it whole into one twice as large otherwise), and packs
+(`_compact_pool`) by moving every live segment at once, in whatever call runs out of room. For a drafting server that follows its replica, that call is a piece of
 history work holding the decode step off: the copy took 258 ms of CPU there (`das bench ingest`, batch 256
 at 300k tokens/s). A `PoolMirror` does the same in pieces:
 - its array is allocated and mapped (`resident`) outside the hold, sized for the live tokens with room;
@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit
 
 from history_store.automaton import kernels as K
-from history_store.automaton.resident import populate
+from history_store.automaton.resident import populate, zeros
 from history_store.automaton.suffix_tree import SuffixForest
 
 # The new array's room: this many times the live tokens (the forest's own growth doubles).
@@ -52,9 +52,9 @@ class PoolMirror:
         # Mapped as far as the copy writes (the live tokens, and what arrives meanwhile); the rest is mapped
         # ahead of use once installed (`SuffixForest.populate_ahead`), so unused room costs no memory.
         mapped = min(size, live + (live >> 2) + (1 << 16))
-        self.pool = np.empty(size, np.int32)
+        self.pool = zeros((size,), np.int32)  # reserved: once installed, it grows in place (`resident`)
         populate(self.pool, 0, mapped)
-        self.levels = np.empty(size if forest.remembered else 0, np.uint8)
+        self.levels = zeros((size if forest.remembered else 0,), np.uint8)
         populate(self.levels, 0, min(mapped, self.levels.shape[0]))
         # Per used row when `begin` ran: its offset, length and capacity, and its place in the new array
         # (contiguous, so that every call of the copy kernel shares one compiled signature).

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import threading
 import weakref
 from collections.abc import Iterable
 
@@ -122,12 +123,14 @@ def populate(arr: np.ndarray, start_row: int, stop_row: int) -> int:
 
 class Filled:
     """An array whose rows are set to `value` a chunk at a time (`fill`), outside the decode step's hold: a hash
-    table's empty slots, written before a piece needs the table (writing them inside it was a fault per page)."""
+    table's empty slots, written before a piece needs the table (writing them inside it was a fault per page).
+    Whoever needs it before it is ready writes the rest (`finish`); a lock keeps the two writers apart."""
 
     def __init__(self, shape: tuple[int, ...], dtype: type | np.dtype, value: int) -> None:
         self.array = np.empty(shape, dtype)
         self.value = value
         self.rows = 0  # rows [0, rows) hold the value
+        self._lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
@@ -135,11 +138,17 @@ class Filled:
 
     def fill(self, nbytes: int) -> int:
         """Sets the next `nbytes` worth of rows; returns the bytes written."""
-        stop = min(self.array.shape[0], self.rows + max(1, nbytes // self.array.strides[0]))
-        self.array[self.rows : stop] = self.value
-        written = (stop - self.rows) * self.array.strides[0]
-        self.rows = stop
+        with self._lock:
+            stop = min(self.array.shape[0], self.rows + max(1, nbytes // self.array.strides[0]))
+            self.array[self.rows : stop] = self.value
+            written = (stop - self.rows) * self.array.strides[0]
+            self.rows = stop
         return written
+
+    def finish(self) -> np.ndarray:
+        """The array, every row set (the rest written now)."""
+        self.fill(self.array.nbytes)
+        return self.array
 
 
 class Frontier:

@@ -350,8 +350,8 @@ class SuffixForest:
             self.replaced()
         if 2 * (n_hash + edges) > self.hashes.shape[0]:
             spare, self._spare_hashes = self._spare_hashes, None
-            if spare is not None and spare.ready and spare.array.shape[0] >= 4 * (n_hash + edges):
-                hashes = spare.array  # its empty slots written outside the hold
+            if spare is not None and spare.array.shape[0] >= 4 * (n_hash + edges):
+                hashes = spare.finish()  # its empty slots written outside the hold, the rest now
             else:
                 hashes = np.full((pow2(4 * (n_hash + edges)), K.HASH_FIELDS), -1, np.int32)
             K.rehash(hashes, self.states, self.edges, n_states)
@@ -461,7 +461,7 @@ class SuffixForest:
 
 # A hash table this much of the way to growing (half full) gets a spare of the next size, its empty slots
 # written `FILL_BYTES` at a time outside the hold.
-SPARE_HASHES_AT = 0.6
+SPARE_HASHES_AT = 0.5
 
 
 def pow2(n: int) -> int:

@@ -13,7 +13,9 @@ pieces of at most a given number of tokens (`TreeWork.run`), between decode step
   root and version, so requests re-match, as after any rebuild), and its old states become garbage;
 - compaction: a `Mirror` rebuilds every live tree into fresh arrays a piece at a time, following what the
   trees do meanwhile (the forest reports new trees, rebuilds, new and freed sequences through its `observer`),
-  and swaps them in when it has caught up: one swap of arrays, every request re-matching once.
+  and swaps them in when it has caught up: one swap of arrays, every request re-matching once. It reclaims
+  garbage (`SuffixForest.maybe_compact`); the arena grows by itself, in place (`resident.grown`), with its hash
+  table's next size written ahead (`SuffixForest.populate_ahead`), so no growth copies inside a piece.
 Every piece is counted in tokens, not time, so the same work in the same order drafts the same.
 
 The arena is one set of numpy tables that the decode step reads and mutates; whoever calls `run` must hold

@@ -25,9 +25,10 @@ The thread holds the index for at most a `duty` share of wall time (`DAS_HISTORY
 of t seconds the next waits t * (1 / duty - 1), so ingest takes at most that share of the trees whatever the
 cluster publishes; work beyond it queues, and past `DeferredIndex.max_backlog` new rollouts skip the global tree
 (their problems' trees still take them). Pieces stay short because what made some long happens outside the
-hold, before each piece (`DeferredIndex.prepare`): the arena's next rows are mapped ahead (a first write to
-fresh memory took 30-50 ms on these VMs), and the token pool grows in pieces (`pool_mirror`) instead of in one
-copy. Doing at most a piece inside each step instead was measured against this by `das bench ingest` (batch 64
+hold, before each piece and while idle (`DeferredIndex.prepare`): the arena's next rows are mapped ahead (a
+first write to fresh memory took 30-50 ms on these VMs), the arena and the pool grow in place instead of by a
+copy (`resident`: at batch 256 and 100k tokens/s one such copy held a step 1.2 s), a hash table's next size is
+written ahead, and the pool is packed in pieces (`pool_mirror`). Doing at most a piece inside each step instead was measured against this by `das bench ingest` (batch 64
 at 100k tokens/s: p99 37.2 ms against 1.4 ms, docs/benchmarks.md) and dropped.
 
 What is counted: `das_proposer_history_missing` (1 while the server has no readable history), every time it
