@@ -12,7 +12,7 @@ import numpy as np
 from history_store.automaton import kernels as K
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.resident import Filled, Frontier, capacity, grown, populate, zeros
-from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
+from history_store.automaton.suffix_tree import SPARE_HASHES_AT, SuffixForest, SuffixTree
 
 
 def _minor_faults() -> int:
@@ -74,11 +74,14 @@ def test_an_arena_grows_in_place_and_its_hash_table_into_a_spare_written_ahead()
         tree.extend(seq, rng.integers(0, 4000, 2000))  # a wide vocabulary: the root's edges are hashed
         seq += 1
     assert np.shares_memory(forest.states, states)  # grown in place
-    while 2 * int(forest.meta[2]) <= 0.6 * forest.hashes.shape[0]:
+    while 2 * int(forest.meta[2]) <= SPARE_HASHES_AT * forest.hashes.shape[0]:
         tree.extend(seq, rng.integers(0, 4000, 2000))
         seq += 1
-    while forest._spare_hashes is None or not forest._spare_hashes.ready:
-        forest.populate_ahead(1 << 10)  # what the history thread does between pieces
+    for _ in range(1000):  # what the history thread does between pieces
+        forest.populate_ahead(1 << 10)
+        if forest._spare_hashes is not None and forest._spare_hashes.ready:
+            break
+    assert forest._spare_hashes is not None and forest._spare_hashes.ready
     spare = forest._spare_hashes.array
     contexts = [rng.integers(0, 4000, 5) for _ in range(20)]
     before = [tree.speculate(c).tokens.tolist() for c in contexts]
@@ -99,4 +102,5 @@ def test_filled_writes_its_value_a_chunk_at_a_time() -> None:
     assert (table.array == -1).all() and table.fill(4096) == 0
     partly = Filled((1 << 12, K.HASH_FIELDS), np.int32, -1)
     partly.fill(4096)
-    assert not partly.ready and (partly.finish() == -1).all() and partly.ready  # whoever needs it writes the rest
+    assert not partly.ready
+    assert (partly.finish() == -1).all() and partly.ready  # whoever needs it writes the rest

@@ -259,15 +259,15 @@ class SuffixForest:
         self._pool_used, self._pool_garbage = int(used), 0
         self.replaced()
 
-    def populate_ahead(self, tokens: int) -> int:
+    def populate_ahead(self, tokens: int, spare: bool = True) -> int:
         """Maps the arena rows that the next `tokens` tokens of insertion may write (`resident`: without
-        writing them, so a step may run meanwhile); call it outside the decode step's hold. Returns the bytes
-        asked for."""
+        writing them, so a step may run meanwhile) and, with `spare`, writes the next piece of the hash table's
+        next size; call it outside the decode step's hold. Returns the bytes asked for or written."""
         arrays = arena_rows_ahead(self.states, self.edges, self.meta, tokens)
         arrays.append(("pool", self.pool, self._pool_used, tokens))
         if self.remembered:
             arrays.append(("levels", self.levels, self._pool_used, tokens))
-        return self._frontier.ahead(arrays) + self._spare_ahead()
+        return self._frontier.ahead(arrays) + (self._spare_ahead() if spare else 0)
 
     def _spare_ahead(self) -> int:
         """Writes the next piece of the spare hash table's empty slots, planning one once the table is
@@ -460,8 +460,9 @@ class SuffixForest:
 
 
 # A hash table this much of the way to growing (half full) gets a spare of the next size, its empty slots
-# written `FILL_BYTES` at a time outside the hold.
-SPARE_HASHES_AT = 0.5
+# written `FILL_BYTES` at a time outside the hold. The spare is 4 times the table, held until the table grows
+# into it: at 10 M history tokens, planned from half way, it added 40 bytes per token to a settled server.
+SPARE_HASHES_AT = 0.75
 
 
 def pow2(n: int) -> int:

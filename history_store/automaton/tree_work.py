@@ -638,10 +638,10 @@ class TreeWork:
 
     def prepare(self, in_place: bool = False) -> None:
         """Work that needs no hold on the step: mapping the arena's next rows (`resident`), making a
-        compaction's new arrays ready or growing them, and (unless `in_place`: nobody waits, `settle`)
-        allocating the pool's new arrays."""
+        compaction's new arrays ready or growing them, and (unless `in_place`: nobody waits, `settle`) writing
+        the hash table's next size ahead and allocating the pool's new arrays."""
         f = self.forest
-        f.populate_ahead(RESIDENT_TOKENS)
+        f.populate_ahead(RESIDENT_TOKENS, spare=not in_place)
         if not in_place and self.pool_mirror is None and f.pool_used > POOL_TIGHT * f.pool.shape[0]:
             self.pool_mirror = PoolMirror(f)
         if self.mirror is not None:
@@ -657,8 +657,8 @@ class TreeWork:
         total = 0
         while self.pending:
             total += self.run(piece)
-            # Nobody waits here: the pool grows in place, not by a pool mirror beside it (a copy with room to
-            # spare: at 10 M history tokens an eager start took 108 s and peaked 4.9 GB with that and a
-            # compaction beside the arena, 33.5 s and 1.58 GB without, benchmarks/history_load_grown_in_place.json).
+            # Nobody waits here: the pool is not copied beside itself by a pool mirror, nor the hash table's next
+            # size written ahead (memory held early: at 10 M history tokens an eager start took 108 s and peaked
+            # 4.9 GB with a pool mirror and a compaction beside the arena, benchmarks/history_load_grown_in_place.json).
             self.prepare(in_place=True)
         return total
