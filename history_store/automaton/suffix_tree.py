@@ -461,8 +461,9 @@ class SuffixForest:
 
 # A hash table this much of the way to growing (half full) gets a spare of the next size, its empty slots
 # written `FILL_BYTES` at a time outside the hold. The spare is 4 times the table, held until the table grows
-# into it: at 10 M history tokens, planned from half way, it added 40 bytes per token to a settled server.
-SPARE_HASHES_AT = 0.75
+# into it (memory the table would take then anyway). Planned at 75%, a burst of lazy loads outran it: `das bench
+# ingest` at batch 256 met the growth in a step without a spare (1.7 s of writing a 96 MiB table on these VMs).
+SPARE_HASHES_AT = 0.5
 
 
 def pow2(n: int) -> int:
