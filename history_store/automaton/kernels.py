@@ -453,10 +453,11 @@ def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, levels, tid, qs,
     return i, DONE
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rehash(hashes_new, states, edges, n_states):
     """Re-inserts the edges of every hashed state (MASK's sign bit) into a larger table whose slots are empty
-    (-1: the caller fills it, outside the decode step's hold where it can)."""
+    (-1: the caller fills it, outside the decode step's hold where it can). Releases the GIL: at 5.3 M states it
+    ran 75-100 ms, which held the engine's Python off (`das bench ingest`: a step started 65-96 ms late)."""
     for s in range(n_states):
         if states[s, MASK] >= 0:
             continue
