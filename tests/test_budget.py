@@ -142,7 +142,9 @@ def _weights_by_definition(quantiles, pool, atypical, outputs, speeds, caps, n_b
         if row is None:
             pmfs[i, -1] = 1.0
         for r, m in row or []:
-            pmfs[i, min(n_bins - 1, int(r / horizon * n_bins))] += m
+            # The grid as the kernel lays it (r x n_bins / horizon, `_grid_bin`): an outcome exactly on a bin's edge
+            # (161 steps of 322 in 4 bins) falls on either side by rounding, and both are the definition.
+            pmfs[i, min(n_bins - 1, int(r * (n_bins / horizon)))] += m
     below = np.cumsum(pmfs, axis=1) - 0.5 * pmfs
     weights = np.array(
         [
