@@ -13,6 +13,8 @@ from history_store.automaton import kernels as K
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.deferred_index import DeferredIndex
 from history_store.automaton.problem_index import ProblemIndex
+from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
+from history_store.automaton.tree_work import POOL_TIGHT, _pool_wanted
 
 WORKLOAD = Workload(problems=5, epochs=6, samples=3, min_len=30, max_len=160)
 CONFIG = DraftConfig(max_spec_tokens=8)
@@ -170,3 +172,19 @@ def test_a_seq_row_that_a_feed_stops_in_resumes_where_it_stopped() -> None:
         steps += 1
     assert steps >= (len(record.response_ids) + 12) // 5
     assert tree.num_tokens == len(record.response_ids) + len(record.prompt_ids)
+
+
+def test_a_reserved_pool_is_packed_for_its_garbage_not_copied_for_its_fill() -> None:
+    # A pool of 1 MiB and more grows in place (`resident.grown`): a pool mirror only packs it, once garbage is
+    # half its live tokens. A plain pool still gets one from POOL_TIGHT full on, as growing it would copy it.
+    forest = SuffixForest(capacity_tokens=1 << 18)
+    tree = SuffixTree(DraftConfig(), forest)
+    rng = np.random.default_rng(0)
+    for seq_id in range(150):
+        tree.extend(seq_id, rng.integers(0, 50, 1500))
+    assert forest.pool_used > POOL_TIGHT * forest.pool.shape[0] and not _pool_wanted(forest)
+    tree.remove_many(range(60))
+    assert _pool_wanted(forest)
+    small = SuffixForest(capacity_tokens=1 << 10)
+    SuffixTree(DraftConfig(), small).extend(0, rng.integers(0, 50, 800))
+    assert _pool_wanted(small)  # 800 of 1,024 tokens, no reservation

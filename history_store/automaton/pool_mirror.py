@@ -1,10 +1,12 @@
-"""The token pool grown and packed beside the forest, a piece at a time, for `TreeWork`.
+"""The token pool packed (and, where it cannot grow in place, grown) beside the forest, a piece at a time, for
+`TreeWork`.
 
-Every sequence's tokens live in one flat array (`SuffixForest.pool`), which the forest grows (in place when it
-is reserved, `resident.grown`; by copying it whole into one twice as large otherwise), and packs
-(`_compact_pool`) by moving every live segment at once, in whatever call runs out of room. For a drafting server that follows its replica, that call is a piece of
-history work holding the decode step off: the copy took 258 ms of CPU there (`das bench ingest`, batch 256
-at 300k tokens/s). A `PoolMirror` does the same in pieces:
+Every sequence's tokens live in one flat array (`SuffixForest.pool`). The forest grows it in place when it is
+reserved (`resident.grown`; by copying it whole otherwise), and packs it (`_compact_pool`) by moving every live
+segment at once, inside whatever call runs out of room. For a drafting server that follows its replica, that
+call is a piece of history work holding the decode step off: a whole copy of the pool took 258 ms of CPU there
+(`das bench ingest`, batch 256 at 300k tokens/s, before the pool was reserved). A `PoolMirror` does the same in
+pieces:
 - its array is allocated and mapped (`resident`) outside the hold, sized for the live tokens with room;
 - `begin` (in the hold) notes every used sequence's segment (offset, length, capacity) and gives each a place
   in the new array, packed in row order;

@@ -45,8 +45,8 @@ RESERVE_MIN_BYTES = 1 << 20
 # The address space reserved behind a large array (at least 4 times its bytes): 16 GiB holds the states of
 # 250 M history tokens; a reservation costs no memory, and 128 TiB of addresses hold 8,000 of them.
 RESERVE_BYTES = 1 << 34
-# What one call outside the hold writes of a table's empty slots (`Filled`): 8 MiB took 100-150 ms of fresh
-# memory on these VMs, well under a millisecond where a fault is cheap.
+# What one call outside the hold writes of a table's empty slots (`Filled`): 8 MiB took 100-200 ms of fresh
+# memory on these VMs (not measured where a fault is cheap).
 FILL_BYTES = 8 << 20
 
 
@@ -83,9 +83,7 @@ def zeros(shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
 def capacity(arr: np.ndarray) -> int:
     """Rows the memory behind `arr` has room for: its reservation's, or its own."""
     flat = _reservation(arr)
-    if flat is None or arr.ndim == 0:
-        return int(arr.shape[0]) if arr.ndim else 0
-    return flat.nbytes // arr.strides[0] if arr.strides[0] else int(arr.shape[0])
+    return int(arr.shape[0]) if flat is None else flat.nbytes // arr.strides[0]
 
 
 def grown(arr: np.ndarray, rows: int) -> np.ndarray:

@@ -446,11 +446,22 @@ RESIDENT_TOKENS = 1 << 16
 HEADROOM = 1.5
 
 
-# The token pool is this full when a `PoolMirror` starts to grow and pack it, in pieces, before the forest
-# must do it at once.
+# A `PoolMirror` packs the token pool, in pieces, once its garbage is this share of its live tokens (the forest
+# packs it at once, inside whatever call needs room, past 1.0)...
+POOL_GARBAGE = 0.5
+# ... and grows it once it is this full, where growing would copy it (a pool that has no reservation left;
+# a reserved one grows in place, `resident.grown`).
 POOL_TIGHT = 0.7
 # Copying this many pooled tokens counts as one token of tree work (a copy of 4 bytes against an insertion).
 POOL_COPY_PER_TOKEN = 1024
+
+
+def _pool_wanted(f: SuffixForest) -> bool:
+    """Whether the token pool wants packing or, where growing it would copy it, growing (`PoolMirror`)."""
+    if f.pool_garbage > POOL_GARBAGE * max(f.pool_used - f.pool_garbage, 1 << 10):
+        return True
+    copies = resident.capacity(f.pool) < 2 * f.pool.shape[0]
+    return copies and f.pool_used > POOL_TIGHT * f.pool.shape[0]
 
 
 class TreeWork:
@@ -636,13 +647,13 @@ class TreeWork:
         self.pool_mirror = None
         return 1
 
-    def prepare(self, in_place: bool = False) -> None:
+    def prepare(self, serving: bool = True) -> None:
         """Work that needs no hold on the step: mapping the arena's next rows (`resident`), making a
-        compaction's new arrays ready or growing them, and (unless `in_place`: nobody waits, `settle`) writing
-        the hash table's next size ahead and allocating the pool's new arrays."""
+        compaction's new arrays ready or growing them, and while `serving` (not `settle`, where nobody waits)
+        writing the hash table's next size ahead and allocating the pool's new arrays."""
         f = self.forest
-        f.populate_ahead(RESIDENT_TOKENS, spare=not in_place)
-        if not in_place and self.pool_mirror is None and f.pool_used > POOL_TIGHT * f.pool.shape[0]:
+        f.populate_ahead(RESIDENT_TOKENS, spare=serving)
+        if serving and self.pool_mirror is None and _pool_wanted(f):
             self.pool_mirror = PoolMirror(f)
         if self.mirror is not None:
             self.mirror.prepare(RESIDENT_TOKENS)
@@ -660,5 +671,5 @@ class TreeWork:
             # Nobody waits here: the pool is not copied beside itself by a pool mirror, nor the hash table's next
             # size written ahead (memory held early: at 10 M history tokens an eager start took 108 s and peaked
             # 4.9 GB with a pool mirror and a compaction beside the arena, benchmarks/history_load_grown_in_place.json).
-            self.prepare(in_place=True)
+            self.prepare(serving=False)
         return total
