@@ -26,7 +26,9 @@ The arena is four arrays (`Arena` in `suffix_tree`), passed to every kernel firs
   hashes  int32 [n, 3]: H_STATE (-1: empty), H_TOKEN, H_EDGE, open addressing. Only states with more than
           HASHED_DEGREE edges are hashed: most states have one or two continuations, and scanning a short
           list is as fast as a probe, while hashing every edge would cost a third of the memory.
-  meta    int64 [3]: states, edges and hash entries in use.
+  meta    int64 [4 + J]: states, edges and hash entries in use (N_STATES, N_EDGES, N_HASHED), then JOURNAL: -1, or
+          while the hash table's next size is built beside the step (`hash_growth`) the length of the journal
+          of hash entries added since, which its J rows after META_FIELDS hold (-2: it overflowed).
 Bookkeeping tables beside it (int64, one row each):
   trees   [T, 6]: ROOT, VERSION (changes when the tree is rebuilt or gains sequences, so matches restart),
           the tree's T_STATES, T_EDGES, T_HASHED, T_TOKENS.
@@ -117,6 +119,8 @@ EDGE_LAYOUT = (("TOK", 1), ("TO", 1), ("NEXT", 1))
 TOK, TO, NEXT, EDGE_FIELDS = columns(EDGE_LAYOUT)
 HASH_LAYOUT = (("H_STATE", 1), ("H_TOKEN", 1), ("H_EDGE", 1))
 H_STATE, H_TOKEN, H_EDGE, HASH_FIELDS = columns(HASH_LAYOUT)
+META_LAYOUT = (("N_STATES", 1), ("N_EDGES", 1), ("N_HASHED", 1), ("JOURNAL", 1))
+N_STATES, N_EDGES, N_HASHED, JOURNAL, META_FIELDS = columns(META_LAYOUT)
 TREE_LAYOUT = (("ROOT", 1), ("VERSION", 1), ("T_STATES", 1), ("T_EDGES", 1), ("T_HASHED", 1), ("T_TOKENS", 1))
 ROOT, VERSION, T_STATES, T_EDGES, T_HASHED, T_TOKENS, TREE_FIELDS = columns(TREE_LAYOUT)
 SEQ_LAYOUT = (("Q_OFF", 1), ("Q_LEN", 1), ("Q_CAP", 1), ("Q_LAST", 1), ("Q_EXT", 1))
@@ -242,7 +246,8 @@ def find_edge(states, edges, hashes, state, tok):
 
 
 @njit(cache=True)
-def _hash_put(hashes, state, tok, edge):
+def _hash_put(hashes, meta, state, tok, edge):
+    """Adds an entry the table lacks, counted in meta (and journaled, `_journal`)."""
     mask = hashes.shape[0] - 1
     i = hash_bucket((np.int64(state) << 32) | np.int64(tok), mask)
     while hashes[i, H_STATE] != -1:
@@ -250,6 +255,45 @@ def _hash_put(hashes, state, tok, edge):
     hashes[i, H_STATE] = state
     hashes[i, H_TOKEN] = tok
     hashes[i, H_EDGE] = edge
+    meta[N_HASHED] += 1
+    _journal(meta, state, edge)
+
+
+@njit(cache=True, inline="always")
+def _journal(meta, state, edge):
+    """Records an entry added while the table's next size is built beside the step (`hash_growth`): JOURNAL is
+    -1 when no journal is kept, and -2 once one overflowed (its builder then copies the whole table again)."""
+    n = meta[JOURNAL]
+    if n >= 0:
+        if META_FIELDS + n < meta.shape[0]:
+            meta[META_FIELDS + n] = (np.int64(state) << 32) | np.int64(edge)
+            meta[JOURNAL] = n + 1
+        else:
+            meta[JOURNAL] = -2
+
+
+@njit(cache=True)
+def _hash_put_absent(hashes, state, tok, edge):
+    """Adds an entry unless the table holds its key already (a table being built: `copy_hashes`)."""
+    mask = hashes.shape[0] - 1
+    i = hash_bucket((np.int64(state) << 32) | np.int64(tok), mask)
+    while True:
+        k = hashes[i, H_STATE]
+        if k == -1:
+            hashes[i, H_STATE] = state
+            hashes[i, H_TOKEN] = tok
+            hashes[i, H_EDGE] = edge
+            return
+        if k == state and hashes[i, H_TOKEN] == tok:
+            return
+        i = (i + 1) & mask
+
+
+def new_meta() -> np.ndarray:
+    """An arena's meta: nothing in use, no journal."""
+    meta = np.zeros(META_FIELDS, np.int64)
+    meta[JOURNAL] = -1
+    return meta
 
 
 @njit(cache=True)
@@ -282,8 +326,7 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
     if states[state, LINK] == -1:
         states[state, COUNT] += 1  # a root's degree
     if states[state, MASK] < 0:  # hashed already: hash the new edge too
-        _hash_put(hashes, state, tok, e)
-        meta[2] += 1
+        _hash_put(hashes, meta, state, tok, e)
         return
     degree = 0  # at most HASHED_DEGREE + 1: an unhashed state had at most HASHED_DEGREE edges
     x = np.int64(e)
@@ -294,8 +337,7 @@ def _add_edge(states, edges, hashes, meta, state, tok, to):
         states[state, MASK] |= _HASHED
         x = np.int64(e)
         while x != -1:
-            _hash_put(hashes, state, edges[x, TOK], x)
-            meta[2] += 1
+            _hash_put(hashes, meta, state, edges[x, TOK], x)
             x = np.int64(edges[x, NEXT])
 
 
@@ -454,17 +496,26 @@ def extend_seqs(states, edges, hashes, meta, trees, seqs, pool, levels, tid, qs,
 
 
 @njit(cache=True, nogil=True)
-def rehash(hashes_new, states, edges, n_states):
-    """Re-inserts the edges of every hashed state (MASK's sign bit) into a larger table whose slots are empty
-    (-1: the caller fills it, outside the decode step's hold where it can). Releases the GIL: at 5.3 M states it
-    ran 75-100 ms, which held the engine's Python off (`das bench ingest`: a step started 65-96 ms late)."""
-    for s in range(n_states):
-        if states[s, MASK] >= 0:
-            continue
-        e = np.int64(states[s, EDGE])
-        while e != -1:
-            _hash_put(hashes_new, s, edges[e, TOK], e)
-            e = np.int64(edges[e, NEXT])
+def copy_hashes(dst, src):
+    """Puts every complete entry of table src that dst lacks into dst, a larger table (its empty slots -1).
+    src may be written meanwhile (`hash_growth` copies it beside the step): entries are only ever added, each
+    field once from -1, so a field read >= 0 is final; a slot read half-written is skipped (its writer
+    journaled it). Releases the GIL: re-inserting 0.9 M entries took 75-100 ms (`das bench ingest`)."""
+    for i in range(src.shape[0]):
+        s = src[i, H_STATE]
+        t = src[i, H_TOKEN]
+        e = src[i, H_EDGE]
+        if s >= 0 and t >= 0 and e >= 0:
+            _hash_put_absent(dst, s, t, e)
+
+
+@njit(cache=True)
+def replay_journal(dst, edges, meta):
+    """Puts the entries meta's journal recorded into dst where it lacks them."""
+    for i in range(meta[JOURNAL]):
+        x = meta[META_FIELDS + i]
+        e = x & np.int64(0xFFFFFFFF)
+        _hash_put_absent(dst, x >> np.int64(32), edges[e, TOK], e)
 
 
 @njit(cache=True)

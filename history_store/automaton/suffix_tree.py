@@ -20,7 +20,8 @@ import numpy as np
 from history_store.automaton import kernels as K
 from history_store.automaton import resident
 from history_store.automaton.config import DraftConfig
-from history_store.automaton.resident import FILL_BYTES, Filled, Frontier, arena_rows_ahead
+from history_store.automaton.hash_growth import SPARE_HASHES_AT, HashGrowth
+from history_store.automaton.resident import Frontier, arena_rows_ahead
 from history_store.errors import InvalidInput
 from history_store.native.bundles import DraftOutputs, Forest, draft_params, gather
 
@@ -109,6 +110,8 @@ class SuffixForest:
     def __init__(self, capacity_tokens: int = 4096, remembered: bool = False) -> None:
         self.generation = 0
         self.remembered = bool(remembered)
+        # The hash table's next size, built outside the decode step's hold (`populate_ahead`, `hash_growth`).
+        self.hash_growth: HashGrowth | None = None
         self._allocate(capacity_tokens)
         self.trees = np.zeros((16, K.TREE_FIELDS), np.int64)
         self._free_trees: list[int] = list(range(15, -1, -1))
@@ -127,9 +130,6 @@ class SuffixForest:
         self.compaction_wanted = False
         self.observer: Any = None
         self._frontier = Frontier()
-        # The hash table's next size, its empty slots written ahead outside the decode step's hold
-        # (`populate_ahead`): growing the table then only re-inserts the hashed edges (`grow`).
-        self._spare_hashes: Filled | None = None
 
     def _allocate(self, capacity_tokens: int) -> None:
         n = max(64, int(capacity_tokens))
@@ -137,11 +137,11 @@ class SuffixForest:
         # Reserved (`resident.zeros`): they grow in place, without a copy (`grow`).
         self.states = resident.zeros((2 * n, width), np.int32)
         self.edges = resident.zeros((3 * n, K.EDGE_FIELDS), np.int32)
+        self.drop_hash_growth()
         self.hashes = np.full(
             (pow2(2 * n), K.HASH_FIELDS), -1, np.int32
         )  # only high-degree states' edges are hashed
-        self._spare_hashes = None
-        self.meta = np.zeros(3, np.int64)
+        self.meta = K.new_meta()
         self.garbage_states = 0
         self.replaced()
 
@@ -261,24 +261,44 @@ class SuffixForest:
 
     def populate_ahead(self, tokens: int, spare: bool = True) -> int:
         """Maps the arena rows that the next `tokens` tokens of insertion may write (`resident`: without
-        writing them, so a step may run meanwhile) and, with `spare`, writes the next piece of the hash table's
-        next size; call it outside the decode step's hold. Returns the bytes asked for or written."""
+        writing them, so a step may run meanwhile) and, with `spare`, does the next step of the hash table's
+        growth that needs no hold (`hash_growth`, planning one once the table is `SPARE_HASHES_AT` of the way
+        to growing); call it outside the decode step's hold. Returns the bytes asked for or written."""
         arrays = arena_rows_ahead(self.states, self.edges, self.meta, tokens)
         arrays.append(("pool", self.pool, self._pool_used, tokens))
         if self.remembered:
             arrays.append(("levels", self.levels, self._pool_used, tokens))
-        return self._frontier.ahead(arrays) + (self._spare_ahead() if spare else 0)
+        asked = self._frontier.ahead(arrays)
+        growth = self.hash_growth
+        if spare and growth is None:
+            if 2 * int(self.meta[K.N_HASHED]) <= SPARE_HASHES_AT * self.hashes.shape[0]:
+                return asked
+            growth = self.hash_growth = HashGrowth(4 * self.hashes.shape[0])
+        return asked + (growth.ahead(self) if growth is not None else 0)
 
-    def _spare_ahead(self) -> int:
-        """Writes the next piece of the spare hash table's empty slots, planning one once the table is
-        `SPARE_HASHES_AT` of the way to growing; returns the bytes written."""
-        size = self.hashes.shape[0]
-        spare = self._spare_hashes
-        if spare is None or spare.array.shape[0] < 4 * size:  # none yet, or one for a table since replaced
-            if 2 * int(self.meta[2]) <= SPARE_HASHES_AT * size:
-                return 0
-            spare = self._spare_hashes = Filled((4 * size, K.HASH_FIELDS), np.int32, -1)
-        return spare.fill(FILL_BYTES)
+    @property
+    def hash_growth_due(self) -> bool:
+        """The hash table's growth wants the hold (`hash_piece`)."""
+        return self.hash_growth is not None and self.hash_growth.due
+
+    def hash_piece(self) -> None:
+        """The hash table's growth's next step that needs the hold (hold the step off): beginning its copy,
+        or installing the table it built."""
+        growth = self.hash_growth
+        if growth is None or not growth.due:
+            return
+        if growth.source is None:
+            growth.begin(self)
+            return
+        self.hash_growth = None
+        self.hashes = growth.finish(self)
+        self.replaced()
+
+    def drop_hash_growth(self) -> None:
+        """Gives up the hash table's growth under way (the table is about to be replaced)."""
+        growth, self.hash_growth = self.hash_growth, None
+        if growth is not None:
+            growth.abandon(self)
 
     def make_room(self, q: int, length: int) -> None:
         """Moves sequence q to a segment that holds `length` tokens (doubling, so appends stay O(1))."""
@@ -341,7 +361,7 @@ class SuffixForest:
         self.grow(states=2 * left + 2, edges=need + 3 * left)
 
     def grow(self, states: int, edges: int) -> None:
-        n_states, n_edges, n_hash = (int(x) for x in self.meta)
+        n_states, n_edges, n_hash = (int(x) for x in self.meta[: K.JOURNAL])
         if n_states + states > self.states.shape[0]:
             self.states = resident.grown(self.states, _grown(self.states.shape[0], n_states + states))
             self.replaced()
@@ -349,12 +369,14 @@ class SuffixForest:
             self.edges = resident.grown(self.edges, _grown(self.edges.shape[0], n_edges + edges))
             self.replaced()
         if 2 * (n_hash + edges) > self.hashes.shape[0]:
-            spare, self._spare_hashes = self._spare_hashes, None
-            if spare is not None and spare.array.shape[0] >= 4 * (n_hash + edges):
-                hashes = spare.finish()  # its empty slots written outside the hold, the rest now
+            growth, self.hash_growth = self.hash_growth, None
+            if growth is not None and growth.rows >= 4 * (n_hash + edges):
+                hashes = growth.finish(self)  # built outside the hold as far as it got, the rest now
             else:
+                if growth is not None:
+                    growth.abandon(self)
                 hashes = np.full((pow2(4 * (n_hash + edges)), K.HASH_FIELDS), -1, np.int32)
-            K.rehash(hashes, self.states, self.edges, n_states)
+                K.copy_hashes(hashes, self.hashes)
             self.hashes = hashes
             self.replaced()
 
@@ -400,9 +422,11 @@ class SuffixForest:
             f"remembered={self.remembered}: states {states.shape[1]} wide, {self.levels.shape[0]} levels"
         )
         assert 0 <= meta[0] <= states.shape[0] and 0 <= meta[1] <= edges.shape[0], (
-            f"meta {meta} out of bounds"
+            f"meta {meta[: K.META_FIELDS]} out of bounds"
         )
         assert 2 * meta[2] <= hashes.shape[0], f"hash table over half full: {meta[2]} entries"
+        held = int((hashes[:, K.H_STATE] >= 0).sum())
+        assert held == meta[2], f"hash table holds {held} entries, meta counts {meta[2]}"
         for tid, tree in self.live_trees.items():
             root = int(self.trees[tid, K.ROOT])
             assert states[root, K.LINK] == -1 and states[root, K.TOKEN] == -1, f"tree {tid}: bad root {root}"
@@ -457,13 +481,6 @@ class SuffixForest:
                 assert 0 <= ext <= length <= cap, (
                     f"sequence {q}: {ext} inserted, {length} held, room for {cap}"
                 )
-
-
-# A hash table this much of the way to growing (half full) gets a spare of the next size, its empty slots
-# written `FILL_BYTES` at a time outside the hold. The spare is 4 times the table, held until the table grows
-# into it (memory the table would take then anyway). Planned at 75%, a burst of lazy loads outran it: `das bench
-# ingest` at batch 256 met the growth in a step without a spare (1.7 s of writing a 96 MiB table on these VMs).
-SPARE_HASHES_AT = 0.5
 
 
 def pow2(n: int) -> int:

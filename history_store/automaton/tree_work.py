@@ -251,7 +251,7 @@ class Mirror:
         needs no hold on the step; the hash table's empty slots are written by `prepare`, a chunk at a time,
         and `begin` waits for them: `ready`)."""
         self.forest = forest
-        used_states, used_edges, used_hash = (max(1, int(x)) for x in forest.meta)
+        used_states, used_edges, used_hash = (max(1, int(x)) for x in forest.meta[: K.JOURNAL])
         live = max(1, used_states - forest.garbage_states) / used_states  # the live share of what is used
         states = max(1024, int(HEADROOM * live * used_states))
         edges = max(1024, int(HEADROOM * live * used_edges))
@@ -260,7 +260,7 @@ class Mirror:
         self.edges = resident.zeros((edges, K.EDGE_FIELDS), np.int32)
         self._empty_hashes = Filled((pow2(4 * hashed), K.HASH_FIELDS), np.int32, -1)
         self.hashes = self._empty_hashes.array
-        self.meta = np.zeros(3, np.int64)
+        self.meta = K.new_meta()
         self.trees = np.zeros_like(forest.trees)
         self.seqs = np.zeros_like(forest.seqs)
         self.owner = np.full(forest.seqs.shape[0], -1, np.int64)
@@ -351,14 +351,14 @@ class Mirror:
             # "freed": the tree's sequences were freed one by one before it; nothing of it is fed again
 
     def _room(self, states: int, edges: int) -> None:
-        n_states, n_edges, n_hash = (int(x) for x in self.meta)
+        n_states, n_edges, n_hash = (int(x) for x in self.meta[: K.JOURNAL])
         if n_states + states > self.states.shape[0]:
             self.states = resident.grown(self.states, max(n_states + states, 2 * self.states.shape[0]))
         if n_edges + edges > self.edges.shape[0]:
             self.edges = resident.grown(self.edges, max(n_edges + edges, 2 * self.edges.shape[0]))
         if 2 * (n_hash + edges) > self.hashes.shape[0]:
             hashes = np.full((pow2(4 * (n_hash + edges)), K.HASH_FIELDS), -1, np.int32)
-            K.rehash(hashes, self.states, self.edges, n_states)
+            K.copy_hashes(hashes, self.hashes)
             self.hashes = hashes
 
     def prepare(self, tokens: int) -> None:
@@ -432,6 +432,7 @@ class Mirror:
         owned = np.flatnonzero(self.owner >= 0)
         f.seqs[owned, K.Q_LAST] = self.seqs[owned, K.Q_LAST]
         f.seqs[owned, K.Q_EXT] = self.seqs[owned, K.Q_EXT]
+        f.drop_hash_growth()  # it copies the table replaced here
         f.states, f.edges, f.hashes, f.meta = self.states, self.edges, self.hashes, self.meta
         f.garbage_states = 0
         f.replaced()
@@ -544,6 +545,7 @@ class TreeWork:
             or self.mirror is not None
             or self.forest.compaction_wanted
             or self.pool_mirror is not None
+            or self.forest.hash_growth_due
         )
 
     # ---- doing it ----------------------------------------------------------------------------------------
@@ -551,6 +553,7 @@ class TreeWork:
     def run(self, budget: int) -> int:
         """Does at most about `budget` tokens of work (hold the step off); returns the tokens done."""
         self.pieces += 1
+        self.forest.hash_piece()  # the hash table's growth: begun or installed, O(1) or its journal's length
         kinds = [k for k, busy in (("feed", self.feeds), ("rebuild", self.rebuilds or self.late)) if busy]
         if self.mirror is not None or self.forest.compaction_wanted:
             kinds.append("compact")

@@ -60,7 +60,7 @@ class Forest(NamedTuple):
     states: I32_2  # [n, STATE_FIELDS]
     edges: I32_2  # [n, 3]: TOK, TO, NEXT
     hashes: I32_2  # [2^k, 3]: H_STATE, H_TOKEN, H_EDGE
-    meta: I1  # [3]: states, edges and hash entries in use
+    meta: I1  # [4 + J]: states, edges and hash entries in use, the journal (`kernels`, `hash_growth`)
     trees: I2  # [T, TREE_FIELDS]
     seqs: I2  # [Q, SEQ_FIELDS]
     pool: I32_1  # every sequence's tokens
