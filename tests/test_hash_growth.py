@@ -10,7 +10,9 @@ import threading
 import numpy as np
 
 from history_store.automaton import kernels as K
+from history_store.automaton import suffix_tree
 from history_store.automaton.config import DraftConfig
+from history_store.automaton.deferred_index import DeferredIndex
 from history_store.automaton.hash_growth import BEGIN_AT
 from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
 from history_store.automaton.tree_work import TreeWork
@@ -154,3 +156,47 @@ def test_a_compaction_gives_up_the_growth_of_the_table_it_replaces() -> None:
     )
     forest.check_arena()
     _drafts_match_a_fresh_forest(tree, fed)
+
+
+def test_a_lazy_build_that_would_grow_the_table_inside_the_step_is_left_to_pieces(monkeypatch) -> None:
+    # Every next table counts as too large to write inside a caller (at scale: more than one 8 MiB chunk).
+    monkeypatch.setattr(suffix_tree, "FILL_BYTES", 0)
+    prompt = np.arange(1, 9)
+    rollouts = {f"p{i}": _rollouts(10 + i, 4) for i in range(60)}
+
+    def fetch(problem_id: str, epoch: int, sample: int) -> tuple[np.ndarray, np.ndarray]:
+        return prompt, rollouts[problem_id][sample]
+
+    lazy, eager = (DeferredIndex(window_epochs=2, lazy=True, config=CONFIG) for _ in range(2))
+    for index in (lazy, eager):
+        for problem_id, seqs in rollouts.items():
+            for sample, seq in enumerate(seqs):
+                index.add_trajectory(problem_id, 0, sample, prompt, seq)
+    forest = lazy.forest
+    tables = []
+    for problem_id in rollouts:  # first requests, one after another, inside steps
+        lazy.make_resident(problem_id, fetch)
+        tables.append(forest.hashes.shape[0])
+    assert lazy.lazy_builds_queued > 0  # some were left to the tree work
+    assert len(set(tables)) == 1  # and no build grew the table in the caller
+    assert lazy.work_pending and forest.hashes_wanted
+    assert lazy.work(1 << 12) == 0  # a piece feeds nothing until the next table is copied beside the step
+    for _ in range(1000):  # the history thread: `prepare` between pieces
+        if not lazy.work_pending:
+            break
+        lazy.prepare()
+        lazy.work(1 << 12)
+    assert not lazy.work_pending and forest.hashes.shape[0] > tables[0] and not forest.hashes_wanted
+    forest.check_arena()
+    with monkeypatch.context() as m:
+        m.setattr(suffix_tree, "FILL_BYTES", 1 << 40)  # the same builds, each at once
+        for problem_id in rollouts:
+            eager.make_resident(problem_id, fetch)
+    assert eager.lazy_builds_queued == 0
+    for problem_id, seqs in rollouts.items():  # the same trees, so the same drafts
+        mine, theirs = lazy._problems[problem_id].tree, eager._problems[problem_id].tree
+        assert mine.num_tokens == theirs.num_tokens
+        for seq in seqs[:2]:
+            for k in (0, 150):
+                context = seq[k : k + 5]
+                assert mine.speculate(context).tokens.tolist() == theirs.speculate(context).tokens.tolist()

@@ -52,6 +52,7 @@ class DeferredIndex(ProblemIndex):
         self.tree_work.on_fed = self._fed
         self._global_pooled = 0
         self.global_skipped = 0  # rollouts that skipped the global tree (backlog)
+        self.lazy_builds_queued = 0  # rollouts of lazy builds left to the tree work (`_build`)
         self._bulk = False  # inside add_loaded
         self._ready: deque[tuple[str, int, int]] = deque(maxlen=_READY_KEPT)
 
@@ -65,6 +66,15 @@ class DeferredIndex(ProblemIndex):
             self._global_pooled += int(tokens.shape[0])
             tag = self._global_fifo[-1][0]  # _add_global records the key before it extends
         self.tree_work.insert(tree, seq_id, tokens, levels, invalidate, tag)
+
+    def _build(self, tree: SuffixTree, seq_id: int, tokens: np.ndarray, levels: np.ndarray) -> None:
+        """At once, as a `ProblemIndex`'s, unless that would grow the hash table before its next size is
+        ready (`SuffixForest.hashes_wait`): then the tree work feeds it, once the history thread built it."""
+        if self.forest.hashes_wait(int(tokens.shape[0])):
+            self.lazy_builds_queued += 1
+            self.tree_work.insert(tree, seq_id, tokens, levels, invalidate=True)
+        else:
+            tree.extend(seq_id, tokens, levels)
 
     def _tree_remove(self, tree: SuffixTree, seq_ids: Iterable[int]) -> None:
         ids = [int(s) for s in seq_ids]

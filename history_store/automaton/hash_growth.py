@@ -39,6 +39,10 @@ SPARE_HASHES_AT = 0.5
 # How far it is when the copy begins: from there to half full it takes a tenth of its rows in entries, which
 # the journal has room for; a copy begun earlier installs a table whose next growth comes sooner.
 BEGIN_AT = 0.8
+# How far work that can wait (a piece's feeds and rebuilds, a lazy build) takes the table while its next size is
+# not built yet (`SuffixForest.hashes_wait`): the rest of the way is the step's own tokens', so that they do not
+# grow it inside a step either.
+HASH_RESERVE = 0.9
 
 
 class HashGrowth:
@@ -67,7 +71,7 @@ class HashGrowth:
             return self.next.fill(FILL_BYTES)
         if self.journaled is None:
             table = forest.hashes.shape[0]
-            if 2 * int(forest.meta[K.N_HASHED]) <= BEGIN_AT * table:
+            if 2 * int(forest.meta[K.N_HASHED]) <= BEGIN_AT * table and not forest.hashes_wanted:
                 return 0
             journaled = np.empty(K.META_FIELDS + max(1024, table // 8), np.int64)
             journaled.fill(0)  # written here, so `begin` and the kernels' journal writes find it resident
@@ -120,3 +124,13 @@ class HashGrowth:
         plain[K.JOURNAL] = -1
         forest.meta = plain
         forest.replaced()
+
+
+def rehearse(forest: SuffixForest) -> None:
+    """Takes `forest` (a throwaway one) through a whole growth, journal replay included, so that its kernels are
+    compiled or loaded from numba's cache before a piece installs a table (a first call took 5-160 ms)."""
+    growth = forest.hash_growth = HashGrowth(4 * forest.hashes.shape[0])
+    growth.journaled = np.zeros(K.META_FIELDS + 16, np.int64)  # as if the table were `BEGIN_AT` of the way
+    while forest.hash_growth is growth:
+        forest.hash_piece()  # begin, then install
+        forest.populate_ahead(0)  # the empty slots, then the copy

@@ -422,8 +422,10 @@ class ProblemIndex:
                 continue
             prompt, response = as_tokens(tokens[0], "prompt_ids"), as_tokens(tokens[1], "response_ids")
             if self.use_history:
-                problem.tree.extend(
-                    seq_id, *self._sequence(prompt, response, tokens[2] if len(tokens) > 2 else None)
+                self._build(
+                    problem.tree,
+                    seq_id,
+                    *self._sequence(prompt, response, tokens[2] if len(tokens) > 2 else None),
                 )
         problem.tree.invalidate_matches()
         return problem.tree.num_tokens - before
@@ -483,6 +485,10 @@ class ProblemIndex:
             self._global_fifo.popleft()
 
     # ---- how trees change (a `DeferredIndex` does it in pieces, between decode steps) ----------------------
+
+    def _build(self, tree: SuffixTree, seq_id: int, tokens: np.ndarray, levels: np.ndarray) -> None:
+        """A rollout of a lazy build (`make_resident`) into its problem's tree, at once."""
+        tree.extend(seq_id, tokens, levels)
 
     def _tree_extend(
         self, tree: SuffixTree, seq_id: int, tokens: np.ndarray, levels: np.ndarray, invalidate: bool

@@ -202,13 +202,15 @@ class ShadowRebuild:
         self.exclude |= seq_ids
         return {s for s in seq_ids if s in self.copied}
 
-    def run(self, budget: int) -> tuple[int, bool]:
+    def run(self, budget: int, wait: bool = False) -> tuple[int, bool]:
         """Does up to `budget` tokens of the rebuild; returns (tokens done, finished). Finished: the tree
-        has been replaced."""
+        has been replaced. `wait`: stop where the hash table's growth is not ready (`SuffixForest.hashes_wait`)."""
         assert self.shadow is not None
         done = 0
         f = self.tree.forest
         while done < budget:
+            if wait and f.hashes_wait(budget - done):
+                break
             if self.current is None:
                 if not self.todo:
                     self._queue_new()
@@ -550,8 +552,10 @@ class TreeWork:
 
     # ---- doing it ----------------------------------------------------------------------------------------
 
-    def run(self, budget: int) -> int:
-        """Does at most about `budget` tokens of work (hold the step off); returns the tokens done."""
+    def run(self, budget: int, wait: bool = True) -> int:
+        """Does at most about `budget` tokens of work (hold the step off); returns the tokens done. `wait`:
+        feeds and rebuilds stop short of growing the hash table before its next size is ready
+        (`SuffixForest.hashes_wait`), which `prepare` builds; `settle`, where nobody waits, grows it."""
         self.pieces += 1
         self.forest.hash_piece()  # the hash table's growth: begun or installed, O(1) or its journal's length
         kinds = [k for k, busy in (("feed", self.feeds), ("rebuild", self.rebuilds or self.late)) if busy]
@@ -566,9 +570,9 @@ class TreeWork:
         for kind in kinds:
             left = budget - done if kind == kinds[-1] else share
             if kind == "feed":
-                done += self._feed(left)
+                done += self._feed(left, wait)
             elif kind == "rebuild":
-                done += self._rebuild(left)
+                done += self._rebuild(left, wait)
             elif kind == "pool":
                 done += self._pool(left)
             else:
@@ -576,9 +580,11 @@ class TreeWork:
         self.done_tokens += done
         return done
 
-    def _feed(self, budget: int) -> int:
+    def _feed(self, budget: int, wait: bool) -> int:
         done = 0
         while self.feeds and done < budget:
+            if wait and self.forest.hashes_wait(budget - done):
+                break
             item = self.feeds[0]
             q = item.tree._seqs.get(item.seq_id)
             if q is None or self.forest.live_trees.get(item.tree.tid) is not item.tree:
@@ -598,13 +604,13 @@ class TreeWork:
             self.feed_tokens = 0
         return done
 
-    def _rebuild(self, budget: int) -> int:
+    def _rebuild(self, budget: int, wait: bool) -> int:
         done = 0
         for tid in list(self.rebuilds):
             if done >= budget:
                 break
             job = self.rebuilds[tid]
-            n, finished = job.run(budget - done)
+            n, finished = job.run(budget - done, wait)
             done += n
             if finished:
                 del self.rebuilds[tid]
@@ -670,7 +676,7 @@ class TreeWork:
         catch-up). Returns the tokens done."""
         total = 0
         while self.pending:
-            total += self.run(piece)
+            total += self.run(piece, wait=False)
             # Nobody waits here: the pool is not copied beside itself by a pool mirror, nor the hash table's next
             # size written ahead (memory held early: at 10 M history tokens an eager start took 108 s and peaked
             # 4.9 GB with a pool mirror and a compaction beside the arena, benchmarks/history_load_grown_in_place.json).

@@ -546,6 +546,7 @@ class HistoryFeed:
             "queued_tokens": self._op_tokens,
             "tree_backlog_tokens": self.index.tree_work.feed_tokens,
             "global_skipped": self.index.global_skipped,
+            "lazy_builds_queued": self.index.lazy_builds_queued,
             "pieces": self.pieces,
             "piece_seconds": round(self.piece_seconds, 3),
             "step_waits": self.gate.waits,
