@@ -14,7 +14,9 @@ table is built outside the hold from the one in use while the step keeps adding 
 4. `finish` (hold): the journal's entries go in where absent, and the next table and a plain meta are installed.
 
 Whoever must grow the table first (`SuffixForest.grow`, in the hold) finishes it there: it waits for a copy under
-way, or copies in the hold when none ran (what every growth cost before). The journal has room for an eighth of
+way, or copies in the hold when none ran (what every growth cost before). Work that can wait does not get there:
+a piece's feeds and rebuilds and a lazy build stop at `HASH_RESERVE` of the way while the copy is not done
+(`SuffixForest.hashes_wait`), and the growth is then planned and begun at once, however full the table is. The journal has room for an eighth of
 the table's rows, more than it can take between `BEGIN_AT` and the growth that `grow` forces at half full; one
 that overflows anyway is given up on, and `finish` copies the whole table again, in the hold.
 """

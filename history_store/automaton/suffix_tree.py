@@ -304,8 +304,8 @@ class SuffixForest:
         """Whether work that can wait (a piece's feeds and rebuilds, a lazy build) should stop before inserting
         `tokens` more tokens (three edges each at most): they would take the hash table past `HASH_RESERVE` of the
         way to growing while its next size is not yet copied beside the step and is more than a `FILL_BYTES`
-        chunk to write. Growing it then would write it inside the caller's hold: 1.2-4.2 s for 96 MiB on these
-        VMs, in the step of a lazy server's first requests (`das bench ingest`, batch 256)."""
+        chunk to write. Growing it then would write it inside the caller's hold: 1.2-1.7 s for 96 MiB on these
+        VMs, in the step of a lazy server's first requests (`das bench ingest`, batch 256, profiled)."""
         size = self.hashes.shape[0]
         if 2 * (int(self.meta[K.N_HASHED]) + 3 * int(tokens)) <= HASH_RESERVE * size:
             return False
