@@ -16,23 +16,22 @@ table is built outside the hold from the one in use while the step keeps adding 
 Whoever must grow the table first (`SuffixForest.grow`, in the hold) finishes it there: it waits for a copy under
 way, or copies in the hold when none ran (what every growth cost before). Work that can wait does not get there:
 a piece's feeds and rebuilds and a lazy build stop at `HASH_RESERVE` of the way while the copy is not done
-(`SuffixForest.hashes_wait`), and the growth is then planned and begun at once, however full the table is. The journal has room for an eighth of
-the table's rows, more than it can take between `BEGIN_AT` and the growth that `grow` forces at half full; one
-that overflows anyway is given up on, and `finish` copies the whole table again, in the hold.
+(`SuffixForest.hashes_wait`), and the growth is then planned and begun at once, however full the table is.
+
+The journal has room for an eighth of the table's rows, more than it can take between `BEGIN_AT` and the growth
+that `grow` forces at half full; one that overflows anyway is given up on, and `finish` copies the whole table
+again, in the hold.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from history_store.automaton import kernels as K
 from history_store.automaton.resident import FILL_BYTES, Filled
-
-if TYPE_CHECKING:
-    from history_store.automaton.suffix_tree import SuffixForest
 
 # How far the table is on its way to growing (half full) when its next size is planned and its empty slots are
 # written ahead: the next table is 4 times the table, memory it would take at the growth anyway. Planned at 75%,
@@ -45,6 +44,22 @@ BEGIN_AT = 0.8
 # not built yet (`SuffixForest.hashes_wait`): the rest of the way is the step's own tokens', so that they do not
 # grow it inside a step either.
 HASH_RESERVE = 0.9
+
+
+class GrowingForest(Protocol):
+    """What a growth reads and sets of its forest (`suffix_tree.SuffixForest`, which imports this module)."""
+
+    hashes: np.ndarray
+    edges: np.ndarray
+    meta: np.ndarray
+    hashes_wanted: bool
+    hash_growth: HashGrowth | None
+
+    def replaced(self) -> None: ...
+
+    def hash_piece(self) -> None: ...
+
+    def populate_ahead(self, tokens: int, spare: bool = True) -> int: ...
 
 
 class HashGrowth:
@@ -67,7 +82,7 @@ class HashGrowth:
         """It wants a piece (the hold): to `begin`, or to `finish` after the copy."""
         return self.journaled is not None and (self.source is None or self.copied)
 
-    def ahead(self, forest: SuffixForest) -> int:
+    def ahead(self, forest: GrowingForest) -> int:
         """The next step that needs no hold on the step (no more than one); returns the bytes written."""
         if not self.next.ready:
             return self.next.fill(FILL_BYTES)
@@ -86,7 +101,7 @@ class HashGrowth:
             self.copied = True
             return self.source.nbytes
 
-    def begin(self, forest: SuffixForest) -> None:
+    def begin(self, forest: GrowingForest) -> None:
         """Starts journaling the forest's hash entries (hold the step off)."""
         assert self.journaled is not None and self.source is None
         journaled, plain = self.journaled, forest.meta
@@ -96,7 +111,7 @@ class HashGrowth:
         forest.meta = journaled
         forest.replaced()
 
-    def finish(self, forest: SuffixForest) -> np.ndarray:
+    def finish(self, forest: GrowingForest) -> np.ndarray:
         """The next table with every entry of the table in use, and the forest back on a plain meta (hold the
         step off: the caller installs the table). Waits for a copy under way."""
         table = self.next.finish()  # its empty slots: written ahead, or the rest now
@@ -112,14 +127,14 @@ class HashGrowth:
             self._end(forest)
         return table
 
-    def abandon(self, forest: SuffixForest) -> None:
+    def abandon(self, forest: GrowingForest) -> None:
         """Gives it up (the table is replaced otherwise): the forest back on a plain meta if it had begun."""
         with self._lock:
             self.copied = True  # nothing more to copy
             if self.source is not None and forest.meta is self.journaled:
                 self._end(forest)
 
-    def _end(self, forest: SuffixForest) -> None:
+    def _end(self, forest: GrowingForest) -> None:
         plain = self._plain
         assert plain is not None
         plain[: K.JOURNAL] = forest.meta[: K.JOURNAL]
@@ -128,7 +143,7 @@ class HashGrowth:
         forest.replaced()
 
 
-def rehearse(forest: SuffixForest) -> None:
+def rehearse(forest: GrowingForest) -> None:
     """Takes `forest` (a throwaway one) through a whole growth, journal replay included, so that its kernels are
     compiled or loaded from numba's cache before a piece installs a table (a first call took 5-160 ms)."""
     growth = forest.hash_growth = HashGrowth(4 * forest.hashes.shape[0])
