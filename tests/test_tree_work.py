@@ -14,7 +14,7 @@ from history_store.automaton.config import DraftConfig
 from history_store.automaton.deferred_index import DeferredIndex
 from history_store.automaton.problem_index import ProblemIndex
 from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
-from history_store.automaton.tree_work import POOL_TIGHT, _pool_wanted
+from history_store.automaton.tree_work import POOL_TIGHT, TreeWork, _pool_wanted
 
 WORKLOAD = Workload(problems=5, epochs=6, samples=3, min_len=30, max_len=160)
 CONFIG = DraftConfig(max_spec_tokens=8)
@@ -188,3 +188,18 @@ def test_a_reserved_pool_is_packed_for_its_garbage_not_copied_for_its_fill() -> 
     small = SuffixForest(capacity_tokens=1 << 10)
     SuffixTree(DraftConfig(), small).extend(0, rng.integers(0, 50, 800))
     assert _pool_wanted(small)  # 800 of 1,024 tokens, no reservation
+
+
+def test_a_piece_grows_the_arena_for_what_it_inserts_not_for_the_whole_rollout() -> None:
+    # A piece inserts at most its budget of a long rollout; growing for the rest of it would grow the hash table
+    # early, inside the hold, before its next size is built beside the step (`hash_growth`).
+    forest = SuffixForest(capacity_tokens=64)
+    work = TreeWork(forest)
+    tree = SuffixTree(CONFIG, forest)
+    rollout = np.random.default_rng(0).integers(0, 3000, 50_000)
+    work.insert(tree, 0, rollout, None, invalidate=False)
+    assert work.run(512) == 512
+    assert forest.hashes.shape[0] <= 1 << 13 and forest.edges.shape[0] < 10_000  # room for 512 tokens, not 50k
+    work.settle()
+    forest.check_arena()
+    assert tree.num_tokens == rollout.shape[0]

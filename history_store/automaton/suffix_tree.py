@@ -376,9 +376,12 @@ class SuffixForest:
             if status != K.DONE:
                 self.grow_for(tid, int(arr[i]))
 
-    def grow_for(self, tid: int, q: int) -> None:
-        """Grows the arena for the rest of sequence q's tokens going into tree tid."""
+    def grow_for(self, tid: int, q: int, tokens: int | None = None) -> None:
+        """Grows the arena for the rest of sequence q's tokens going into tree tid (at most `tokens` of them:
+        what a piece will insert, so that a long rollout does not grow the hash table before it must)."""
         left = int(self.seqs[q, K.Q_LEN] - self.seqs[q, K.Q_EXT])
+        if tokens is not None:
+            left = min(left, max(1, int(tokens)))
         last, root = int(self.seqs[q, K.Q_LAST]), int(self.trees[tid, K.ROOT])
         need = int(self.states[last, K.LEN]) + 2 + int(self.states[root, K.COUNT])
         self.grow(states=2 * left + 2, edges=need + 3 * left)

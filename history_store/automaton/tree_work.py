@@ -129,7 +129,7 @@ def feed(tree: SuffixTree, q: int, budget: int) -> int:
         done += int(n)
         if status == K.DONE:
             break
-        f.grow_for(tree.tid, q)
+        f.grow_for(tree.tid, q, budget - done)
     return done
 
 
