@@ -199,7 +199,9 @@ def test_a_piece_grows_the_arena_for_what_it_inserts_not_for_the_whole_rollout()
     rollout = np.random.default_rng(0).integers(0, 3000, 50_000)
     work.insert(tree, 0, rollout, None, invalidate=False)
     assert work.run(512) == 512
-    assert forest.hashes.shape[0] <= 1 << 13 and forest.edges.shape[0] < 10_000  # room for 512 tokens, not 50k
+    assert (
+        forest.hashes.shape[0] <= 1 << 13 and forest.edges.shape[0] < 10_000
+    )  # room for 512 tokens, not 50k
     work.settle()
     forest.check_arena()
     assert tree.num_tokens == rollout.shape[0]
