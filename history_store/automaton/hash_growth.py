@@ -18,9 +18,9 @@ way, or copies in the hold when none ran (what every growth cost before). Work t
 a piece's feeds and rebuilds and a lazy build stop at `HASH_RESERVE` of the way while the copy is not done
 (`SuffixForest.hashes_wait`), and the growth is then planned and begun at once, however full the table is.
 
-The journal has room for an eighth of the table's rows, more than it can take between `BEGIN_AT` and the growth
-that `grow` forces at half full; one that overflows anyway is given up on, and `finish` copies the whole table
-again, in the hold.
+The journal has room for an eighth of the table's rows: more than the entries added between `BEGIN_AT` and the
+growth that `grow` forces at half full. One that overflows anyway (a growth begun earlier because work waits for
+it, then held up) is given up on, and `finish` copies the whole table again, in the hold.
 """
 
 from __future__ import annotations
