@@ -13,7 +13,7 @@ from history_store.automaton import kernels as K
 from history_store.automaton import suffix_tree
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.deferred_index import DeferredIndex
-from history_store.automaton.hash_growth import BEGIN_AT
+from history_store.automaton.hash_growth import BEGIN_AT, HashGrowth
 from history_store.automaton.suffix_tree import SuffixForest, SuffixTree
 from history_store.automaton.tree_work import TreeWork
 
@@ -47,6 +47,14 @@ def _ahead_until(forest: SuffixForest, done) -> None:  # noqa: ANN001
     raise AssertionError("the growth never got there")
 
 
+def _ready_to_begin(forest: SuffixForest) -> HashGrowth:
+    """The forest's growth, taken outside the hold as far as it goes before a piece begins it."""
+    _ahead_until(forest, lambda: forest.hash_growth is not None and forest.hash_growth.journaled is not None)
+    growth = forest.hash_growth
+    assert growth is not None and growth.next.ready and forest.hash_growth_due
+    return growth
+
+
 def _drafts_match_a_fresh_forest(tree: SuffixTree, fed: list[np.ndarray]) -> None:
     fresh = SuffixTree(CONFIG)
     for i, seq in enumerate(fed):
@@ -60,9 +68,8 @@ def test_the_next_table_is_copied_beside_writers_and_installed_in_a_piece() -> N
     forest, tree, fed = _near_growth()
     work = TreeWork(forest)
     table = forest.hashes
-    _ahead_until(forest, lambda: forest.hash_growth is not None and forest.hash_growth.journaled is not None)
-    growth = forest.hash_growth
-    assert growth is not None and growth.next.ready and work.pending  # a piece is wanted: to begin
+    growth = _ready_to_begin(forest)
+    assert work.pending  # a piece is wanted: to begin
     work.run(1 << 10)
     assert forest.meta is growth.journaled and forest.meta[K.JOURNAL] == 0 and not work.pending
     more = _rollouts(1, 3)
@@ -87,9 +94,7 @@ def test_the_next_table_is_copied_beside_writers_and_installed_in_a_piece() -> N
 
 def test_a_copy_racing_a_writer_misses_nothing() -> None:
     forest, tree, fed = _near_growth(capacity=1 << 18)  # a table of 2^19 rows: its copy takes milliseconds
-    _ahead_until(forest, lambda: forest.hash_growth is not None and forest.hash_growth.journaled is not None)
-    growth = forest.hash_growth
-    assert growth is not None
+    growth = _ready_to_begin(forest)
     forest.hash_piece()  # begin
     started = threading.Event()
 
@@ -114,9 +119,7 @@ def test_a_copy_racing_a_writer_misses_nothing() -> None:
 
 def test_a_journal_that_overflows_means_a_whole_copy_in_the_hold() -> None:
     forest, tree, fed = _near_growth()
-    _ahead_until(forest, lambda: forest.hash_growth is not None and forest.hash_growth.journaled is not None)
-    growth = forest.hash_growth
-    assert growth is not None
+    growth = _ready_to_begin(forest)
     growth.journaled = np.zeros(K.META_FIELDS + 2, np.int64)  # room for two entries
     forest.hash_piece()
     forest.populate_ahead(1 << 10)  # the copy
@@ -132,9 +135,7 @@ def test_a_journal_that_overflows_means_a_whole_copy_in_the_hold() -> None:
 
 def test_a_growth_that_cannot_wait_finishes_in_the_hold() -> None:
     forest, tree, fed = _near_growth()
-    _ahead_until(forest, lambda: forest.hash_growth is not None and forest.hash_growth.journaled is not None)
-    growth = forest.hash_growth
-    assert growth is not None
+    growth = _ready_to_begin(forest)
     forest.hash_piece()  # begun, not copied: a step's own burst needs the room first
     tree.extend(len(fed), fed[0][::-1].copy())
     fed.append(fed[0][::-1].copy())
@@ -147,7 +148,7 @@ def test_a_growth_that_cannot_wait_finishes_in_the_hold() -> None:
 
 def test_a_compaction_gives_up_the_growth_of_the_table_it_replaces() -> None:
     forest, tree, fed = _near_growth()
-    _ahead_until(forest, lambda: forest.hash_growth is not None and forest.hash_growth.journaled is not None)
+    _ready_to_begin(forest)
     forest.hash_piece()
     assert forest.meta[K.JOURNAL] == 0
     forest.compact()

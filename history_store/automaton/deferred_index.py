@@ -69,8 +69,8 @@ class DeferredIndex(ProblemIndex):
 
     def _build(self, tree: SuffixTree, seq_id: int, tokens: np.ndarray, levels: np.ndarray) -> None:
         """At once, as a `ProblemIndex`'s, unless that would grow the hash table before its next size is
-        ready (`SuffixForest.hashes_wait`): then the tree work feeds it, once the history thread built it."""
-        if self.forest.hashes_wait(int(tokens.shape[0])):
+        ready (`SuffixForest.wait_for_hashes`): then the tree work feeds it, once the history thread built it."""
+        if self.forest.wait_for_hashes(int(tokens.shape[0])):
             self.lazy_builds_queued += 1
             self.tree_work.insert(tree, seq_id, tokens, levels, invalidate=True)
         else:

@@ -16,7 +16,7 @@ table is built outside the hold from the one in use while the step keeps adding 
 Whoever must grow the table first (`SuffixForest.grow`, in the hold) finishes it there: it waits for a copy under
 way, or copies in the hold when none ran (what every growth cost before). Work that can wait does not get there:
 a piece's feeds and rebuilds and a lazy build stop at `HASH_RESERVE` of the way while the copy is not done
-(`SuffixForest.hashes_wait`), and the growth is then planned and begun at once, however full the table is.
+(`SuffixForest.wait_for_hashes`), and the growth is then planned and begun at once, however full the table is.
 
 The journal has room for an eighth of the table's rows: more than the entries added between `BEGIN_AT` and the
 growth that `grow` forces at half full. One that overflows anyway (a growth begun earlier because work waits for
@@ -41,7 +41,7 @@ SPARE_HASHES_AT = 0.5
 # the journal has room for; a copy begun earlier installs a table whose next growth comes sooner.
 BEGIN_AT = 0.8
 # How far work that can wait (a piece's feeds and rebuilds, a lazy build) takes the table while its next size is
-# not built yet (`SuffixForest.hashes_wait`): the rest of the way is the step's own tokens', so that they do not
+# not built yet (`SuffixForest.wait_for_hashes`): the rest of the way is the step's own tokens', so that they do not
 # grow it inside a step either.
 HASH_RESERVE = 0.9
 
@@ -53,13 +53,8 @@ class GrowingForest(Protocol):
     edges: np.ndarray
     meta: np.ndarray
     hashes_wanted: bool
-    hash_growth: HashGrowth | None
 
     def replaced(self) -> None: ...
-
-    def hash_piece(self) -> None: ...
-
-    def populate_ahead(self, tokens: int, spare: bool = True) -> int: ...
 
 
 class HashGrowth:
@@ -141,13 +136,3 @@ class HashGrowth:
         plain[K.JOURNAL] = -1
         forest.meta = plain
         forest.replaced()
-
-
-def rehearse(forest: GrowingForest) -> None:
-    """Takes `forest` (a throwaway one) through a whole growth, journal replay included, so that its kernels are
-    compiled or loaded from numba's cache before a piece installs a table (a first call took 5-160 ms)."""
-    growth = forest.hash_growth = HashGrowth(4 * forest.hashes.shape[0])
-    growth.journaled = np.zeros(K.META_FIELDS + 16, np.int64)  # as if the table were `BEGIN_AT` of the way
-    while forest.hash_growth is growth:
-        forest.hash_piece()  # begin, then install
-        forest.populate_ahead(0)  # the empty slots, then the copy

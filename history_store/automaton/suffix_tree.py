@@ -112,7 +112,7 @@ class SuffixForest:
         self.remembered = bool(remembered)
         # The hash table's next size, built outside the decode step's hold (`populate_ahead`, `hash_growth`).
         self.hash_growth: HashGrowth | None = None
-        # Work waits for that growth (`hashes_wait`): it is planned and begun now, whatever the table's fill.
+        # Work waits for that growth (`wait_for_hashes`): it is planned and begun now, whatever the table's fill.
         self.hashes_wanted = False
         self._allocate(capacity_tokens)
         self.trees = np.zeros((16, K.TREE_FIELDS), np.int64)
@@ -300,12 +300,13 @@ class SuffixForest:
         self.hashes_wanted = False
         self.replaced()
 
-    def hashes_wait(self, tokens: int) -> bool:
+    def wait_for_hashes(self, tokens: int) -> bool:
         """Whether work that can wait (a piece's feeds and rebuilds, a lazy build) should stop before inserting
         `tokens` more tokens (three edges each at most): they would take the hash table past `HASH_RESERVE` of the
         way to growing while its next size is not yet copied beside the step and is more than a `FILL_BYTES`
         chunk to write. Growing it then would write it inside the caller's hold: 1.2-1.7 s for 96 MiB on these
-        VMs, in the step of a lazy server's first requests (`das bench ingest`, batch 256, profiled)."""
+        VMs, in the step of a lazy server's first requests (`das bench ingest`, batch 256, profiled). When it
+        must wait, it asks for the growth (`hashes_wanted`), so that the history thread builds it now."""
         size = self.hashes.shape[0]
         if 2 * (int(self.meta[K.N_HASHED]) + 3 * int(tokens)) <= HASH_RESERVE * size:
             return False

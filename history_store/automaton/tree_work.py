@@ -204,12 +204,12 @@ class ShadowRebuild:
 
     def run(self, budget: int, wait: bool = False) -> tuple[int, bool]:
         """Does up to `budget` tokens of the rebuild; returns (tokens done, finished). Finished: the tree
-        has been replaced. `wait`: stop where the hash table's growth is not ready (`SuffixForest.hashes_wait`)."""
+        has been replaced. `wait`: stop where the hash table's growth is not ready (`SuffixForest.wait_for_hashes`)."""
         assert self.shadow is not None
         done = 0
         f = self.tree.forest
         while done < budget:
-            if wait and f.hashes_wait(budget - done):
+            if wait and f.wait_for_hashes(budget - done):
                 break
             if self.current is None:
                 if not self.todo:
@@ -555,7 +555,7 @@ class TreeWork:
     def run(self, budget: int, wait: bool = True) -> int:
         """Does at most about `budget` tokens of work (hold the step off); returns the tokens done. `wait`:
         feeds and rebuilds stop short of growing the hash table before its next size is ready
-        (`SuffixForest.hashes_wait`), which `prepare` builds; `settle`, where nobody waits, grows it."""
+        (`SuffixForest.wait_for_hashes`), which `prepare` builds; `settle`, where nobody waits, grows it."""
         self.pieces += 1
         self.forest.hash_piece()  # the hash table's growth: begun or installed, O(1) or its journal's length
         kinds = [k for k, busy in (("feed", self.feeds), ("rebuild", self.rebuilds or self.late)) if busy]
@@ -583,7 +583,7 @@ class TreeWork:
     def _feed(self, budget: int, wait: bool) -> int:
         done = 0
         while self.feeds and done < budget:
-            if wait and self.forest.hashes_wait(budget - done):
+            if wait and self.forest.wait_for_hashes(budget - done):
                 break
             item = self.feeds[0]
             q = item.tree._seqs.get(item.seq_id)

@@ -68,7 +68,6 @@ import numpy as np
 
 from history_store.automaton.config import DraftConfig
 from history_store.automaton.deferred_index import DeferredIndex
-from history_store.automaton.hash_growth import rehearse
 from history_store.automaton.kernels import DONE
 from history_store.automaton.problem_index import BatchDrafts, ProblemIndex
 from history_store.native.bundles import draft_params
@@ -286,16 +285,16 @@ class DasProposer:
         """Compiles the step's native kernels now (numba caches them on disk, but a cold cache costs seconds),
         so that vLLM's first decode step is not the one that waits: two steps of a throwaway request, typed as
         vLLM's runner types its arrays (int32 token counts and matrix); and the history's (a rollout added,
-        then evicted, then the arena compacted, in pieces of a throwaway index: on a cold cache they took about
-        14 s inside the first step in which a request finished, and a first piece compiling its kernels held a
-        step 4.2 s), and the hash table's growth (`hash_growth.rehearse`). The caller then starts afresh."""
+        then evicted, then the arena compacted and its hash table grown beside the step, in pieces of a throwaway
+        index: on a cold cache they took about 14 s inside the first step in which a request finished, and a
+        first piece compiled its kernels for 0.7 s while it held the step off). The caller then starts afresh."""
         key = "__das_warmup__"
         tokens = np.tile(np.arange(1, 9, dtype=np.int32), (1, 4))  # repeats: the second step has a draft
         request = SimpleNamespace(
             num_prompt_tokens=8, sampling_params=SimpleNamespace(extra_args=None, max_tokens=16)
         )
         # The third step outgrows the segment sized for max_tokens: the mid-step growth's `draft_step`, whose
-        # first compile on a cold cache held a measured step 3.8-4.4 s (`das bench ingest`, batch 256).
+        # first compile on a cold cache held a measured step 3.8-4.9 s (`das bench ingest`, batch 256).
         for end in (9, 10, 32):
             self.step([key], np.array([end], np.int32), tokens, {key: request})
         self._finish(key)
@@ -304,7 +303,14 @@ class DasProposer:
             scratch.add_trajectory(key, epoch, 0, tokens[0, :8], tokens[0, 8:])
         scratch.forest.compaction_wanted = True  # and a compaction, in pieces (`tree_work.Mirror`)
         scratch.settle()
-        rehearse(scratch.forest)  # the hash table's growth beside the step, installed in a piece
+        scratch.forest.hashes_wanted = (
+            True  # and a growth of its hash table, as a server's history thread does it
+        )
+        for _ in range(16):  # plan, write, begin, copy, install: a few rounds on a table this small
+            scratch.prepare()
+            scratch.work(1)
+            if not scratch.forest.hashes_wanted:
+                break
 
     @classmethod
     def standalone(
